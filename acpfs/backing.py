@@ -1,0 +1,339 @@
+"""The backing directory: every system call acpfs makes on it lives here.
+
+Safety invariant (contract 9): the daemon never follows a symlink or ``..`` out of the
+backing root. Paths are never handed to the kernel as strings: each directory is reached
+from a file descriptor of the root with ``openat(O_NOFOLLOW | O_DIRECTORY)`` one name at a
+time, names ``.``, ``..`` and names with ``/`` are refused, and every other call is relative
+to such a directory descriptor with ``follow_symlinks=False`` where the call follows.
+
+Atomicity invariant (contract 3): file content reaches a final name only through
+``write_temp`` (temporary name in the same directory, data, owner, mode, times, fsync)
+followed by ``publish`` (rename over the final name, fsync of the directory).
+
+Nothing here retries or knows about the cache; callers (``flusher``) do that.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat as statmod
+from typing import Iterable, Iterator
+
+log = logging.getLogger(__name__)
+
+TEMP_PREFIX = b".acpfs-tmp-"
+IS_ROOT = os.geteuid() == 0
+
+Comps = list[bytes]
+
+
+def is_temp_name(name: bytes) -> bool:
+    return name.startswith(TEMP_PREFIX)
+
+
+def check_name(name: bytes) -> None:
+    if not name or name in (b".", b"..") or b"/" in name or b"\0" in name:
+        raise OSError(errno.EINVAL, f"invalid name {name!r}")
+
+
+class Backing:
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._xattr_warned = False
+
+    def close(self) -> None:
+        os.close(self.root_fd)
+
+    # -- reaching directories -------------------------------------------------------------
+    def open_dir(self, comps: Comps) -> int:
+        """Open the directory at ``comps`` (names from the root) without following symlinks."""
+        fd = os.dup(self.root_fd)
+        try:
+            for name in comps:
+                check_name(name)
+                nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              dir_fd=fd)
+                os.close(fd)
+                fd = nfd
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def listdir(self, comps: Comps) -> list[tuple[bytes, os.stat_result, bytes | None]]:
+        """(name, lstat result, symlink target) of each entry, without acpfs temporary files."""
+        fd = self.open_dir(comps)
+        try:
+            out = []
+            with os.scandir(fd) as it:
+                for ent in it:
+                    name = os.fsencode(ent.name)
+                    if is_temp_name(name):
+                        continue
+                    try:
+                        st = ent.stat(follow_symlinks=False)
+                        target = os.readlink(name, dir_fd=fd) if statmod.S_ISLNK(st.st_mode) else None
+                    except FileNotFoundError:
+                        continue
+                    out.append((name, st, target))
+            return out
+        finally:
+            os.close(fd)
+
+    def stat_root(self) -> os.stat_result:
+        return os.fstat(self.root_fd)
+
+    def statvfs(self) -> os.statvfs_result:
+        return os.fstatvfs(self.root_fd)
+
+    def open_file(self, comps: Comps, name: bytes) -> int:
+        """Open a regular file of the backing for reading (never through a symlink)."""
+        check_name(name)
+        dfd = self.open_dir(comps)
+        try:
+            return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+
+    def read_xattrs(self, comps: Comps, name: bytes | None) -> dict[bytes, bytes]:
+        """User extended attributes of a file or directory (``name`` None: the directory itself)."""
+        try:
+            dfd = self.open_dir(comps)
+        except OSError:
+            return {}
+        try:
+            fd = dfd if name is None else os.open(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+            try:
+                return {os.fsencode(k): os.getxattr(fd, k) for k in os.listxattr(fd)
+                        if k.startswith("user.")}
+            finally:
+                if fd != dfd:
+                    os.close(fd)
+        except OSError:
+            return {}
+        finally:
+            os.close(dfd)
+
+    # -- namespace operations (each followed by an fsync of the directories it changed) ---
+    def mkdir(self, comps: Comps, name: bytes, mode: int, uid: int, gid: int) -> None:
+        check_name(name)
+        dfd = self.open_dir(comps)
+        try:
+            try:
+                os.mkdir(name, 0o700, dir_fd=dfd)
+            except FileExistsError:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if not statmod.S_ISDIR(st.st_mode):
+                    raise
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            try:
+                self._set_owner_mode(fd, mode, uid, gid)
+            finally:
+                os.close(fd)
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def symlink(self, comps: Comps, name: bytes, target: bytes, uid: int, gid: int) -> None:
+        check_name(name)
+        dfd = self.open_dir(comps)
+        try:
+            try:
+                os.symlink(target, name, dir_fd=dfd)
+            except FileExistsError:
+                if os.readlink(name, dir_fd=dfd) != target:
+                    raise
+            if IS_ROOT:
+                os.chown(name, uid, gid, dir_fd=dfd, follow_symlinks=False)
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def unlink(self, comps: Comps, name: bytes, is_dir: bool) -> None:
+        """Remove an entry; a missing entry counts as removed (the result is the same)."""
+        check_name(name)
+        dfd = self.open_dir(comps)
+        try:
+            try:
+                if is_dir:
+                    self._rmdir(dfd, name)
+                else:
+                    os.unlink(name, dir_fd=dfd)
+            except FileNotFoundError:
+                return
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def _rmdir(self, dfd: int, name: bytes) -> None:
+        try:
+            os.rmdir(name, dir_fd=dfd)
+        except OSError as e:
+            if e.errno != errno.ENOTEMPTY:
+                raise
+            # Only acpfs temporary files left behind by a crash may remain; anything else
+            # means the backing was changed behind acpfs's back, and we refuse to delete it.
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            try:
+                for ent in os.listdir(sub):
+                    if is_temp_name(os.fsencode(ent)):
+                        os.unlink(ent, dir_fd=sub)
+            finally:
+                os.close(sub)
+            os.rmdir(name, dir_fd=dfd)
+
+    def rename(self, scomps: Comps, sname: bytes, dcomps: Comps, dname: bytes) -> None:
+        check_name(sname)
+        check_name(dname)
+        sfd = self.open_dir(scomps)
+        try:
+            dfd = self.open_dir(dcomps) if dcomps != scomps else sfd
+            try:
+                os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+                os.fsync(dfd)
+                if dfd != sfd:
+                    os.fsync(sfd)
+            finally:
+                if dfd != sfd:
+                    os.close(dfd)
+        finally:
+            os.close(sfd)
+
+    def setattr(self, comps: Comps, name: bytes, is_link: bool, mode: int | None, uid: int | None,
+                gid: int | None, times: tuple[int, int] | None) -> None:
+        check_name(name)
+        dfd = self.open_dir(comps)
+        try:
+            if is_link:
+                if IS_ROOT and (uid is not None or gid is not None):
+                    os.chown(name, -1 if uid is None else uid, -1 if gid is None else gid,
+                             dir_fd=dfd, follow_symlinks=False)
+                if times is not None:
+                    os.utime(name, ns=times, dir_fd=dfd, follow_symlinks=False)
+                return
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+            try:
+                if uid is not None or gid is not None:
+                    self._chown(fd, -1 if uid is None else uid, -1 if gid is None else gid)
+                if mode is not None:
+                    os.fchmod(fd, statmod.S_IMODE(mode))
+                if times is not None:
+                    os.utime(fd, ns=times)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(dfd)
+
+    def set_xattr(self, comps: Comps, name: bytes, key: bytes, value: bytes | None) -> None:
+        dfd = self.open_dir(comps)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+            try:
+                self._apply_xattrs(fd, [(key, value)])
+            finally:
+                os.close(fd)
+        finally:
+            os.close(dfd)
+
+    # -- file content ------------------------------------------------------------------
+    def write_temp(self, dfd: int, tmpname: bytes, extents: Iterable[tuple[int, int, int]],
+                   src_fd: int, size: int, mode: int, uid: int, gid: int, times: tuple[int, int],
+                   xattrs: dict[bytes, bytes], should_stop=lambda: False) -> bool:
+        """Write a complete file under ``tmpname`` in directory ``dfd`` and fsync it.
+
+        ``extents`` are (file offset, source offset, length) runs copied with sendfile from
+        ``src_fd`` (the cache pool); gaps stay holes. Returns False if ``should_stop()``
+        became true midway (the temporary file is then removed).
+        """
+        fd = os.open(tmpname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=dfd)
+        ok = False
+        try:
+            for foff, soff, length in extents:
+                if should_stop():
+                    return False
+                done = 0
+                while done < length:
+                    os.lseek(fd, foff + done, os.SEEK_SET)
+                    n = os.sendfile(fd, src_fd, soff + done, length - done)
+                    if n == 0:
+                        raise OSError(errno.EIO, "short sendfile from the cache pool")
+                    done += n
+            os.ftruncate(fd, size)
+            self._set_owner_mode(fd, mode, uid, gid)
+            if xattrs:
+                self._apply_xattrs(fd, list(xattrs.items()))
+            os.utime(fd, ns=times)
+            os.fsync(fd)
+            ok = True
+            return True
+        finally:
+            os.close(fd)
+            if not ok:
+                self.remove_temp(dfd, tmpname)
+
+    def remove_temp(self, dfd: int, tmpname: bytes) -> None:
+        try:
+            os.unlink(tmpname, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+
+    def publish(self, dfd: int, tmpname: bytes, name: bytes) -> None:
+        """Atomically move a complete temporary file over its final name."""
+        check_name(name)
+        os.rename(tmpname, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.fsync(dfd)
+
+    # -- helpers -----------------------------------------------------------------------
+    def _chown(self, fd: int, uid: int, gid: int) -> None:
+        if IS_ROOT:
+            os.fchown(fd, uid, gid)
+
+    def _set_owner_mode(self, fd: int, mode: int, uid: int, gid: int) -> None:
+        self._chown(fd, uid, gid)
+        os.fchmod(fd, statmod.S_IMODE(mode))
+
+    def _apply_xattrs(self, fd: int, items: list[tuple[bytes, bytes | None]]) -> None:
+        try:
+            for key, value in items:
+                if value is None:
+                    try:
+                        os.removexattr(fd, key)
+                    except OSError as e:
+                        if e.errno != errno.ENODATA:
+                            raise
+                else:
+                    os.setxattr(fd, key, value)
+        except OSError as e:
+            if e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+            if not self._xattr_warned:
+                self._xattr_warned = True
+                log.warning("the backing directory does not support user extended attributes; "
+                            "they are kept in the mount only")
+
+
+def iter_extents(blocks: list[int], size: int, block_size: int) -> Iterator[tuple[int, int, int]]:
+    """Runs of (file offset, pool offset, length) for a block list, merging adjacent blocks."""
+    start_f = start_p = length = 0
+    for i, b in enumerate(blocks):
+        foff = i * block_size
+        if foff >= size:
+            break
+        n = min(block_size, size - foff)
+        if b < 0:
+            continue
+        poff = b * block_size
+        if length and start_f + length == foff and start_p + length == poff:
+            length += n
+            continue
+        if length:
+            yield start_f, start_p, length
+        start_f, start_p, length = foff, poff, n
+    if length:
+        yield start_f, start_p, length

@@ -1,0 +1,640 @@
+"""The cache: the mount's namespace and file contents, independent of FUSE.
+
+Owns the tree of ``Node`` objects (the mount's view: the backing tree, loaded one directory
+at a time on first use, overlaid with every change made through the mount), the content
+of cached files as block lists in the ``Pool``, eviction, and the ordered stream of
+mutations handed to the ``Flusher``. ``fs`` is a thin adapter over it; the tests of
+``test_cache`` drive it without a mount.
+
+Threads: every method here runs on the FUSE (trio) thread, except what the flusher calls,
+and that goes through ``lock``. ``lock`` guards the pool's free list and reference counts,
+``Node.ops``, ``Op.state``, ``lru`` and the counters; ``bpos_lock`` guards the backing
+positions (``Node.bparent``/``bname``) and is held while a path in the backing is
+computed and used, so that the flusher never moves a directory under a reader's feet.
+
+States of a regular file (``state_of``):
+    dirty      content changed since the last snapshot (open for writing, or not closed)
+    flushing   one or more snapshots are queued or being uploaded (``Node.ops``)
+    persisted  the backing holds the current content; the blocks may be evicted
+    error      a queued operation on it is failing; the reason comes from the backing
+Transitions: write/truncate -> dirty; last close of a dirty file -> snapshot -> flushing;
+flusher publishes the last snapshot -> persisted; eviction drops the blocks of a
+persisted file (it is then read from the backing); open for writing copies it back in.
+
+Invariants:
+- A byte of a block past the end of its file is zero (``_zero_tail`` and ``_new_block``),
+  so growing a file never exposes stale data.
+- A block referenced by a snapshot (refcount > 1) is never written: writers copy it first.
+- A file is evictable (in ``lru``) only if clean, not open for writing, without queued
+  operations, and present in the backing with its current content.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import stat as statmod
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from .backing import Backing, check_name
+from .pool import Pool, PoolFull
+
+if TYPE_CHECKING:
+    from .flusher import Flusher, Op
+
+log = logging.getLogger(__name__)
+
+ROOT_INODE = 1
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+class Node:
+    __slots__ = ("ino", "mode", "uid", "gid", "size", "atime", "mtime", "ctime", "parent", "name",
+                 "children", "target", "blocks", "bparent", "bname", "bstale", "writers", "opens",
+                 "nlink", "lookups", "dirty", "dirty_since", "ops", "last_seq", "xattrs")
+
+    def __init__(self, ino: int, mode: int, uid: int, gid: int, parent: Node | None, name: bytes) -> None:
+        self.ino = ino
+        self.mode = mode
+        self.uid = uid
+        self.gid = gid
+        self.size = 0
+        t = now_ns()
+        self.atime = self.mtime = self.ctime = t
+        self.parent = parent
+        self.name = name
+        self.children: dict[bytes, Node] | None = None   # directories: None until loaded
+        self.target = b""                                # symlinks
+        self.blocks: list[int] | None = None             # files: None = content in the backing
+        self.bparent: Node | None = None                 # position in the backing, kept by the
+        self.bname = b""                                 # flusher; bparent None = absent
+        self.bstale = False                              # present, but holds an older file's bytes
+        self.writers = 0
+        self.opens = 0
+        self.nlink = 1
+        self.lookups = 0
+        self.dirty = False
+        self.dirty_since = 0.0
+        self.ops: list[Op] = []                          # queued publish ops of this file
+        self.last_seq = 0
+        self.xattrs: dict[bytes, bytes] | None = None    # None: not read from the backing yet
+
+    @property
+    def is_dir(self) -> bool:
+        return statmod.S_ISDIR(self.mode)
+
+    @property
+    def is_reg(self) -> bool:
+        return statmod.S_ISREG(self.mode)
+
+    @property
+    def is_link(self) -> bool:
+        return statmod.S_ISLNK(self.mode)
+
+
+class Snapshot:
+    """An immutable picture of a file taken at its last close: what one upload writes."""
+    __slots__ = ("blocks", "size", "mode", "uid", "gid", "times", "xattrs")
+
+    def __init__(self, node: Node) -> None:
+        self.blocks = list(node.blocks or ())
+        self.size = node.size
+        self.mode = node.mode
+        self.uid = node.uid
+        self.gid = node.gid
+        self.times = (node.atime, node.mtime)
+        self.xattrs = dict(node.xattrs or {})
+
+
+def err(code: int, msg: str = "") -> OSError:
+    return OSError(code, msg or os.strerror(code))
+
+
+class Cache:
+    def __init__(self, backing: Backing, pool: Pool) -> None:
+        self.backing = backing
+        self.pool = pool
+        self.bs = pool.block_size
+        self.lock = threading.Lock()
+        self.bpos_lock = threading.Lock()
+        st = backing.stat_root()
+        root = Node(ROOT_INODE, st.st_mode, st.st_uid, st.st_gid, None, b"")
+        root.nlink = 2
+        root.lookups = 1
+        self._stat_times(root, st)
+        self.root = root
+        self.nodes: dict[int, Node] = {ROOT_INODE: root}
+        self._next_ino = ROOT_INODE + 1
+        self.seq = 0
+        self.dirty_nodes: set[Node] = set()
+        self.lru: collections.OrderedDict[int, Node] = collections.OrderedDict()
+        self.flusher: Flusher | None = None   # attached by the daemon
+
+    # -- positions -----------------------------------------------------------------------
+    def present(self, node: Node) -> bool:
+        return node is self.root or node.bparent is not None
+
+    def bpath(self, node: Node) -> list[bytes]:
+        """Names from the backing root to ``node``'s current place there (hold bpos_lock)."""
+        comps = []
+        while node is not self.root:
+            if node.bparent is None:
+                raise err(errno.ENOENT, "not in the backing yet")
+            comps.append(node.bname)
+            node = node.bparent
+        comps.reverse()
+        return comps
+
+    def path(self, node: Node) -> str:
+        """The node's path relative to the mount root, for humans."""
+        parts = []
+        while node.parent is not None:
+            parts.append(node.name)
+            node = node.parent
+        if node is not self.root:
+            parts.append(b"(deleted)")
+        return os.fsdecode(b"/".join(reversed(parts))) or "."
+
+    # -- loading from the backing ---------------------------------------------------------
+    def list_backing(self, node: Node) -> list:
+        """Runs in a worker thread: the backing listing of a directory not yet loaded."""
+        with self.bpos_lock:
+            return self.backing.listdir(self.bpath(node))
+
+    def attach_listing(self, node: Node, listing: list) -> None:
+        if node.children is not None:
+            return
+        kids: dict[bytes, Node] = {}
+        for name, st, target in listing:
+            fmt = statmod.S_IFMT(st.st_mode)
+            if fmt not in (statmod.S_IFREG, statmod.S_IFDIR, statmod.S_IFLNK):
+                log.debug("ignoring special file %r in the backing", name)
+                continue
+            child = self._new_node(st.st_mode, st.st_uid, st.st_gid, node, name)
+            child.size = st.st_size
+            self._stat_times(child, st)
+            child.bparent, child.bname = node, name
+            if target is not None:
+                child.target = target
+            if fmt == statmod.S_IFDIR:
+                child.nlink = 2
+            kids[name] = child
+        node.children = kids
+
+    def _stat_times(self, node: Node, st: os.stat_result) -> None:
+        node.atime, node.mtime, node.ctime = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns
+
+    def _new_node(self, mode: int, uid: int, gid: int, parent: Node, name: bytes) -> Node:
+        ino = self._next_ino
+        self._next_ino += 1
+        node = Node(ino, mode, uid, gid, parent, name)
+        self.nodes[ino] = node
+        return node
+
+    # -- namespace -----------------------------------------------------------------------
+    def lookup(self, parent: Node, name: bytes) -> Node:
+        kids = parent.children
+        assert kids is not None, "directory not loaded"
+        node = kids.get(name)
+        if node is None:
+            raise err(errno.ENOENT)
+        return node
+
+    def _free_name(self, parent: Node, name: bytes) -> dict[bytes, Node]:
+        check_name(name)
+        if len(name) > 255:
+            raise err(errno.ENAMETOOLONG)
+        kids = parent.children
+        assert kids is not None, "directory not loaded"
+        if name in kids:
+            raise err(errno.EEXIST)
+        return kids
+
+    def create(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
+        kids = self._free_name(parent, name)
+        node = self._new_node(statmod.S_IFREG | statmod.S_IMODE(mode), uid, gid, parent, name)
+        node.blocks = []
+        node.xattrs = {}
+        kids[name] = node
+        self._mark_dirty(node)
+        parent.mtime = parent.ctime = node.mtime
+        return node
+
+    def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
+        kids = self._free_name(parent, name)
+        node = self._new_node(statmod.S_IFDIR | statmod.S_IMODE(mode), uid, gid, parent, name)
+        node.children = {}
+        node.xattrs = {}
+        node.nlink = 2
+        kids[name] = node
+        parent.mtime = parent.ctime = node.mtime
+        self._enqueue("mkdir", node, parent=parent, name=name)
+        return node
+
+    def symlink(self, parent: Node, name: bytes, target: bytes, uid: int, gid: int) -> Node:
+        kids = self._free_name(parent, name)
+        node = self._new_node(statmod.S_IFLNK | 0o777, uid, gid, parent, name)
+        node.target = target
+        node.size = len(target)
+        node.xattrs = {}
+        kids[name] = node
+        parent.mtime = parent.ctime = node.mtime
+        self._enqueue("symlink", node, parent=parent, name=name)
+        return node
+
+    def unlink(self, parent: Node, name: bytes) -> None:
+        node = self.lookup(parent, name)
+        if node.is_dir:
+            raise err(errno.EISDIR)
+        self._remove(parent, name, node)
+        self._enqueue("unlink", node, parent=parent, name=name)
+
+    def rmdir(self, parent: Node, name: bytes) -> None:
+        node = self.lookup(parent, name)
+        if not node.is_dir:
+            raise err(errno.ENOTDIR)
+        assert node.children is not None, "directory not loaded"
+        if node.children:
+            raise err(errno.ENOTEMPTY)
+        self._remove(parent, name, node)
+        self._enqueue("rmdir", node, parent=parent, name=name)
+
+    def _remove(self, parent: Node, name: bytes, node: Node) -> None:
+        del parent.children[name]  # type: ignore[union-attr]
+        parent.mtime = parent.ctime = now_ns()
+        node.nlink = 0
+        node.parent = None
+        self._cancel(node)
+        if node.opens == 0:
+            self.drop(node)
+
+    def rename(self, p1: Node, n1: bytes, p2: Node, n2: bytes, noreplace: bool = False) -> None:
+        node = self.lookup(p1, n1)
+        kids2 = p2.children
+        assert kids2 is not None, "directory not loaded"
+        check_name(n2)
+        if len(n2) > 255:
+            raise err(errno.ENAMETOOLONG)
+        target = kids2.get(n2)
+        if target is node:
+            return
+        if target is not None:
+            if noreplace:
+                raise err(errno.EEXIST)
+            if node.is_dir and not target.is_dir:
+                raise err(errno.ENOTDIR)
+            if target.is_dir and not node.is_dir:
+                raise err(errno.EISDIR)
+            if target.is_dir:
+                assert target.children is not None, "directory not loaded"
+                if target.children:
+                    raise err(errno.ENOTEMPTY)
+            self._remove(p2, n2, target)
+        del p1.children[n1]  # type: ignore[union-attr]
+        kids2[n2] = node
+        node.parent, node.name = p2, n2
+        t = now_ns()
+        p1.mtime = p1.ctime = p2.mtime = p2.ctime = node.ctime = t
+        self._enqueue("rename", node, parent=p2, name=n2, replaced=target, src=p1)
+
+    def setattr(self, node: Node, mode: int | None = None, uid: int | None = None,
+                gid: int | None = None, atime: int | None = None, mtime: int | None = None) -> None:
+        """Owner, mode and times. Size changes go through ``truncate``."""
+        if mode is not None:
+            node.mode = statmod.S_IFMT(node.mode) | statmod.S_IMODE(mode)
+        if uid is not None:
+            node.uid = uid
+        if gid is not None:
+            node.gid = gid
+        if atime is not None:
+            node.atime = atime
+        if mtime is not None:
+            node.mtime = mtime
+        node.ctime = now_ns()
+        if node.is_reg and node.dirty:
+            return  # the coming snapshot carries the new attributes
+        times = (node.atime, node.mtime) if (atime is not None or mtime is not None) else None
+        self._enqueue("setattr", node, attrs=(None if mode is None else node.mode, uid, gid, times))
+
+    def set_xattr(self, node: Node, key: bytes, value: bytes | None) -> None:
+        assert node.xattrs is not None, "xattrs not loaded"
+        if value is None:
+            if key not in node.xattrs:
+                raise err(errno.ENODATA)
+            del node.xattrs[key]
+        else:
+            node.xattrs[key] = value
+        node.ctime = now_ns()
+        if node.is_link or (node.is_reg and node.dirty):
+            return
+        self._enqueue("xattr", node, attrs=(key, value))
+
+    # -- file content --------------------------------------------------------------------
+    def open(self, node: Node, writable: bool, trunc: bool) -> None:
+        """Account an open; the caller made sure a writable file is cached (``copy_up``)."""
+        node.opens += 1
+        if writable:
+            node.writers += 1   # before truncating: a truncate without writers is published
+            if trunc and (node.size or node.blocks is None):
+                self.truncate(node, 0)
+            assert node.blocks is not None
+            with self.lock:
+                self.lru.pop(node.ino, None)
+
+    def release(self, node: Node, writable: bool) -> None:
+        node.opens -= 1
+        if writable:
+            node.writers -= 1
+            if node.writers == 0:
+                if node.dirty and node.nlink:
+                    self.snapshot(node)
+                else:
+                    self._maybe_evictable(node)
+        if node.opens == 0 and node.nlink == 0:
+            self.drop(node)
+
+    def copy_up_blocks(self, node: Node) -> list[int]:
+        """Reserve blocks for the backing content of ``node`` (raises PoolFull)."""
+        n = -(-node.size // self.bs)
+        with self.lock:
+            self._reserve(n)
+            return [self.pool.alloc() for _ in range(n)]
+
+    def read_backing_into(self, node: Node, blocks: list[int]) -> None:
+        """Worker thread: fill ``blocks`` with the backing content of ``node``."""
+        with self.bpos_lock:
+            comps = self.bpath(node.bparent) if node.bparent else None
+            if comps is None:
+                raise err(errno.ENOENT, "file has no backing copy")
+            fd = self.backing.open_file(comps, node.bname)
+        try:
+            bs = self.bs
+            view = self.pool.view
+            size = node.size
+            for i, b in enumerate(blocks):
+                want = min(bs, size - i * bs)
+                got = os.preadv(fd, [view[b * bs:b * bs + want]], i * bs)
+                if got < bs:
+                    self.pool.mem[b * bs + got:(b + 1) * bs] = 0
+        finally:
+            os.close(fd)
+
+    def attach_blocks(self, node: Node, blocks: list[int]) -> None:
+        with self.lock:
+            if node.blocks is not None:
+                self.pool.decref(blocks)
+                return
+            node.blocks = blocks
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        with self.lock:
+            self.pool.decref(blocks)
+
+    def read(self, node: Node, off: int, size: int):
+        """Bytes of a cached file, or None when its content lives only in the backing."""
+        blocks = node.blocks
+        if blocks is None:
+            return None
+        end = min(off + size, node.size)
+        if off >= end:
+            return b""
+        bs = self.bs
+        view = self.pool.view
+        i = off // bs
+        if i == (end - 1) // bs:
+            b = blocks[i] if i < len(blocks) else -1
+            if b < 0:
+                return bytes(end - off)
+            base = b * bs - i * bs
+            return view[base + off:base + end]
+        parts = []
+        pos = off
+        while pos < end:
+            i = pos // bs
+            stop = min(end, (i + 1) * bs)
+            b = blocks[i] if i < len(blocks) else -1
+            if b < 0:
+                parts.append(bytes(stop - pos))
+            else:
+                base = b * bs - i * bs
+                parts.append(view[base + pos:base + stop])
+            pos = stop
+        return b"".join(parts)
+
+    def touch(self, node: Node) -> None:
+        if node.ino in self.lru:
+            with self.lock:
+                if node.ino in self.lru:
+                    self.lru.move_to_end(node.ino)
+
+    def write(self, node: Node, off: int, data: bytes) -> int:
+        """Copy ``data`` into the file at ``off``; raises PoolFull without writing anything."""
+        n = len(data)
+        if n == 0:
+            return 0
+        blocks = node.blocks
+        assert blocks is not None, "write to an uncached file"
+        bs = self.bs
+        end = off + n
+        first, last = off // bs, (end - 1) // bs
+        if len(blocks) <= last:
+            blocks.extend([-1] * (last + 1 - len(blocks)))
+        pool = self.pool
+        rc = pool.refcount
+        view = pool.view
+        src = memoryview(data)
+        with self.lock:
+            need = 0
+            for i in range(first, last + 1):
+                b = blocks[i]
+                if b < 0 or rc[b] > 1:
+                    need += 1
+            if need:
+                self._reserve(need)
+            pos = off
+            s = 0
+            for i in range(first, last + 1):
+                boff = pos - i * bs
+                take = min(bs - boff, n - s)
+                b = blocks[i]
+                if b < 0:
+                    b = blocks[i] = self._new_block(zero=take < bs)
+                elif rc[b] > 1:
+                    b = blocks[i] = self._cow(b)
+                base = b * bs + boff
+                view[base:base + take] = src[s:s + take]
+                s += take
+                pos += take
+        if end > node.size:
+            node.size = end
+        node.mtime = node.ctime = now_ns()
+        if not node.dirty:
+            self._mark_dirty(node)
+        return n
+
+    def truncate(self, node: Node, size: int) -> None:
+        """Set the size of a cached file (or of any file, to zero); raises PoolFull."""
+        bs = self.bs
+        with self.lock:
+            if node.blocks is None:
+                assert size == 0, "truncate of an uncached file"
+                node.blocks = []
+                self.lru.pop(node.ino, None)
+            blocks = node.blocks
+            if size < node.size:
+                keep = -(-size // bs)
+                tail = size % bs
+                if tail and keep <= len(blocks) and blocks[keep - 1] >= 0 \
+                        and self.pool.refcount[blocks[keep - 1]] > 1:
+                    self._reserve(1)
+                self.pool.decref(blocks[keep:])
+                del blocks[keep:]
+                if tail and keep == len(blocks) and blocks[keep - 1] >= 0:
+                    b = blocks[keep - 1]
+                    if self.pool.refcount[b] > 1:
+                        b = blocks[keep - 1] = self._cow(b)
+                    self.pool.mem[b * bs + tail:(b + 1) * bs] = 0
+        node.size = size
+        node.mtime = node.ctime = now_ns()
+        self._mark_dirty(node)
+        if node.writers == 0 and node.nlink:
+            self.snapshot(node)
+
+    def fsync_snapshot(self, node: Node) -> int:
+        """For ``--fsync backing``: queue the current content now; returns the seq to wait for."""
+        if node.dirty and node.nlink:
+            self.snapshot(node)
+        return node.last_seq
+
+    # -- blocks (hold self.lock) -----------------------------------------------------------
+    def _new_block(self, zero: bool) -> int:
+        b = self.pool.alloc()
+        if zero:
+            bs = self.bs
+            self.pool.mem[b * bs:(b + 1) * bs] = 0
+        return b
+
+    def _cow(self, b: int) -> int:
+        nb = self.pool.alloc()
+        bs = self.bs
+        self.pool.view[nb * bs:(nb + 1) * bs] = self.pool.view[b * bs:(b + 1) * bs]
+        self.pool.decref([b])
+        return nb
+
+    def _reserve(self, need: int) -> None:
+        """Make ``need`` blocks free, evicting persisted files least recently used first."""
+        pool = self.pool
+        while len(pool.free) < need:
+            if not self.lru:
+                raise PoolFull()
+            _, victim = self.lru.popitem(last=False)
+            if victim.blocks is not None and self._evictable(victim):
+                pool.decref(victim.blocks)
+                victim.blocks = None
+
+    def _evictable(self, node: Node) -> bool:
+        return (node.is_reg and node.blocks is not None and not node.dirty and not node.ops
+                and node.writers == 0 and node.nlink > 0 and node.bparent is not None
+                and not node.bstale)
+
+    def _maybe_evictable(self, node: Node) -> None:
+        with self.lock:
+            if self._evictable(node):
+                self.lru[node.ino] = node
+                self.lru.move_to_end(node.ino)
+
+    def _mark_dirty(self, node: Node) -> None:
+        if not node.dirty:
+            node.dirty = True
+            node.dirty_since = time.time()
+            self.dirty_nodes.add(node)
+        if node.ino in self.lru:
+            with self.lock:
+                self.lru.pop(node.ino, None)
+
+    def drop(self, node: Node) -> None:
+        """Forget the content of an unlinked, closed file."""
+        with self.lock:
+            if node.blocks:
+                self.pool.decref(node.blocks)
+            node.blocks = None
+            self.lru.pop(node.ino, None)
+        node.dirty = False
+        self.dirty_nodes.discard(node)
+        if node.lookups <= 0:
+            self.nodes.pop(node.ino, None)
+
+    def forget(self, node: Node, n: int) -> None:
+        node.lookups -= n
+        if node.lookups <= 0 and node.nlink == 0 and node.opens == 0:
+            self.nodes.pop(node.ino, None)
+
+    # -- the ordered stream of mutations --------------------------------------------------
+    def snapshot(self, node: Node) -> None:
+        """Queue the current content of ``node`` for persistence (its last close)."""
+        with self.lock:
+            snap = Snapshot(node)
+            self.pool.incref(snap.blocks)
+        node.dirty = False
+        self.dirty_nodes.discard(node)
+        self._enqueue("publish", node, parent=node.parent, name=node.name, snap=snap)
+
+    def _cancel(self, node: Node) -> None:
+        """The node left the namespace: its queued uploads are not needed any more."""
+        if node.ops:
+            with self.lock:
+                for op in node.ops:
+                    if op.state in ("queued", "uploading"):
+                        op.state = "void"
+        node.dirty = False
+        self.dirty_nodes.discard(node)
+
+    def _enqueue(self, kind: str, node: Node, **kw) -> None:
+        from .flusher import Op
+        self.seq += 1
+        op = Op(self.seq, kind, node, path=self.path(node), **kw)
+        node.last_seq = self.seq
+        for d in (kw.get("parent"), kw.get("src")):
+            if d is not None:
+                d.last_seq = self.seq
+        assert self.flusher is not None
+        self.flusher.submit(op)
+
+    # -- state, for xattrs and status ----------------------------------------------------
+    def state_of(self, node: Node) -> str:
+        with self.lock:
+            for op in node.ops:
+                if op.error:
+                    return f"error: {op.error}"
+            if node.dirty:
+                return "dirty"
+            if node.ops:
+                return "flushing"
+        assert self.flusher is not None
+        fl = self.flusher
+        if node.last_seq > fl.applied_seq:
+            failing = fl.failing_op()
+            if failing is not None and failing.node is node:
+                return f"error: {failing.error}"
+            return "flushing"
+        return "persisted"
+
+    def subtree_seq(self, node: Node) -> tuple[int, int]:
+        """(highest seq of a change under node, files under it still open with unsaved data)."""
+        seq, open_dirty = node.last_seq, 0
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            seq = max(seq, n.last_seq)
+            if n.dirty and n.writers:
+                open_dirty += 1
+            if n.children:
+                stack.extend(n.children.values())
+        return seq, open_dirty

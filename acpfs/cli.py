@@ -1,0 +1,535 @@
+"""The ``acpfs`` command: mount, status, sync, umount.
+
+Every user error ends in one line on stderr (``acpfs: ...``) and a non-zero exit status:
+2 for bad usage, 1 when the operation failed or timed out. The commands talk to a daemon
+only through the control attributes of its mount (``control``). This module imports
+neither numpy nor pyfuse3 at the top: ``mount`` forks the daemon before any thread exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from . import __version__
+from .config import (UsageError, default_cache_dir, default_cache_size, default_log_file, env,
+                     env_flag, format_size, key_of, parse_size, runtime_dir)
+
+FSTYPE = "fuse.acpfs"
+
+
+class Failure(Exception):
+    """The operation failed: printed as one line, exit status 1."""
+
+
+# -- finding mounts ----------------------------------------------------------------------
+def _unescape(field: str) -> str:
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def acpfs_mounts() -> list[str]:
+    out = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 2 and parts[2] == FSTYPE:
+                out.append(_unescape(parts[1]))
+    return out
+
+
+def mount_type(path: str) -> str | None:
+    with open("/proc/self/mounts") as f:
+        found = None
+        for line in f:
+            parts = line.split()
+            if len(parts) > 2 and _unescape(parts[1]) == path:
+                found = parts[2]
+        return found
+
+
+def mount_of(path: str) -> str:
+    """The acpfs mount point holding ``path``."""
+    real = os.path.realpath(path)
+    best = None
+    for m in acpfs_mounts():
+        if real == m or real.startswith(m.rstrip("/") + "/"):
+            if best is None or len(m) > len(best):
+                best = m
+    if best is None:
+        raise Failure(f"{path} is not on an acpfs mount")
+    return best
+
+
+def read_status(mountpoint: str) -> dict[str, Any]:
+    try:
+        return json.loads(os.getxattr(mountpoint, "user.acpfs.status"))
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            raise Failure(f"the acpfs daemon of {mountpoint} is gone (stale mount); "
+                          f"run 'acpfs umount {mountpoint}' to clean it up") from None
+        raise Failure(f"cannot read the status of {mountpoint}: {e.strerror}") from None
+
+
+def is_stale(mountpoint: str) -> bool:
+    try:
+        os.stat(mountpoint)
+        return False
+    except OSError as e:
+        return e.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+
+
+def clean_stale(mountpoint: str) -> None:
+    print(f"acpfs: {mountpoint}: the daemon of this mount is gone (transport endpoint not connected); "
+          f"detaching the stale mount", file=sys.stderr)
+    subprocess.run(["fusermount3", "-u", "-z", mountpoint], check=False, capture_output=True)
+    if mount_type(mountpoint) is not None:
+        subprocess.run(["umount", "-l", mountpoint], check=False, capture_output=True)
+
+
+# -- progress ----------------------------------------------------------------------------
+class Progress:
+    """A progress line: redrawn in place on a TTY, a plain line every few seconds otherwise."""
+
+    def __init__(self, stream=sys.stderr) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.last = 0.0
+        self.shown = False
+
+    def update(self, text: str) -> None:
+        now = time.monotonic()
+        if self.tty:
+            self.stream.write("\r\033[K" + text)
+            self.stream.flush()
+            self.shown = True
+        elif now - self.last >= 5.0:
+            self.last = now
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def done(self, text: str | None = None) -> None:
+        if self.tty and self.shown:
+            self.stream.write("\r\033[K")
+        if text:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def wait_durable(mountpoint: str, seq: int, timeout: float | None, label: str) -> None:
+    """Block until the mount's flusher has applied ``seq``, showing progress."""
+    prog = Progress()
+    start = time.monotonic()
+    while True:
+        st = read_status(mountpoint)
+        q = st["queue"]
+        if q["applied_seq"] >= seq:
+            prog.done()
+            return
+        left = seq - q["applied_seq"]
+        err = st["errors"][0] if st["errors"] else None
+        text = (f"{label}: {left} operations left, {format_size(st['flushing']['bytes'])} queued, "
+                f"{format_size(st['flush_rate_bytes_per_s'])}/s")
+        if err:
+            text += f"; retrying {err['path']}: {err['reason']}"
+        prog.update(text)
+        if timeout is not None and time.monotonic() - start > timeout:
+            prog.done()
+            raise Failure(f"{label}: timed out after {timeout:g}s with {left} operations not yet "
+                          f"persisted" + (f" ({err['path']}: {err['reason']})" if err else ""))
+        time.sleep(0.05 if time.monotonic() - start < 2 else 0.2)
+
+
+# -- commands ----------------------------------------------------------------------------
+def cmd_mount(a: argparse.Namespace) -> int:
+    from .daemon import Options
+    if not os.path.isdir(a.backing):
+        raise UsageError(f"backing directory {a.backing} does not exist or is not a directory")
+    if not os.path.isdir(a.mountpoint):
+        raise UsageError(f"mount point {a.mountpoint} does not exist or is not a directory")
+    backing = os.path.realpath(a.backing)
+    mountpoint = os.path.realpath(a.mountpoint)
+    if backing == mountpoint or backing.startswith(mountpoint.rstrip("/") + "/"):
+        raise UsageError(f"backing directory {backing} is inside the mount point {mountpoint}")
+    if mountpoint.startswith(backing.rstrip("/") + "/"):
+        raise UsageError(f"mount point {mountpoint} is inside the backing directory {backing}")
+    for m in acpfs_mounts():
+        if backing == m or backing.startswith(m.rstrip("/") + "/"):
+            raise UsageError(f"backing directory {backing} is on the acpfs mount {m}")
+
+    cache_size_text = a.cache_size or env("cache_size")
+    cache_dir = os.path.abspath(a.cache_dir or env("cache_dir") or default_cache_dir(backing))
+    fsync = a.fsync or env("fsync") or "memory"
+    if fsync not in ("memory", "backing"):
+        raise UsageError(f"invalid --fsync {fsync!r}: use 'memory' or 'backing'")
+    workers = a.flush_workers if a.flush_workers is not None else int_env("flush_workers", 4)
+    if not 1 <= workers <= 64:
+        raise UsageError("--flush-workers must be between 1 and 64")
+    level = (a.log_level or env("log_level") or "info").lower()
+    if level not in ("debug", "info", "warning", "error"):
+        raise UsageError(f"invalid --log-level {level!r}: use debug, info, warning or error")
+    full_timeout = a.cache_full_timeout if a.cache_full_timeout is not None \
+        else float_env("cache_full_timeout", 300.0)
+    block_size = parse_size(a.block_size or env("block_size") or "64K", "block size")
+    if block_size < 4096 or block_size & (block_size - 1) or block_size > (16 << 20):
+        raise UsageError("--block-size must be a power of two between 4K and 16M")
+    foreground = a.foreground or env_flag("foreground")
+
+    lock = open_lock(f"mount-{key_of(mountpoint)}.lock")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent 'acpfs mount' calls: one at a time
+    try:
+        kind = mount_type(mountpoint)
+        if kind == FSTYPE:
+            if is_stale(mountpoint):
+                clean_stale(mountpoint)
+            else:
+                st = read_status(mountpoint)
+                if st["backing"] == backing:
+                    print(f"acpfs: {mountpoint} is already mounted over {backing} (pid {st['pid']})",
+                          file=sys.stderr)
+                    return 0
+                raise UsageError(f"{mountpoint} is already an acpfs mount of {st['backing']}")
+        elif kind is not None:
+            raise UsageError(f"{mountpoint} is already a mount point ({kind})")
+        if os.listdir(mountpoint):
+            raise UsageError(f"mount point {mountpoint} is not empty")
+        check_backing_free(backing)
+        os.makedirs(os.path.dirname(cache_dir), mode=0o700, exist_ok=True)
+        cache_size = parse_size(cache_size_text, "cache size") if cache_size_text \
+            else default_cache_size(os.path.dirname(cache_dir))
+        if cache_size < block_size * 16:
+            raise UsageError(f"cache size {cache_size_text} is too small: at least {format_size(block_size * 16)}")
+        log_file = a.log_file or env("log_file") or default_log_file(mountpoint)
+        opts = Options(mountpoint=mountpoint, backing=backing, cache_dir=cache_dir,
+                       cache_size=cache_size, fsync_backing=fsync == "backing",
+                       flush_workers=workers, log_level=level, log_file=log_file,
+                       allow_other=a.allow_other or env_flag("allow_other"),
+                       cache_full_timeout=full_timeout, block_size=block_size,
+                       mlock=a.mlock or env_flag("mlock"), foreground=foreground)
+        if foreground:
+            return run_foreground(opts, lock)
+        return start_daemon(opts, lock)
+    finally:
+        lock.close()
+
+
+def int_env(name: str, default: int) -> int:
+    v = env(name)
+    if v is None:
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise UsageError(f"invalid ACPFS_{name.upper()}={v!r}: not an integer") from None
+
+
+def float_env(name: str, default: float) -> float:
+    v = env(name)
+    if v is None:
+        return default
+    try:
+        return float(v)
+    except ValueError:
+        raise UsageError(f"invalid ACPFS_{name.upper()}={v!r}: not a number") from None
+
+
+def open_lock(name: str):
+    return open(os.path.join(runtime_dir(), name), "a+")
+
+
+def check_backing_free(backing: str) -> None:
+    with open_lock(f"backing-{key_of(backing)}.lock") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            where = f.read().strip()
+            raise UsageError(f"backing directory {backing} is already mounted"
+                             + (f" at {where}" if where else "")) from None
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_foreground(opts, lock) -> int:
+    from . import daemon
+    lock.close()
+
+    def notify(msg: str) -> None:
+        if msg.startswith("progress "):
+            print(f"acpfs: {msg[9:]}", file=sys.stderr)
+    try:
+        return daemon.run(opts, notify)
+    except (RuntimeError, OSError, ValueError) as e:
+        raise Failure(f"cannot mount {opts.mountpoint}: {e}") from None
+
+
+def start_daemon(opts, lock) -> int:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the daemon
+        code = 1
+        try:
+            os.close(r)
+            lock.close()
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.close(null)
+
+            def notify(msg: str) -> None:
+                try:
+                    os.write(w, (msg + "\n").encode())
+                except OSError:
+                    pass
+            from . import daemon
+            try:
+                code = daemon.run(opts, notify)
+            except BaseException as e:
+                import logging
+                logging.getLogger("acpfs").exception("mount failed")
+                notify(f"error {e}")
+        finally:
+            os._exit(code)
+    os.close(w)
+    prog = Progress()
+    buf = b""
+    with os.fdopen(r, "rb") as pipe:
+        for raw in pipe:
+            line = raw.decode(errors="replace").rstrip("\n")
+            if line == "ready":
+                prog.done(f"acpfs: mounted {opts.mountpoint} over {opts.backing} "
+                          f"(cache {format_size(opts.cache_size)}, log {opts.log_file})")
+                return 0
+            if line.startswith("progress "):
+                prog.update(line[9:])
+            elif line.startswith("error "):
+                buf = line[6:].encode()
+    prog.done()
+    os.waitpid(pid, 0)
+    raise Failure(f"cannot mount {opts.mountpoint}: {buf.decode() or 'the daemon exited'} "
+                  f"(log: {opts.log_file})")
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    mounts = [mount_of(a.mountpoint)] if a.mountpoint else acpfs_mounts()
+    docs = []
+    for m in mounts:
+        if is_stale(m):
+            doc: dict[str, Any] = {"mountpoint": m, "stale": True}
+        else:
+            doc = read_status(m)
+            if a.files:
+                doc["files"] = json.loads(os.getxattr(m, "user.acpfs.files"))
+        docs.append(doc)
+    if a.json:
+        print(json.dumps(docs[0] if a.mountpoint else docs, indent=2))
+        return 0
+    if not docs:
+        print("no acpfs mounts")
+        return 0
+    for doc in docs:
+        print(render_status(doc))
+    return 0
+
+
+def _age(s: float) -> str:
+    s = int(s)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def render_status(d: dict[str, Any]) -> str:
+    if d.get("stale"):
+        return f"{d['mountpoint']}  STALE: the daemon is gone; run 'acpfs umount {d['mountpoint']}'"
+    c, di, fl, p = d["cache"], d["dirty"], d["flushing"], d["persisted_since_mount"]
+    lines = [
+        f"{d['mountpoint']}  (backing {d['backing']}, pid {d['pid']}, up {_age(d['uptime_s'])})",
+        f"  cache      {format_size(c['used_bytes'])} used of {format_size(c['limit_bytes'])} "
+        f"(peak {format_size(c['peak_used_bytes'])}), {c['cached_files']} files cached",
+        f"  dirty      {di['files']} files, {format_size(di['bytes'])}",
+        f"  flushing   {fl['files']} files, {format_size(fl['bytes'])} "
+        f"({fl['in_flight']} uploads in flight, {d['queue']['pending_ops']} operations queued)",
+        f"  persisted  {p['files']} files, {format_size(p['bytes'])} since mount; "
+        f"rate {format_size(d['flush_rate_bytes_per_s'])}/s",
+    ]
+    if d["oldest_dirty_age_s"] is not None:
+        lines.append(f"  oldest unsaved change: {_age(d['oldest_dirty_age_s'])} ago")
+    if d["errors"]:
+        for e in d["errors"]:
+            lines.append(f"  ERROR      {e['op']} {e['path']}: {e['reason']} "
+                         f"({e['attempts']} attempts, next in {e['next_retry_in_s']}s)")
+    else:
+        lines.append("  errors     none")
+    for f in d.get("files", {}).get("files", []):
+        lines.append(f"    {f['state']:<10} {format_size(f['size']):>10}  {f['path']}")
+    if d.get("files", {}).get("truncated"):
+        lines.append(f"    ... {d['files']['total']} files in all")
+    return "\n".join(lines)
+
+
+def cmd_sync(a: argparse.Namespace) -> int:
+    if a.path:
+        if not os.path.lexists(a.path):
+            raise UsageError(f"{a.path} does not exist")
+        mount = mount_of(a.path)
+        try:
+            info = json.loads(os.getxattr(a.path, "user.acpfs.seq", follow_symlinks=False))
+        except OSError as e:
+            raise Failure(f"cannot sync {a.path}: {e.strerror}") from None
+        if info["open_dirty"]:
+            print(f"acpfs: sync: {info['open_dirty']} files under {a.path} are still open for writing; "
+                  f"their data is persisted after they are closed", file=sys.stderr)
+        wait_durable(mount, info["seq"], a.timeout, f"sync {a.path}")
+        return 0
+    for mount in acpfs_mounts():
+        seq = read_status(mount)["queue"]["last_seq"]
+        wait_durable(mount, seq, a.timeout, f"sync {mount}")
+    return 0
+
+
+def cmd_umount(a: argparse.Namespace) -> int:
+    mountpoint = os.path.realpath(a.mountpoint) if not is_stale(a.mountpoint) else os.path.abspath(a.mountpoint)
+    kind = mount_type(mountpoint)
+    if kind != FSTYPE:
+        raise UsageError(f"{a.mountpoint} is not an acpfs mount")
+    if is_stale(mountpoint):
+        clean_stale(mountpoint)
+        return 0
+    st = read_status(mountpoint)
+    pid = st["pid"]
+    wait_durable(mountpoint, st["queue"]["last_seq"], a.timeout, f"umount {mountpoint}: persisting")
+    cmd = ["fusermount3", "-u"] + (["-z"] if a.lazy else []) + [mountpoint]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        msg = (r.stderr.strip().splitlines() or ["fusermount3 failed"])[-1]
+        raise Failure(f"cannot unmount {mountpoint}: {msg} (files still open? 'acpfs umount --lazy' "
+                      f"detaches now and persists after they are closed)")
+    prog = Progress()
+    start = time.monotonic()
+    while pid_alive(pid):
+        prog.update(f"umount {mountpoint}: waiting for the daemon (pid {pid}) to persist the rest "
+                    f"({_age(time.monotonic() - start)})")
+        if a.timeout is not None and time.monotonic() - start > a.timeout:
+            prog.done()
+            raise Failure(f"unmounted {mountpoint}, but its daemon (pid {pid}) is still persisting "
+                          f"after {a.timeout:g}s; see {st['log_file']}")
+        time.sleep(0.05)
+    prog.done()
+    print(f"acpfs: unmounted {mountpoint}; everything is persisted in {st['backing']}", file=sys.stderr)
+    return 0
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (our own child in tests) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# -- argument parsing ----------------------------------------------------------------------
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, no usage dump
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="acpfs", description="RAM-backed write-back FUSE cache for checkpoints: writes "
+               "return at memory speed, a flusher persists closed files to the backing directory "
+               "atomically and in order.")
+    p.add_argument("--version", action="version", version=f"acpfs {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=Parser)
+
+    m = sub.add_parser("mount", help="mount a write-back cache over a backing directory",
+                       description="Mount MOUNTPOINT as a RAM-backed write-back cache over BACKING. "
+                       "Returns once the mount is live (the daemon keeps running); calling it again "
+                       "for the same mount and backing is a no-op. Each option has an ACPFS_* "
+                       "environment variable (e.g. ACPFS_CACHE_SIZE).")
+    m.add_argument("mountpoint", help="empty directory to mount on")
+    m.add_argument("--backing", required=True, help="directory where files are persisted (e.g. on NFS)")
+    m.add_argument("--cache-dir", help="private directory for the cache pool "
+                   "(default /dev/shm/acpfs-UID/<hash of the backing path>)")
+    m.add_argument("--cache-size", help="RAM for cached data: bytes with K/M/G/T suffix or N%% of RAM "
+                   "(default 25%% of RAM, at most half the free space of the cache directory)")
+    m.add_argument("--fsync", choices=("memory", "backing"),
+                   help="what fsync() waits for: 'memory' (default: returns at once, data is in RAM) "
+                   "or 'backing' (waits until the file is durable in the backing directory)")
+    m.add_argument("--flush-workers", type=int, help="parallel uploads to the backing (default 4)")
+    m.add_argument("--cache-full-timeout", type=float,
+                   help="seconds a writer waits for free cache before getting ENOSPC (default 300)")
+    m.add_argument("--block-size", help="cache block size, a power of two (default 64K)")
+    m.add_argument("--mlock", action="store_true", help="lock the cache pool in RAM")
+    m.add_argument("--log-level", help="debug, info (default), warning or error")
+    m.add_argument("--log-file", help="daemon log ('-' for stderr; default /var/log/acpfs/<mount>.log "
+                   "for root, ~/.local/state/acpfs/<mount>.log otherwise)")
+    m.add_argument("--allow-other", action="store_true", help="let other users access the mount")
+    m.add_argument("--foreground", "-f", action="store_true",
+                   help="do not daemonize; log to stderr too (for systemd and debugging)")
+    m.set_defaults(fn=cmd_mount)
+
+    s = sub.add_parser("status", help="show what is cached, dirty, flushing, failed",
+                       description="Show the state of one acpfs mount, or of every acpfs mount.")
+    s.add_argument("mountpoint", nargs="?", help="a mount (or a path in it); default: all mounts")
+    s.add_argument("--json", action="store_true", help="machine-readable (schema: docs/status.md)")
+    s.add_argument("--files", action="store_true", help="also list files not yet persisted")
+    s.set_defaults(fn=cmd_status)
+
+    y = sub.add_parser("sync", help="wait until changes are durable in the backing directory",
+                       description="Block until PATH (default: every change made before the call, "
+                       "on every acpfs mount) is durable in the backing directory.")
+    y.add_argument("path", nargs="?", help="file or directory on an acpfs mount")
+    y.add_argument("--timeout", type=float, help="give up after this many seconds (exit status 1)")
+    y.set_defaults(fn=cmd_sync)
+
+    u = sub.add_parser("umount", help="persist everything, unmount, wait for the daemon",
+                       description="Persist every change, unmount, and wait until the daemon has "
+                       "exited. Also cleans up a stale mount whose daemon died.")
+    u.add_argument("mountpoint")
+    u.add_argument("--timeout", type=float, help="give up waiting after this many seconds (exit status 1)")
+    u.add_argument("--lazy", "-z", action="store_true",
+                   help="detach even if files are open; they are persisted after their last close")
+    u.set_defaults(fn=cmd_umount)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        a = parser.parse_args(argv)
+        if not getattr(a, "fn", None):
+            parser.print_help(sys.stderr)
+            return 2
+        if getattr(a, "timeout", None) is not None and a.timeout < 0:
+            raise UsageError("--timeout must not be negative")
+        return a.fn(a)
+    except UsageError as e:
+        print(f"acpfs: {e}", file=sys.stderr)
+        return 2
+    except Failure as e:
+        print(f"acpfs: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("acpfs: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:
+        print(f"acpfs: {e.filename + ': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

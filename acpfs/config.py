@@ -1,0 +1,96 @@
+"""Mount options: parsing, defaults, environment variables, and where things live on disk.
+
+Every option of ``acpfs mount`` has an ``ACPFS_*`` environment variable (the option's name
+upper-cased, dashes as underscores); the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+DEFAULT_CACHE_FRACTION = 0.25   # of RAM, and at most half of the cache directory's free space
+MIN_CACHE = 4 << 20
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """Bytes from '123', '64K', '512M', '8G', '1T' (powers of 1024) or '25%' of RAM."""
+    s = str(text).strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGTkmgt%]?)(?:i?[Bb])?", s)
+    if not m:
+        raise UsageError(f"invalid {what} {text!r}: use bytes with a K/M/G/T suffix or a percentage of RAM")
+    value, unit = float(m.group(1)), m.group(2).upper()
+    if unit == "%":
+        if not 0 < value <= 90:
+            raise UsageError(f"invalid {what} {text!r}: a percentage must be above 0 and at most 90")
+        return int(total_ram() * value / 100)
+    mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
+    return int(value * mult)
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def total_ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_cache_size(cache_dir: str) -> int:
+    size = int(total_ram() * DEFAULT_CACHE_FRACTION)
+    try:
+        st = os.statvfs(cache_dir)
+        size = min(size, st.f_bavail * st.f_frsize // 2)
+    except OSError:
+        pass
+    return max(size, MIN_CACHE)
+
+
+def key_of(path: str) -> str:
+    return hashlib.sha256(os.fsencode(path)).hexdigest()[:16]
+
+
+def runtime_dir() -> str:
+    """Lock files of live mounts (private per user)."""
+    d = "/run/acpfs" if os.geteuid() == 0 else f"/tmp/acpfs-{os.getuid()}"
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return d
+
+
+def default_cache_dir(backing: str) -> str:
+    """One directory per backing directory, so that a new mount finds what a dead one left."""
+    return os.path.join("/dev/shm", f"acpfs-{os.getuid()}", key_of(backing))
+
+
+def default_log_file(mountpoint: str) -> str:
+    if os.geteuid() == 0:
+        base = "/var/log/acpfs"
+    else:
+        base = os.path.join(os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"),
+                            "acpfs")
+    name = mountpoint.strip("/").replace("/", "-") or "root"
+    return os.path.join(base, f"{name}.log")
+
+
+def env(name: str, default=None):
+    return os.environ.get("ACPFS_" + name.upper().replace("-", "_"), default)
+
+
+def env_flag(name: str) -> bool:
+    v = env(name)
+    if v is None:
+        return False
+    if v.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.strip().lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise UsageError(f"invalid ACPFS_{name.upper().replace('-', '_')}={v!r}: use 1 or 0")

@@ -1,0 +1,124 @@
+"""The control interface: read-only extended attributes under ``user.acpfs.``.
+
+``acpfs status`` and ``acpfs sync`` talk to a daemon only through these, so they need no
+socket and work with ordinary permissions (``getfattr`` works too):
+
+    user.acpfs.state    any file or directory: dirty | flushing | persisted | error: <reason>
+    user.acpfs.seq      any path: {"seq": N, "open_dirty": K}; the path is durable once the
+                        mount's "applied_seq" reaches N (K files under it are still open
+                        with unsaved data, and are saved at their last close)
+    user.acpfs.status   mount root: the status document (schema in docs/status.md)
+    user.acpfs.files    mount root: files not yet persisted, with their state (capped)
+
+The status document's keys are stable within ``"version": 1``; keys may be added, never
+renamed or removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .cache import Cache, Node
+
+PREFIX = b"user.acpfs."
+STATUS_VERSION = 1
+FILES_CAP = 400  # an xattr value is at most 64 KiB
+
+
+@dataclasses.dataclass
+class MountInfo:
+    mountpoint: str
+    backing: str
+    cache_dir: str
+    log_file: str
+    fsync_backing: bool
+    flush_workers: int
+    cache_full_timeout: float
+    pid: int = dataclasses.field(default_factory=os.getpid)
+    started: float = dataclasses.field(default_factory=time.time)
+
+
+def get(cache: Cache, info: MountInfo, node: Node, name: bytes) -> bytes:
+    if name == b"user.acpfs.state":
+        return cache.state_of(node).encode()
+    if name == b"user.acpfs.seq":
+        seq, open_dirty = cache.subtree_seq(node)
+        return json.dumps({"seq": seq, "open_dirty": open_dirty}).encode()
+    if node is cache.root:
+        if name == b"user.acpfs.status":
+            return json.dumps(status(cache, info), separators=(",", ":")).encode()
+        if name == b"user.acpfs.files":
+            return json.dumps(pending_files(cache), separators=(",", ":")).encode()
+    raise OSError(errno.ENODATA, "no such attribute")
+
+
+def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
+    fl = cache.flusher
+    assert fl is not None
+    now = time.time()
+    pool = cache.pool
+    dirty_bytes = sum(n.size for n in cache.dirty_nodes)
+    with fl.cond:
+        queue = list(fl.queue)
+        applied = fl.applied_seq
+        flushing_files = len({op.node.ino for op in queue if op.kind == "publish" and op.state != "void"})
+        queued_bytes = fl.queued_bytes
+        in_flight = fl.uploading
+        persisted_files, persisted_bytes = fl.persisted_files, fl.persisted_bytes
+        used = pool.used_blocks * pool.block_size
+        peak = pool.peak_used * pool.block_size
+        cached_files = sum(1 for n in cache.nodes.values() if n.blocks)
+    oldest = min([n.dirty_since for n in cache.dirty_nodes] + [op.since for op in queue[:1]],
+                 default=None)
+    errors = []
+    for op in queue[:fl.window]:
+        if op.error:
+            errors.append({"path": op.path, "op": op.kind, "reason": op.error,
+                           "attempts": op.attempts, "since": round(op.since, 3),
+                           "next_retry_in_s": round(max(0.0, op.next_retry - now), 1)})
+    return {
+        "version": STATUS_VERSION,
+        "mountpoint": info.mountpoint,
+        "backing": info.backing,
+        "pid": info.pid,
+        "cache_dir": info.cache_dir,
+        "log_file": info.log_file,
+        "uptime_s": round(now - info.started, 1),
+        "options": {"fsync": "backing" if info.fsync_backing else "memory",
+                    "flush_workers": info.flush_workers,
+                    "cache_full_timeout_s": info.cache_full_timeout},
+        "cache": {"used_bytes": used, "limit_bytes": pool.size, "peak_used_bytes": peak,
+                  "block_size": pool.block_size, "cached_files": cached_files},
+        "dirty": {"files": len(cache.dirty_nodes), "bytes": dirty_bytes},
+        "flushing": {"files": flushing_files, "bytes": queued_bytes, "in_flight": in_flight},
+        "queue": {"pending_ops": len(queue), "applied_seq": applied, "last_seq": cache.seq},
+        "persisted_since_mount": {"files": persisted_files, "bytes": persisted_bytes},
+        "flush_rate_bytes_per_s": round(fl.rate()),
+        "oldest_dirty_age_s": None if oldest is None else round(now - oldest, 1),
+        "errors": errors,
+    }
+
+
+def pending_files(cache: Cache) -> dict[str, Any]:
+    out = []
+    seen = set()
+    for node in list(cache.dirty_nodes):
+        seen.add(node.ino)
+        out.append(node)
+    fl = cache.flusher
+    assert fl is not None
+    with fl.cond:
+        queue = list(fl.queue)
+    for op in queue:
+        if op.kind == "publish" and op.node.ino not in seen and op.state != "void":
+            seen.add(op.node.ino)
+            out.append(op.node)
+    files = [{"path": cache.path(n), "state": cache.state_of(n), "size": n.size}
+             for n in out[:FILES_CAP]]
+    return {"files": files, "total": len(out), "truncated": len(out) > FILES_CAP}

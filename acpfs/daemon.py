@@ -1,0 +1,175 @@
+"""The daemon's life: set up the cache, serve the mount, drain, exit.
+
+Shutdown never loses data: however the FUSE loop ends (``acpfs umount``, a plain
+``fusermount3 -u``, SIGTERM or SIGINT), the daemon keeps running until the flusher has
+persisted everything, logging progress. A second SIGTERM/SIGINT during the drain stops it
+at once; what was not persisted stays in the cache directory and the log says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from typing import Callable
+
+from .config import format_size
+
+log = logging.getLogger("acpfs")
+
+
+@dataclasses.dataclass
+class Options:
+    mountpoint: str
+    backing: str
+    cache_dir: str
+    cache_size: int
+    fsync_backing: bool
+    flush_workers: int
+    log_level: str
+    log_file: str
+    allow_other: bool
+    cache_full_timeout: float
+    block_size: int
+    mlock: bool
+    foreground: bool
+
+
+def setup_logging(opts: Options) -> None:
+    handlers: list[logging.Handler] = []
+    if opts.log_file != "-":
+        os.makedirs(os.path.dirname(opts.log_file), exist_ok=True)
+        handlers.append(logging.FileHandler(opts.log_file))
+    if opts.foreground or opts.log_file == "-":
+        handlers.append(logging.StreamHandler(sys.stderr))
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    root = logging.getLogger()
+    for h in handlers:
+        h.setFormatter(fmt)
+        root.addHandler(h)
+    root.setLevel(opts.log_level.upper())
+
+
+def lock_backing(backing: str, mountpoint: str) -> int:
+    """Hold a lock on the backing directory for the daemon's lifetime (one mount per backing)."""
+    from .config import key_of, runtime_dir
+    path = os.path.join(runtime_dir(), f"backing-{key_of(backing)}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise RuntimeError(f"backing directory {backing} is already mounted"
+                           + (f" at {other}" if other else ""))
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, mountpoint.encode(), 0)
+    return fd
+
+
+def run(opts: Options, notify: Callable[[str], None]) -> int:
+    """Mount and serve until unmounted; ``notify`` gets progress lines, then 'ready'."""
+    import pyfuse3
+    import trio
+
+    from .backing import Backing
+    from .cache import Cache
+    from .control import MountInfo
+    from .flusher import Flusher
+    from .fs import Operations
+    from .pool import Pool
+
+    setup_logging(opts)
+    os.umask(0o077)
+    lock_fd = lock_backing(opts.backing, opts.mountpoint)
+    os.makedirs(opts.cache_dir, mode=0o700, exist_ok=True)
+    os.chmod(opts.cache_dir, 0o700)
+    pool_path = os.path.join(opts.cache_dir, "pool")
+    log.info("starting: mount %s, backing %s, cache %s in %s", opts.mountpoint, opts.backing,
+             format_size(opts.cache_size), opts.cache_dir)
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        if time.monotonic() - last[0] > 0.5 or done == total:
+            last[0] = time.monotonic()
+            notify(f"progress allocating cache {format_size(done)} / {format_size(total)}")
+
+    pool = Pool(pool_path, opts.cache_size, opts.block_size, progress=progress, mlock=opts.mlock)
+    backing = Backing(opts.backing)
+    cache = Cache(backing, pool)
+    flusher = Flusher(cache, backing, opts.flush_workers)
+    cache.flusher = flusher
+    flusher.start()
+    info = MountInfo(opts.mountpoint, opts.backing, opts.cache_dir, opts.log_file, opts.fsync_backing,
+                     opts.flush_workers, opts.cache_full_timeout)
+    ops = Operations(cache, info)
+    fuse_opts = set(pyfuse3.default_options)
+    fuse_opts |= {"fsname=acpfs", "subtype=acpfs", "default_permissions"}
+    if opts.allow_other:
+        fuse_opts.add("allow_other")
+    pyfuse3.init(ops, opts.mountpoint, fuse_opts)
+    log.info("mounted %s over %s", opts.mountpoint, opts.backing)
+    notify("ready")
+
+    async def serve() -> None:
+        async with trio.open_nursery() as nursery:
+            async def on_signals() -> None:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
+                    async for sig in sigs:
+                        log.warning("got %s: unmounting %s, then persisting what is left",
+                                    signal.Signals(sig).name, opts.mountpoint)
+                        pyfuse3.terminate()
+                        return
+            nursery.start_soon(on_signals)
+            await pyfuse3.main(min_tasks=4, max_tasks=64)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(serve)
+    finally:
+        pyfuse3.close(unmount=True)
+    log.info("unmounted %s", opts.mountpoint)
+    drained = drain(flusher)
+    pool.close()
+    backing.close()
+    if drained:
+        shutil.rmtree(opts.cache_dir, ignore_errors=True)
+        log.info("all changes persisted to %s; exiting", opts.backing)
+    else:
+        log.error("exiting with changes NOT persisted; the cache is kept in %s", opts.cache_dir)
+    os.close(lock_fd)
+    return 0 if drained else 1
+
+
+def drain(flusher) -> bool:
+    """Wait for the flusher to persist everything; a second signal aborts."""
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        log.error("got %s during the drain: stopping without persisting the rest",
+                  signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    pending = len(flusher.queue)
+    if pending:
+        log.info("draining: %d operations (%s) to persist", pending, format_size(flusher.queued_bytes))
+    last = time.monotonic()
+    while not stop.is_set():
+        if flusher.stop(drain=True, timeout=0.2):
+            return True
+        if time.monotonic() - last > 5:
+            last = time.monotonic()
+            failing = flusher.failing_op()
+            log.info("draining: %d operations (%s) left%s", len(flusher.queue),
+                     format_size(flusher.queued_bytes),
+                     f"; failing: {failing.path}: {failing.error}" if failing else "")
+    flusher.stop(drain=False, timeout=10)
+    return False

@@ -1,0 +1,443 @@
+"""The FUSE adapter: pyfuse3 requests in, ``Cache`` calls out.
+
+Kept thin on purpose: it converts inode numbers and file handles to ``Node``s, runs the few
+operations that must touch the backing (loading a directory, copying a file in, reading an
+uncached file, statfs) in worker threads so that a slow or hung backing never stalls the
+FUSE loop, waits (without blocking the loop) when the cache is full, and serves the
+control attributes of ``control``. All semantics live in ``cache`` and ``flusher``.
+
+Per-request cost matters (about 30 us of Python per request): ``write`` and ``read`` do no
+logging, no allocation beyond what pyfuse3 hands over, and no backing I/O for cached files.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat as statmod
+import time
+from typing import Any, Callable
+
+import pyfuse3
+import trio
+
+from . import control
+from .cache import Cache, Node
+from .pool import PoolFull
+
+log = logging.getLogger(__name__)
+
+ATTR_TIMEOUT = 5.0
+BLKSIZE = 1 << 20  # what stat reports: programs size their buffers by it
+
+
+def fuse_errors(fn: Callable) -> Callable:
+    """Turn OSError into FUSEError; anything else is a bug, logged with its traceback."""
+    @functools.wraps(fn)
+    async def wrapper(*args: Any) -> Any:
+        try:
+            return await fn(*args)
+        except pyfuse3.FUSEError:
+            raise
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
+        except Exception:
+            log.exception("internal error in %s", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+    return wrapper
+
+
+class Handle:
+    __slots__ = ("node", "writable", "bfd")
+
+    def __init__(self, node: Node, writable: bool) -> None:
+        self.node = node
+        self.writable = writable
+        self.bfd = -1
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+
+    def __init__(self, cache: Cache, info: control.MountInfo) -> None:
+        super().__init__()
+        self.cache = cache
+        self.info = info
+        self.handles: dict[int, Handle] = {}
+        self.dirs: dict[int, list[tuple[bytes, Node]]] = {}
+        self._next_fh = 1
+        self._locks: dict[int, trio.Lock] = {}
+        self._full_since = 0.0
+
+    # -- helpers -------------------------------------------------------------------------
+    def attrs(self, node: Node) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = node.ino
+        a.entry_timeout = ATTR_TIMEOUT
+        a.attr_timeout = ATTR_TIMEOUT
+        a.st_mode = node.mode
+        a.st_nlink = node.nlink if not node.is_dir else 2
+        a.st_uid = node.uid
+        a.st_gid = node.gid
+        a.st_size = node.size
+        a.st_blksize = BLKSIZE
+        a.st_blocks = (node.size + 511) // 512
+        a.st_atime_ns = node.atime
+        a.st_mtime_ns = node.mtime
+        a.st_ctime_ns = node.ctime
+        return a
+
+    def node(self, ino: int) -> Node:
+        return self.cache.nodes[ino]
+
+    def _lock(self, node: Node) -> trio.Lock:
+        lk = self._locks.get(node.ino)
+        if lk is None:
+            lk = self._locks[node.ino] = trio.Lock()
+        return lk
+
+    async def loaded(self, node: Node) -> Node:
+        """Make sure a directory's entries are known (read from the backing once)."""
+        if node.children is None:
+            if not node.is_dir:
+                raise OSError(errno.ENOTDIR, "not a directory")
+            async with self._lock(node):
+                if node.children is None:
+                    listing = await trio.to_thread.run_sync(self.cache.list_backing, node)
+                    self.cache.attach_listing(node, listing)
+            self._locks.pop(node.ino, None)
+        return node
+
+    async def xattrs_loaded(self, node: Node) -> dict[bytes, bytes]:
+        if node.xattrs is None:
+            cache = self.cache
+
+            def read() -> dict[bytes, bytes]:
+                with cache.bpos_lock:
+                    if node is cache.root:
+                        return cache.backing.read_xattrs([], None)
+                    if node.bparent is None or node.is_link:
+                        return {}
+                    return cache.backing.read_xattrs(cache.bpath(node.bparent), node.bname)
+            values = await trio.to_thread.run_sync(read)
+            if node.xattrs is None:
+                node.xattrs = values
+        return node.xattrs
+
+    async def cached(self, node: Node) -> None:
+        """Bring the content of a file into the cache (before it is modified)."""
+        if node.blocks is not None:
+            return
+        async with self._lock(node):
+            if node.blocks is None:
+                blocks = await self.with_space(lambda: self.cache.copy_up_blocks(node))
+                try:
+                    await trio.to_thread.run_sync(self.cache.read_backing_into, node, blocks)
+                except BaseException:
+                    self.cache.release_blocks(blocks)
+                    raise
+                self.cache.attach_blocks(node, blocks)
+        self._locks.pop(node.ino, None)
+
+    async def with_space(self, fn: Callable[[], Any]) -> Any:
+        """Call ``fn``; while the cache is full, wait for the flusher to free space.
+
+        Writers are throttled to the backing store's speed this way. After
+        ``cache_full_timeout`` seconds without progress they get ENOSPC.
+        """
+        try:
+            return fn()
+        except PoolFull:
+            pass
+        start = time.monotonic()
+        if not self._full_since:
+            self._full_since = start
+            log.info("cache full (%d MiB): writers wait for the flusher to persist and free blocks",
+                     self.cache.pool.size >> 20)
+        delay = 0.001
+        while True:
+            await trio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            try:
+                result = fn()
+                self._full_since = 0.0
+                return result
+            except PoolFull:
+                if time.monotonic() - start > self.info.cache_full_timeout:
+                    log.error("cache full for %.0fs and nothing can be freed: returning ENOSPC "
+                              "(is the backing store failing? see 'acpfs status')",
+                              time.monotonic() - start)
+                    raise OSError(errno.ENOSPC, "cache full") from None
+
+    async def wait_seq(self, seq: int) -> None:
+        fl = self.cache.flusher
+        assert fl is not None
+        delay = 0.001
+        while fl.applied_seq < seq:
+            await trio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _new_fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    # -- namespace -----------------------------------------------------------------------
+    @fuse_errors
+    async def lookup(self, parent_inode, name, ctx=None):
+        parent = await self.loaded(self.node(parent_inode))
+        node = self.cache.lookup(parent, name)
+        node.lookups += 1
+        return self.attrs(node)
+
+    async def forget(self, inode_list):
+        for ino, n in inode_list:
+            node = self.cache.nodes.get(ino)
+            if node is not None and node is not self.cache.root:
+                self.cache.forget(node, n)
+
+    @fuse_errors
+    async def getattr(self, inode, ctx=None):
+        return self.attrs(self.node(inode))
+
+    @fuse_errors
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        node = self.node(inode)
+        cache = self.cache
+        if fields.update_size:
+            if not node.is_reg:
+                raise OSError(errno.EINVAL, "not a regular file")
+            size = attr.st_size
+            await self.xattrs_loaded(node)
+            if size:
+                await self.cached(node)
+            await self.with_space(lambda: cache.truncate(node, size))
+        if fields.update_mode or fields.update_uid or fields.update_gid or fields.update_atime \
+                or fields.update_mtime:
+            cache.setattr(node,
+                          mode=attr.st_mode if fields.update_mode else None,
+                          uid=attr.st_uid if fields.update_uid else None,
+                          gid=attr.st_gid if fields.update_gid else None,
+                          atime=attr.st_atime_ns if fields.update_atime else None,
+                          mtime=attr.st_mtime_ns if fields.update_mtime else None)
+        return self.attrs(node)
+
+    @fuse_errors
+    async def readlink(self, inode, ctx):
+        node = self.node(inode)
+        if not node.is_link:
+            raise OSError(errno.EINVAL, "not a symlink")
+        return node.target
+
+    @fuse_errors
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        parent = await self.loaded(self.node(parent_inode))
+        node = self.cache.mkdir(parent, name, mode & ~ctx.umask, ctx.uid, self._gid(parent, ctx))
+        if parent.mode & statmod.S_ISGID:
+            node.mode |= statmod.S_ISGID
+        node.lookups += 1
+        return self.attrs(node)
+
+    def _gid(self, parent: Node, ctx) -> int:
+        return parent.gid if parent.mode & statmod.S_ISGID else ctx.gid
+
+    @fuse_errors
+    async def unlink(self, parent_inode, name, ctx):
+        parent = await self.loaded(self.node(parent_inode))
+        self.cache.unlink(parent, name)
+
+    @fuse_errors
+    async def rmdir(self, parent_inode, name, ctx):
+        parent = await self.loaded(self.node(parent_inode))
+        await self.loaded(self.cache.lookup(parent, name))
+        self.cache.rmdir(parent, name)
+
+    @fuse_errors
+    async def symlink(self, parent_inode, name, target, ctx):
+        parent = await self.loaded(self.node(parent_inode))
+        node = self.cache.symlink(parent, name, target, ctx.uid, self._gid(parent, ctx))
+        node.lookups += 1
+        return self.attrs(node)
+
+    @fuse_errors
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise OSError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
+        p1 = await self.loaded(self.node(parent_inode_old))
+        p2 = await self.loaded(self.node(parent_inode_new))
+        target = p2.children.get(name_new)  # type: ignore[union-attr]
+        if target is not None and target.is_dir:
+            await self.loaded(target)
+        self.cache.rename(p1, name_old, p2, name_new, noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE))
+
+    @fuse_errors
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        raise OSError(errno.EPERM, "hard links are not supported")
+
+    @fuse_errors
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        raise OSError(errno.EPERM, "only regular files, directories and symlinks are supported")
+
+    # -- directories ---------------------------------------------------------------------
+    @fuse_errors
+    async def opendir(self, inode, ctx):
+        node = await self.loaded(self.node(inode))
+        fh = self._new_fh()
+        self.dirs[fh] = list(node.children.items())  # type: ignore[union-attr]
+        return fh
+
+    @fuse_errors
+    async def readdir(self, fh, start_id, token):
+        entries = self.dirs[fh]
+        for i in range(start_id, len(entries)):
+            name, node = entries[i]
+            if not pyfuse3.readdir_reply(token, name, self.attrs(node), i + 1):
+                break
+            node.lookups += 1
+
+    async def releasedir(self, fh):
+        self.dirs.pop(fh, None)
+
+    async def fsyncdir(self, fh, datasync):
+        if self.info.fsync_backing:
+            await self.wait_seq(self.cache.seq)
+
+    # -- files ---------------------------------------------------------------------------
+    @fuse_errors
+    async def open(self, inode, flags, ctx):
+        node = self.node(inode)
+        if node.is_dir:
+            raise OSError(errno.EISDIR, "is a directory")
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        trunc = bool(flags & os.O_TRUNC) and writable
+        if writable:
+            await self.xattrs_loaded(node)
+            if not trunc:
+                await self.cached(node)
+        self.cache.open(node, writable, trunc)
+        fh = self._new_fh()
+        self.handles[fh] = Handle(node, writable)
+        # direct_io for writers: 1 MiB requests straight into the pool, no page cache cap.
+        # Readers keep the page cache (mmap works), dropped on each open.
+        return pyfuse3.FileInfo(fh=fh, direct_io=writable, keep_cache=False)
+
+    @fuse_errors
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        parent = await self.loaded(self.node(parent_inode))
+        node = self.cache.create(parent, name, mode & ~ctx.umask, ctx.uid, self._gid(parent, ctx))
+        # The creating handle always counts as a writer, so that the new file is
+        # published at its last close even when it was opened read-only.
+        self.cache.open(node, True, False)
+        node.lookups += 1
+        fh = self._new_fh()
+        self.handles[fh] = Handle(node, True)
+        return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False), self.attrs(node)
+
+    async def read(self, fh, off, size):
+        h = self.handles[fh]
+        node = h.node
+        data = self.cache.read(node, off, size)
+        if data is not None:
+            self.cache.touch(node)
+            return data
+        try:
+            return await self._read_backing(h, off, size)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+
+    async def _read_backing(self, h: Handle, off: int, size: int) -> bytes:
+        cache = self.cache
+        if h.bfd < 0:
+            node = h.node
+
+            def open_backing() -> int:
+                with cache.bpos_lock:
+                    if node.bparent is None:
+                        raise OSError(errno.EIO, "file lost its backing copy")
+                    return cache.backing.open_file(cache.bpath(node.bparent), node.bname)
+            fd = await trio.to_thread.run_sync(open_backing)
+            if h.bfd >= 0:
+                os.close(fd)
+            else:
+                h.bfd = fd
+        return await trio.to_thread.run_sync(os.pread, h.bfd, size, off)
+
+    async def write(self, fh, off, buf):
+        node = self.handles[fh].node
+        try:
+            return self.cache.write(node, off, buf)
+        except PoolFull:
+            pass
+        try:
+            return await self.with_space(lambda: self.cache.write(node, off, buf))
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+
+    async def flush(self, fh):
+        pass
+
+    @fuse_errors
+    async def release(self, fh):
+        h = self.handles.pop(fh)
+        if h.bfd >= 0:
+            os.close(h.bfd)
+        self.cache.release(h.node, h.writable)
+
+    @fuse_errors
+    async def fsync(self, fh, datasync):
+        if self.info.fsync_backing:
+            node = self.handles[fh].node
+            await self.wait_seq(self.cache.fsync_snapshot(node))
+
+    @fuse_errors
+    async def statfs(self, ctx):
+        st = await trio.to_thread.run_sync(self.cache.backing.statvfs)
+        out = pyfuse3.StatvfsData()
+        for key in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree",
+                    "f_favail", "f_namemax"):
+            setattr(out, key, getattr(st, key))
+        return out
+
+    # -- extended attributes -------------------------------------------------------------
+    @fuse_errors
+    async def getxattr(self, inode, name, ctx):
+        node = self.node(inode)
+        if name.startswith(control.PREFIX):
+            return control.get(self.cache, self.info, node, name)
+        if not name.startswith(b"user."):
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        value = (await self.xattrs_loaded(node)).get(name)
+        if value is None:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return value
+
+    @fuse_errors
+    async def setxattr(self, inode, name, value, ctx):
+        node = self.node(inode)
+        if name.startswith(control.PREFIX):
+            raise OSError(errno.EPERM, "acpfs control attributes are read-only")
+        if not name.startswith(b"user.") or node.is_link:
+            raise OSError(errno.ENOTSUP, "only user extended attributes are supported")
+        await self.xattrs_loaded(node)
+        self.cache.set_xattr(node, name, value)
+
+    @fuse_errors
+    async def listxattr(self, inode, ctx):
+        node = self.node(inode)
+        return list(await self.xattrs_loaded(node))
+
+    @fuse_errors
+    async def removexattr(self, inode, name, ctx):
+        node = self.node(inode)
+        if name.startswith(control.PREFIX):
+            raise OSError(errno.EPERM, "acpfs control attributes are read-only")
+        await self.xattrs_loaded(node)
+        try:
+            self.cache.set_xattr(node, name, None)
+        except OSError:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR) from None

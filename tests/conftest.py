@@ -1,0 +1,126 @@
+"""Fixtures: real acpfs mounts, always unmounted (also when a test fails)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ACPFS = [sys.executable, "-m", "acpfs"]
+
+
+def acpfs(*args: str, check: bool = True, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    r = subprocess.run(ACPFS + list(args), capture_output=True, text=True, timeout=timeout, **kw)
+    if check and r.returncode != 0:
+        raise AssertionError(f"acpfs {' '.join(args)} failed ({r.returncode}): {r.stderr}")
+    return r
+
+
+def is_mounted(path: Path) -> bool:
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == str(path) for line in f)
+
+
+class Mount:
+    """One acpfs mount over its own backing directory, with its own cache directory."""
+
+    def __init__(self, root: Path, cache_size: str = "256M", extra: tuple[str, ...] = ()) -> None:
+        self.root = root
+        self.mnt = root / "mnt"
+        self.back = root / "back"
+        self.cache_dir = Path(tempfile.mkdtemp(prefix="acpfs-test-", dir="/dev/shm")) / "cache"
+        self.log = root / "acpfs.log"
+        self.cache_size = cache_size
+        self.extra = extra
+        self.mnt.mkdir(exist_ok=True)
+        self.back.mkdir(exist_ok=True)
+        self.pid: int | None = None
+
+    def args(self) -> list[str]:
+        return ["mount", str(self.mnt), "--backing", str(self.back), "--cache-size", self.cache_size,
+                "--cache-dir", str(self.cache_dir), "--log-file", str(self.log),
+                "--log-level", "debug", *self.extra]
+
+    def mount(self) -> "Mount":
+        acpfs(*self.args())
+        self.pid = self.status()["pid"]
+        return self
+
+    def status(self) -> dict:
+        return json.loads(os.getxattr(self.mnt, "user.acpfs.status"))
+
+    def state(self, rel: str) -> str:
+        return os.getxattr(self.mnt / rel, "user.acpfs.state", follow_symlinks=False).decode()
+
+    def sync(self, rel: str | None = None, timeout: float = 120) -> None:
+        args = ["sync"] + ([str(self.mnt / rel)] if rel else [str(self.mnt)]) + ["--timeout", str(timeout)]
+        acpfs(*args, timeout=timeout + 30)
+
+    def umount(self) -> subprocess.CompletedProcess:
+        return acpfs("umount", str(self.mnt), "--timeout", "120", timeout=200)
+
+    def cleanup(self) -> None:
+        if is_mounted(self.mnt):
+            r = acpfs("umount", str(self.mnt), "--timeout", "60", "--lazy", check=False, timeout=120)
+            if r.returncode != 0 and is_mounted(self.mnt):
+                subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
+        if self.pid:
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                try:
+                    os.kill(self.pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+            else:
+                try:
+                    os.kill(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        shutil.rmtree(self.cache_dir.parent, ignore_errors=True)
+
+
+@pytest.fixture
+def make_mount(tmp_path):
+    mounts: list[Mount] = []
+
+    def make(name: str = "m", mount: bool = True, **kw) -> Mount:
+        root = tmp_path / name
+        root.mkdir(exist_ok=True)
+        m = Mount(root, **kw)
+        mounts.append(m)
+        return m.mount() if mount else m
+
+    yield make
+    for m in mounts:
+        m.cleanup()
+
+
+@pytest.fixture
+def mnt(make_mount) -> Mount:
+    return make_mount()
+
+
+def tree(root: Path) -> dict[str, tuple]:
+    """Names, kinds, modes, bytes and link targets of a tree (acpfs temp files excluded)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            st = p.lstat()
+            if p.is_symlink():
+                out[rel] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[rel] = ("dir", oct(st.st_mode & 0o7777))
+            else:
+                out[rel] = ("file", oct(st.st_mode & 0o7777), p.read_bytes())
+    return out

@@ -79,7 +79,7 @@ def read_status(mountpoint: str) -> dict[str, Any]:
 
 def is_stale(mountpoint: str) -> bool:
     try:
-        os.stat(mountpoint)
+        os.statvfs(mountpoint)  # never answered from the kernel's attribute cache
         return False
     except OSError as e:
         return e.errno in (errno.ENOTCONN, errno.ECONNABORTED)

@@ -152,8 +152,9 @@ def test_rename_over_existing_and_of_dir_with_dirty_files(mnt):
 def test_rename_noreplace(mnt):
     (mnt.mnt / "a").write_bytes(b"A")
     (mnt.mnt / "b").write_bytes(b"B")
-    r = subprocess.run(["mv", "-n", str(mnt.mnt / "a"), str(mnt.mnt / "b")])
+    subprocess.run(["mv", "-n", str(mnt.mnt / "a"), str(mnt.mnt / "b")])
     assert (mnt.mnt / "b").read_bytes() == b"B"
+    assert (mnt.mnt / "a").read_bytes() == b"A"
 
 
 def test_unlink_open_file_keeps_content_for_the_holder(mnt):

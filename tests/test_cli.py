@@ -1,0 +1,218 @@
+"""The command line: mount/status/sync/umount, refusals, idempotence, drains on every exit path."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import ACPFS, acpfs, is_mounted
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("acpfs: ")
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+def test_help_is_complete():
+    r = acpfs("--help")
+    for cmd in ("mount", "status", "sync", "umount"):
+        assert cmd in r.stdout
+    r = acpfs("mount", "--help")
+    for opt in ("--backing", "--cache-dir", "--cache-size", "--fsync", "--flush-workers", "--log-level",
+                "--log-file", "--allow-other", "--foreground", "ACPFS_"):
+        assert opt in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["mount"], "required"),
+    (["mount", "/nonexistent-mnt", "--backing", "/tmp"], "does not exist"),
+    (["frobnicate"], "invalid choice"),
+    (["sync", "/nonexistent-path"], "does not exist"),
+    (["sync", "/tmp"], "not on an acpfs mount"),
+    (["status", "/tmp"], "not on an acpfs mount"),
+    (["umount", "/tmp"], "not an acpfs mount"),
+    (["sync", "--timeout", "-1"], "negative"),
+])
+def test_usage_errors_are_one_line(args, needle):
+    r = acpfs(*args, check=False)
+    assert needle in one_line_error(r)
+
+
+def test_refused_mounts(make_mount, tmp_path):
+    m = make_mount(mount=False)
+    base = m.args()
+    # missing backing
+    r = acpfs("mount", str(m.mnt), "--backing", str(tmp_path / "nope"), check=False)
+    assert "does not exist" in one_line_error(r)
+    # non-empty mount point
+    (m.mnt / "junk").write_text("x")
+    r = acpfs(*base, check=False)
+    assert "not empty" in one_line_error(r)
+    os.unlink(m.mnt / "junk")
+    # backing inside the mount point, mount point inside the backing
+    (m.mnt / "inner").mkdir()
+    r = acpfs("mount", str(m.mnt), "--backing", str(m.mnt / "inner"), check=False)
+    assert "inside the mount point" in one_line_error(r)
+    os.rmdir(m.mnt / "inner")
+    (m.back / "sub").mkdir()
+    r = acpfs("mount", str(m.back / "sub"), "--backing", str(m.back), check=False)
+    assert "inside the backing" in one_line_error(r)
+    # bad sizes and options
+    r = acpfs(*base[:-2], "--cache-size", "lots", check=False)
+    assert "invalid cache size" in one_line_error(r)
+    r = acpfs(*base, "--flush-workers", "0", check=False)
+    assert "flush-workers" in one_line_error(r)
+    r = acpfs(*base, env={**os.environ, "ACPFS_FSYNC": "sometimes"}, check=False)
+    assert "fsync" in one_line_error(r)
+    assert not is_mounted(m.mnt)
+    # same backing twice
+    m.mount()
+    other = tmp_path / "other-mnt"
+    other.mkdir()
+    r = acpfs("mount", str(other), "--backing", str(m.back), "--cache-size", "64M", check=False)
+    assert "already mounted" in one_line_error(r)
+    assert not is_mounted(other)
+
+
+def test_mount_is_idempotent_and_race_safe(make_mount):
+    m = make_mount(mount=False)
+    procs = [subprocess.Popen(ACPFS + m.args(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], outs
+    assert sum("already mounted" in err for _, err in outs) == 3
+    m.pid = m.status()["pid"]
+    mounts = [line for line in open("/proc/self/mounts") if line.split()[1] == str(m.mnt)]
+    assert len(mounts) == 1
+    r = acpfs(*m.args())
+    assert "already mounted" in r.stderr
+
+
+def test_status_json_schema_and_text(mnt):
+    (mnt.mnt / "f").write_bytes(b"x" * 100000)
+    mnt.sync()
+    with open(mnt.mnt / "open", "wb") as f:
+        f.write(b"y" * 5000)
+        f.flush()
+        doc = json.loads(acpfs("status", str(mnt.mnt), "--json", "--files").stdout)
+        for key in ("version", "mountpoint", "backing", "pid", "cache", "dirty", "flushing", "queue",
+                    "persisted_since_mount", "flush_rate_bytes_per_s", "oldest_dirty_age_s", "errors"):
+            assert key in doc
+        assert doc["version"] == 1
+        assert doc["mountpoint"] == str(mnt.mnt) and doc["backing"] == str(mnt.back)
+        assert doc["dirty"] == {"files": 1, "bytes": 5000}
+        assert doc["cache"]["limit_bytes"] == 256 << 20
+        assert doc["persisted_since_mount"]["files"] >= 1
+        assert doc["oldest_dirty_age_s"] is not None
+        assert {"path": "open", "state": "dirty", "size": 5000} in doc["files"]["files"]
+        text = acpfs("status").stdout
+        assert str(mnt.mnt) in text and "dirty      1 files" in text
+        all_docs = json.loads(acpfs("status", "--json").stdout)
+        assert any(d["mountpoint"] == str(mnt.mnt) for d in all_docs)
+
+
+def test_umount_drains_with_progress(make_mount):
+    m = make_mount()
+    data = os.urandom(64 << 20)
+    for i in range(4):
+        (m.mnt / f"f{i}").write_bytes(data)
+    r = m.umount()
+    assert r.returncode == 0
+    assert not is_mounted(m.mnt)
+    assert "everything is persisted" in r.stderr
+    for i in range(4):
+        assert (m.back / f"f{i}").read_bytes() == data
+    # the daemon has exited and removed its cache
+    assert not m.cache_dir.exists()
+
+
+@pytest.mark.parametrize("how", ["fusermount", "sigterm"])
+def test_plain_unmount_or_sigterm_still_drains(make_mount, how):
+    m = make_mount()
+    data = os.urandom(32 << 20)
+    for i in range(6):
+        (m.mnt / f"f{i}").write_bytes(data)
+    if how == "fusermount":
+        subprocess.run(["fusermount3", "-u", str(m.mnt)], check=True)
+    else:
+        os.kill(m.pid, signal.SIGTERM)
+    deadline = time.time() + 120
+    while time.time() < deadline and os.path.exists(f"/proc/{m.pid}"):
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{m.pid}")
+    assert not is_mounted(m.mnt)
+    for i in range(6):
+        assert (m.back / f"f{i}").read_bytes() == data
+    log = m.log.read_text()
+    assert "all changes persisted" in log
+
+
+def test_sync_path_waits_only_for_that_path_and_reports_open_files(mnt):
+    (mnt.mnt / "d").mkdir()
+    (mnt.mnt / "d" / "a").write_bytes(b"a" * 1000)
+    with open(mnt.mnt / "d" / "open", "wb") as f:
+        f.write(b"unsaved")
+        f.flush()
+        r = acpfs("sync", str(mnt.mnt / "d"), "--timeout", "60")
+        assert "still open for writing" in r.stderr
+        assert (mnt.back / "d" / "a").read_bytes() == b"a" * 1000
+        assert not (mnt.back / "d" / "open").exists()
+    acpfs("sync", str(mnt.mnt / "d" / "open"), "--timeout", "60")
+    assert (mnt.back / "d" / "open").read_bytes() == b"unsaved"
+
+
+def test_state_xattr_per_file(mnt):
+    with open(mnt.mnt / "f", "wb") as f:
+        f.write(b"x")
+        f.flush()
+        out = subprocess.run(["getfattr", "-n", "user.acpfs.state", "--only-values", str(mnt.mnt / "f")],
+                             capture_output=True, text=True, check=True).stdout
+        assert out == "dirty"
+    mnt.sync()
+    assert mnt.state("f") == "persisted"
+    assert mnt.state(".") == "persisted"
+
+
+def test_foreground_mount_logs_to_stderr_and_drains_on_sigint(make_mount):
+    m = make_mount(mount=False)
+    p = subprocess.Popen(ACPFS + m.args() + ["--foreground"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not is_mounted(m.mnt) and time.time() < deadline:
+            time.sleep(0.05)
+        assert is_mounted(m.mnt)
+        m.pid = p.pid
+        (m.mnt / "f").write_bytes(b"x" * 1000000)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0
+        assert "mounted" in err and "all changes persisted" in err
+        assert (m.back / "f").read_bytes() == b"x" * 1000000
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_stale_mount_is_detected_and_cleaned(make_mount):
+    m = make_mount()
+    os.kill(m.pid, signal.SIGKILL)
+    time.sleep(0.5)
+    r = acpfs("status", str(m.mnt), "--json")
+    assert json.loads(r.stdout)["stale"] is True
+    r = acpfs("umount", str(m.mnt))
+    assert "stale" in r.stderr
+    assert not is_mounted(m.mnt)
+    # and mounting again over the same backing works
+    m.mount()
+    assert is_mounted(m.mnt)

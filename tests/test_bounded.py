@@ -1,0 +1,115 @@
+"""Contract 6 (bounded) and contract 9 (safe): RAM use stays under --cache-size; the daemon
+never writes outside the backing root; the cache directory is private."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import threading
+import time
+
+from conftest import acpfs
+
+
+def test_1gib_through_a_64mib_cache(make_mount):
+    m = make_mount(cache_size="64M")
+    limit = 64 << 20
+    peak_seen = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak_seen[0] = max(peak_seen[0], m.status()["cache"]["used_bytes"])
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    digests = {}
+    try:
+        chunk = os.urandom(1 << 20)
+        for i in range(64):                       # 64 files x 16 MiB = 1 GiB
+            h = hashlib.sha256()
+            with open(m.mnt / f"part-{i:02d}", "wb") as f:
+                for j in range(16):
+                    block = bytes([i, j]) + chunk[2:]
+                    f.write(block)
+                    h.update(block)
+            digests[f"part-{i:02d}"] = h.hexdigest()
+    finally:
+        stop.set()
+        sampler.join()
+    m.sync(timeout=300)
+    st = m.status()
+    assert st["cache"]["limit_bytes"] == limit
+    assert st["cache"]["peak_used_bytes"] <= limit
+    assert peak_seen[0] <= limit
+    assert st["cache"]["peak_used_bytes"] > limit // 2   # the cache was really used up
+    # the pool file never grows past the limit
+    assert os.stat(m.cache_dir / "pool").st_size == limit
+    for name, digest in digests.items():
+        with open(m.back / name, "rb") as f:
+            assert hashlib.file_digest(f, "sha256").hexdigest() == digest, name
+    # and the mount still serves every byte (mostly from the backing after eviction)
+    with open(m.mnt / "part-00", "rb") as f:
+        assert hashlib.file_digest(f, "sha256").hexdigest() == digests["part-00"]
+
+
+def test_cache_full_with_nothing_to_free_gives_enospc_not_a_hang(make_mount):
+    m = make_mount(cache_size="4M", extra=("--cache-full-timeout", "2"))
+    start = time.monotonic()
+    err = None
+    try:
+        with open(m.mnt / "huge", "wb") as f:
+            for _ in range(16):
+                f.write(os.urandom(1 << 20))
+                f.flush()
+    except OSError as e:
+        err = e
+    assert err is not None and err.errno == 28   # ENOSPC
+    assert time.monotonic() - start < 60
+    # the mount stays usable afterwards
+    (m.mnt / "small").write_bytes(b"ok")
+    m.sync()
+    assert (m.back / "small").read_bytes() == b"ok"
+
+
+def test_cache_dir_is_private(mnt):
+    assert stat.S_IMODE(os.stat(mnt.cache_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(mnt.cache_dir / "pool").st_mode) == 0o600
+
+
+def test_daemon_never_follows_a_symlink_out_of_the_backing(make_mount, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    m = make_mount()
+    (m.mnt / "d").mkdir()
+    m.sync()
+    # Behind acpfs's back, the backing directory "d" is replaced by a symlink leading out.
+    os.rename(m.back / "d", m.back / "d.real")
+    os.symlink(outside, m.back / "d")
+    (m.mnt / "d" / "secret").write_bytes(b"must not escape")
+    r = acpfs("sync", str(m.mnt), "--timeout", "3", check=False)
+    assert r.returncode == 1 and "timed out" in r.stderr
+    assert os.listdir(outside) == []
+    st = m.status()
+    assert st["errors"] and st["errors"][0]["path"] == "d/secret"
+    assert "ELOOP" in st["errors"][0]["reason"] or "ENOTDIR" in st["errors"][0]["reason"]
+    assert m.state("d/secret").startswith("error: ")
+    # Repairing the backing lets the flusher finish: nothing was lost meanwhile.
+    os.unlink(m.back / "d")
+    os.rename(m.back / "d.real", m.back / "d")
+    m.sync(timeout=120)
+    assert (m.back / "d" / "secret").read_bytes() == b"must not escape"
+    assert os.listdir(outside) == []
+
+
+def test_symlinks_in_the_mount_are_stored_not_followed(mnt, tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    os.symlink(str(outside), mnt.mnt / "escape")
+    os.symlink("../../..", mnt.mnt / "up")
+    mnt.sync()
+    assert os.readlink(mnt.back / "escape") == str(outside)
+    assert os.readlink(mnt.back / "up") == "../../.."
+    assert os.listdir(outside) == []

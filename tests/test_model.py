@@ -18,6 +18,7 @@ rwx on directories and owner rw on files, so that root's permission bypass does 
 
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import itertools
@@ -108,6 +109,7 @@ def guarded(fn):
 
 
 _counter = itertools.count()
+STATS: collections.Counter = collections.Counter()   # what the runs did (shown with -s)
 
 
 def make_machine(m: Mount, ref_root: Path):
@@ -129,6 +131,7 @@ def make_machine(m: Mount, ref_root: Path):
             om = outcome(fn, self.roots[0], 0)
             orf = outcome(fn, self.roots[1], 1)
             note(f"{what} -> {orf}")
+            STATS[f"{what.split()[0]} {orf[0] if orf[0] == 'ok' else orf[1]}"] += 1
             assert om == orf, f"{what}: mount gave {om}, reference gave {orf}"
             return orf
 
@@ -405,6 +408,8 @@ def run_model(make_mount, tmp_path, max_examples: int, steps: int, **mount_kw) -
                                    HealthCheck.function_scoped_fixture,
                                    HealthCheck.data_too_large],
             print_blob=True))
+        print(f"\n{next(_counter)} example directories; outcomes: {dict(sorted(STATS.items()))}")
+        STATS.clear()
         # the daemon must still be healthy after all of it
         st_ = m.status()
         assert st_["errors"] == [], st_["errors"]

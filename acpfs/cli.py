@@ -122,19 +122,29 @@ class Progress:
         self.stream.flush()
 
 
+def bar(fraction: float, width: int = 24) -> str:
+    fraction = min(1.0, max(0.0, fraction))
+    full = int(fraction * width)
+    return "[" + "#" * full + "." * (width - full) + f"] {fraction * 100:3.0f}%"
+
+
 def wait_durable(mountpoint: str, seq: int, timeout: float | None, label: str) -> None:
     """Block until the mount's flusher has applied ``seq``, showing progress."""
     prog = Progress()
     start = time.monotonic()
+    first = None
     while True:
         st = read_status(mountpoint)
         q = st["queue"]
         if q["applied_seq"] >= seq:
             prog.done()
             return
+        if first is None:
+            first = q["applied_seq"]
         left = seq - q["applied_seq"]
         err = st["errors"][0] if st["errors"] else None
-        text = (f"{label}: {left} operations left, {format_size(st['flushing']['bytes'])} queued, "
+        text = (f"{label}: {bar((q['applied_seq'] - first) / max(1, seq - first))} "
+                f"{left} operations left, {format_size(st['flushing']['bytes'])} queued, "
                 f"{format_size(st['flush_rate_bytes_per_s'])}/s")
         if err:
             text += f"; retrying {err['path']}: {err['reason']}"

@@ -419,10 +419,10 @@ def run_model(make_mount, tmp_path, max_examples: int, steps: int, **mount_kw) -
 
 def test_model_default_blocks(make_mount, tmp_path):
     """64K blocks and a roomy cache: nothing is evicted."""
-    run_model(make_mount, tmp_path, max_examples=45, steps=35)
+    run_model(make_mount, tmp_path, max_examples=150, steps=50)
 
 
 def test_model_small_cache(make_mount, tmp_path):
     """4K blocks and a 512K cache: files are evicted and read back from the backing."""
-    run_model(make_mount, tmp_path, max_examples=35, steps=35,
+    run_model(make_mount, tmp_path, max_examples=120, steps=50,
               cache_size="512K", extra=("--block-size", "4K"))

@@ -241,6 +241,10 @@ class Backing:
             os.close(dfd)
 
     # -- file content ------------------------------------------------------------------
+    def create_temp(self, dfd: int, tmpname: bytes) -> int:
+        return os.open(tmpname, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       0o600, dir_fd=dfd)
+
     def write_temp(self, dfd: int, tmpname: bytes, extents: Iterable[tuple[int, int, int]],
                    src_fd: int, size: int, mode: int, uid: int, gid: int, times: tuple[int, int],
                    xattrs: dict[bytes, bytes], should_stop=lambda: False) -> bool:
@@ -250,26 +254,12 @@ class Backing:
         ``src_fd`` (the cache pool); gaps stay holes. Returns False if ``should_stop()``
         became true midway (the temporary file is then removed).
         """
-        fd = os.open(tmpname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600, dir_fd=dfd)
+        fd = self.create_temp(dfd, tmpname)
         ok = False
         try:
-            for foff, soff, length in extents:
-                if should_stop():
-                    return False
-                done = 0
-                while done < length:
-                    os.lseek(fd, foff + done, os.SEEK_SET)
-                    n = os.sendfile(fd, src_fd, soff + done, length - done)
-                    if n == 0:
-                        raise OSError(errno.EIO, "short sendfile from the cache pool")
-                    done += n
-            os.ftruncate(fd, size)
-            self._set_owner_mode(fd, mode, uid, gid)
-            if xattrs:
-                self._apply_xattrs(fd, list(xattrs.items()))
-            os.utime(fd, ns=times)
-            os.fsync(fd)
+            if not self.copy_extents(fd, extents, src_fd, should_stop):
+                return False
+            self.finish_temp(fd, size, mode, uid, gid, times, xattrs)
             ok = True
             return True
         finally:
@@ -277,17 +267,58 @@ class Backing:
             if not ok:
                 self.remove_temp(dfd, tmpname)
 
+    def copy_extents(self, fd: int, extents: Iterable[tuple[int, int, int]], src_fd: int,
+                     should_stop=lambda: False) -> bool:
+        for foff, soff, length in extents:
+            if should_stop():
+                return False
+            done = 0
+            while done < length:
+                os.lseek(fd, foff + done, os.SEEK_SET)
+                n = os.sendfile(fd, src_fd, soff + done, length - done)
+                if n == 0:
+                    raise OSError(errno.EIO, "short sendfile from the cache pool")
+                done += n
+        return True
+
+    def copy_file(self, src_fd: int, dst_fd: int, size: int) -> None:
+        """Copy a backing file into a temporary one (server-side where the filesystem can)."""
+        done = 0
+        while done < size:
+            try:
+                n = os.copy_file_range(src_fd, dst_fd, size - done, done, done)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.lseek(dst_fd, done, os.SEEK_SET)
+                n = os.sendfile(dst_fd, src_fd, done, size - done)
+            if n == 0:
+                break
+            done += n
+
+    def finish_temp(self, fd: int, size: int, mode: int, uid: int, gid: int, times: tuple[int, int],
+                    xattrs: dict[bytes, bytes]) -> None:
+        """Give a temporary file its final size, owner, mode, xattrs and times; fsync it."""
+        os.ftruncate(fd, size)
+        self._set_owner_mode(fd, mode, uid, gid)
+        if xattrs:
+            self._apply_xattrs(fd, list(xattrs.items()))
+        os.utime(fd, ns=times)
+        os.fsync(fd)
+
     def remove_temp(self, dfd: int, tmpname: bytes) -> None:
         try:
             os.unlink(tmpname, dir_fd=dfd)
         except FileNotFoundError:
             pass
 
-    def publish(self, dfd: int, tmpname: bytes, name: bytes) -> None:
+    def publish(self, src_dfd: int, tmpname: bytes, dst_dfd: int, name: bytes) -> None:
         """Atomically move a complete temporary file over its final name."""
         check_name(name)
-        os.rename(tmpname, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        os.fsync(dfd)
+        os.rename(tmpname, name, src_dir_fd=src_dfd, dst_dir_fd=dst_dfd)
+        os.fsync(dst_dfd)
+        if dst_dfd != src_dfd:
+            os.fsync(src_dfd)
 
     # -- helpers -----------------------------------------------------------------------
     def _chown(self, fd: int, uid: int, gid: int) -> None:

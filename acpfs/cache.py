@@ -58,7 +58,7 @@ def now_ns() -> int:
 class Node:
     __slots__ = ("ino", "mode", "uid", "gid", "size", "atime", "mtime", "ctime", "parent", "name",
                  "children", "target", "blocks", "bparent", "bname", "bstale", "writers", "opens",
-                 "nlink", "lookups", "dirty", "dirty_since", "ops", "last_seq", "xattrs")
+                 "nlink", "lookups", "dirty", "dirty_since", "ops", "last_seq", "xattrs", "spill")
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, parent: Node | None, name: bytes) -> None:
         self.ino = ino
@@ -85,6 +85,7 @@ class Node:
         self.ops: list[Op] = []                          # queued publish ops of this file
         self.last_seq = 0
         self.xattrs: dict[bytes, bytes] | None = None    # None: not read from the backing yet
+        self.spill: Spill | None = None                  # content written through to the backing
 
     @property
     def is_dir(self) -> bool:
@@ -99,11 +100,40 @@ class Node:
         return statmod.S_ISLNK(self.mode)
 
 
+class Spill:
+    """A file too large for the cache, written through to a temporary file in the backing.
+
+    ``fd`` is -1 while the cached blocks are still being copied out (writes wait). At the
+    last close the spill is handed to the publish op (``handed``), which owns it from then
+    on: it fsyncs it and renames it over the final name in order, like any upload.
+    """
+    __slots__ = ("dfd", "tmpname", "fd", "handed", "readers", "closing")
+
+    def __init__(self) -> None:
+        self.dfd = -1
+        self.tmpname = b""
+        self.fd = -1
+        self.handed = False
+        self.readers = 0      # reads in flight (FUSE thread, under Cache.lock)
+        self.closing = False  # closed by the last reader when set while reads are in flight
+
+    def close(self) -> None:
+        """Close now, or when the last read in flight ends (hold Cache.lock)."""
+        self.closing = True
+        if self.readers:
+            return
+        for fd in (self.fd, self.dfd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.dfd = -1
+
+
 class Snapshot:
     """An immutable picture of a file taken at its last close: what one upload writes."""
-    __slots__ = ("blocks", "size", "mode", "uid", "gid", "times", "xattrs")
+    __slots__ = ("blocks", "size", "mode", "uid", "gid", "times", "xattrs", "spill")
 
     def __init__(self, node: Node) -> None:
+        self.spill = node.spill
         self.blocks = list(node.blocks or ())
         self.size = node.size
         self.mode = node.mode
@@ -342,9 +372,11 @@ class Cache:
         node.opens += 1
         if writable:
             node.writers += 1   # before truncating: a truncate without writers is published
-            if trunc and (node.size or node.blocks is None):
+            if trunc and node.spill is not None:
+                node.spill = None if node.spill.handed else node.spill
+            if trunc and node.spill is None and (node.size or node.blocks is None):
                 self.truncate(node, 0)
-            assert node.blocks is not None
+            assert node.blocks is not None or node.spill is not None
             with self.lock:
                 self.lru.pop(node.ino, None)
 
@@ -550,6 +582,23 @@ class Cache:
                 self.lru[node.ino] = node
                 self.lru.move_to_end(node.ino)
 
+    def mark_written(self, node: Node, end: int) -> None:
+        """Bookkeeping for a write that went to a spill file."""
+        if end > node.size:
+            node.size = end
+        node.mtime = node.ctime = now_ns()
+        self._mark_dirty(node)
+
+    def spill_candidate(self) -> Node | None:
+        """The largest file open for writing whose cached blocks could go to the backing."""
+        best = None
+        for node in self.dirty_nodes:
+            if node.writers and node.spill is None and node.blocks and node.nlink \
+                    and node.parent is not None and self.present(node.parent):
+                if best is None or len(node.blocks) > len(best.blocks):  # type: ignore[arg-type]
+                    best = node
+        return best
+
     def _mark_dirty(self, node: Node) -> None:
         if not node.dirty:
             node.dirty = True
@@ -561,6 +610,11 @@ class Cache:
 
     def drop(self, node: Node) -> None:
         """Forget the content of an unlinked, closed file."""
+        sp = node.spill
+        if sp is not None:
+            node.spill = None
+            if not sp.handed and self.flusher is not None:
+                self.flusher.discard_spill(sp)
         with self.lock:
             if node.blocks:
                 self.pool.decref(node.blocks)
@@ -582,6 +636,8 @@ class Cache:
         with self.lock:
             snap = Snapshot(node)
             self.pool.incref(snap.blocks)
+            if node.spill is not None:
+                node.spill.handed = True   # the op owns it now; reads still use it
         node.dirty = False
         self.dirty_nodes.discard(node)
         self._enqueue("publish", node, parent=node.parent, name=node.name, snap=snap)

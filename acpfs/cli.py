@@ -533,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     except Failure as e:
         print(f"acpfs: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # e.g. 'acpfs status | head'
+        return 141
     except KeyboardInterrupt:
         print("acpfs: interrupted", file=sys.stderr)
         return 130

@@ -106,6 +106,9 @@ class Flusher:
             if op.kind == "publish":
                 op.node.ops.append(op)
                 self.queued_bytes += op.nbytes
+                sp = op.snap.spill  # type: ignore[union-attr]
+                if sp is not None:
+                    op.dfd, op.tmpname = sp.dfd, sp.tmpname
             self.cond.notify_all()
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> bool:
@@ -182,6 +185,11 @@ class Flusher:
         node.ops.remove(op)
         self.queued_bytes -= op.nbytes
         self.cache.pool.decref(op.snap.blocks)  # type: ignore[union-attr]
+        sp = op.snap.spill  # type: ignore[union-attr]
+        if sp is not None:
+            if node.spill is sp:
+                node.spill = None
+            sp.close()
         if op.state == "done":
             self.persisted_files += 1
             self.persisted_bytes += op.nbytes
@@ -275,6 +283,10 @@ class Flusher:
             def attempt() -> bool:
                 if stopped():
                     return False
+                if snap.spill is not None:  # already in the backing: finish it in place
+                    self.backing.finish_temp(snap.spill.fd, snap.size, snap.mode, snap.uid, snap.gid,
+                                             snap.times, snap.xattrs)
+                    return True
                 with cache.bpos_lock:
                     dfd = self.backing.open_dir(cache.bpath(op.parent))  # type: ignore[arg-type]
                 try:
@@ -316,22 +328,39 @@ class Flusher:
             void = op.state == "void" or not uploaded
             if not void:
                 op.state = "finalizing"
+        spilled = op.snap.spill is not None  # type: ignore[union-attr]
         if void:
             if op.dfd >= 0:
                 self.backing.remove_temp(op.dfd, op.tmpname)
-                os.close(op.dfd)
+                if not spilled:
+                    os.close(op.dfd)
             op.state = "void"
             return
         cache = self.cache
 
         def run() -> None:
             with cache.bpos_lock:
-                self.backing.publish(op.dfd, op.tmpname, op.name)
+                # a spill file sits where the file was when it spilled; move it to where it is now
+                dst = self.backing.open_dir(cache.bpath(op.parent)) if spilled else op.dfd  # type: ignore[arg-type]
+                try:
+                    self.backing.publish(op.dfd, op.tmpname, dst, op.name)
+                finally:
+                    if dst != op.dfd:
+                        os.close(dst)
                 node = op.node
                 node.bparent, node.bname, node.bstale = op.parent, op.name, False
 
         try:
             self._retry(run, op, "publish of")
         finally:
-            os.close(op.dfd)
+            if not spilled:
+                os.close(op.dfd)
         op.state = "done"
+
+    def discard_spill(self, sp) -> None:
+        """Remove the spill file of a file deleted before its last close (in a worker)."""
+        def run() -> None:
+            self.backing.remove_temp(sp.dfd, sp.tmpname)
+            with self.cond:
+                sp.close()
+        self.pool.submit(run)

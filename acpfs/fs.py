@@ -24,7 +24,8 @@ import pyfuse3
 import trio
 
 from . import control
-from .cache import Cache, Node
+from .backing import TEMP_PREFIX, iter_extents
+from .cache import Cache, Node, Spill
 from .pool import PoolFull
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class Operations(pyfuse3.Operations):
         self.dirs: dict[int, list[tuple[bytes, Node]]] = {}
         self._next_fh = 1
         self._locks: dict[int, trio.Lock] = {}
+        self._spilling: dict[int, trio.Event] = {}
         self._full_since = 0.0
 
     # -- helpers -------------------------------------------------------------------------
@@ -130,8 +132,21 @@ class Operations(pyfuse3.Operations):
         return node.xattrs
 
     async def cached(self, node: Node) -> None:
-        """Bring the content of a file into the cache (before it is modified)."""
+        """Bring the content of a file into the cache (before it is modified).
+
+        A file whose last version is a spill still being published is waited for; a file
+        larger than half the cache is copied into a spill file in the backing instead.
+        """
         if node.blocks is not None:
+            return
+        if node.spill is not None:
+            if not node.spill.handed:
+                return
+            await self.wait_seq(node.last_seq)
+        if node.blocks is not None or node.spill is not None:
+            return
+        if node.size > self.cache.pool.size // 2:
+            await self.spill_copy_up(node)
             return
         async with self._lock(node):
             if node.blocks is None:
@@ -163,6 +178,10 @@ class Operations(pyfuse3.Operations):
         while True:
             await trio.sleep(delay)
             delay = min(delay * 2, 0.05)
+            if time.monotonic() - start > 0.2:
+                victim = self.cache.spill_candidate()
+                if victim is not None:
+                    await self.spill(victim)
             try:
                 result = fn()
                 self._full_since = 0.0
@@ -173,6 +192,115 @@ class Operations(pyfuse3.Operations):
                               "(is the backing store failing? see 'acpfs status')",
                               time.monotonic() - start)
                     raise OSError(errno.ENOSPC, "cache full") from None
+
+    async def spill(self, node: Node) -> bool:
+        """Write a large open file through to the backing, freeing its cached blocks.
+
+        Its blocks are copied to a temporary file next to where it will be published; from
+        then on its writes and reads go to that file (at the backing's speed) and its last
+        close hands the file to the flusher, which fsyncs and renames it in order.
+        """
+        cache = self.cache
+        sp = Spill()
+        node.spill = sp
+        ev = self._spilling[node.ino] = trio.Event()
+        with cache.lock:
+            blocks = list(node.blocks or ())
+            cache.pool.incref(blocks)
+        size = node.size
+        parent = node.parent
+        tmp = TEMP_PREFIX + f"{node.ino}-w{time.monotonic_ns()}".encode()
+
+        def run() -> tuple[int, int]:
+            with cache.bpos_lock:
+                dfd = cache.backing.open_dir(cache.bpath(parent))  # type: ignore[arg-type]
+            try:
+                fd = cache.backing.create_temp(dfd, tmp)
+                try:
+                    cache.backing.copy_extents(fd, iter_extents(blocks, size, cache.bs), cache.pool.fd)
+                    os.ftruncate(fd, size)
+                except BaseException:
+                    os.close(fd)
+                    cache.backing.remove_temp(dfd, tmp)
+                    raise
+            except BaseException:
+                os.close(dfd)
+                raise
+            return dfd, fd
+
+        try:
+            sp.dfd, sp.fd = await trio.to_thread.run_sync(run)
+            sp.tmpname = tmp
+            with cache.lock:
+                cache.pool.decref(node.blocks or [])
+                node.blocks = None
+            log.info("cache full: writing %s through to the backing from now on (%d MiB were cached)",
+                     cache.path(node), size >> 20)
+            return True
+        except OSError as e:
+            log.warning("cannot write %s through to the backing (%s); it stays in the cache",
+                        cache.path(node), e)
+            node.spill = None
+            return False
+        finally:
+            cache.release_blocks(blocks)
+            del self._spilling[node.ino]
+            ev.set()
+
+    async def spill_copy_up(self, node: Node) -> None:
+        """Open a file larger than half the cache for writing: copy it into a spill file."""
+        cache = self.cache
+        async with self._lock(node):
+            if node.spill is not None or node.blocks is not None:
+                return
+            tmp = TEMP_PREFIX + f"{node.ino}-w{time.monotonic_ns()}".encode()
+            size = node.size
+
+            def run() -> tuple[int, int]:
+                with cache.bpos_lock:
+                    if node.bparent is None:
+                        raise OSError(errno.EIO, "file lost its backing copy")
+                    comps = cache.bpath(node.bparent)
+                    src = cache.backing.open_file(comps, node.bname)
+                    dfd = cache.backing.open_dir(comps)
+                try:
+                    fd = cache.backing.create_temp(dfd, tmp)
+                    try:
+                        cache.backing.copy_file(src, fd, size)
+                    except BaseException:
+                        os.close(fd)
+                        cache.backing.remove_temp(dfd, tmp)
+                        raise
+                except BaseException:
+                    os.close(dfd)
+                    raise
+                finally:
+                    os.close(src)
+                return dfd, fd
+
+            sp = Spill()
+            sp.dfd, sp.fd = await trio.to_thread.run_sync(run)
+            sp.tmpname = tmp
+            node.spill = sp
+        self._locks.pop(node.ino, None)
+
+    async def _spill_ready(self, node: Node) -> Spill | None:
+        ev = self._spilling.get(node.ino)
+        if ev is not None:
+            await ev.wait()
+        return node.spill
+
+    async def _spill_read(self, sp: Spill, off: int, size: int) -> bytes:
+        lock = self.cache.lock
+        with lock:
+            sp.readers += 1
+        try:
+            return await trio.to_thread.run_sync(os.pread, sp.fd, size, off)
+        finally:
+            with lock:
+                sp.readers -= 1
+                if sp.closing and not sp.readers:
+                    sp.close()
 
     async def wait_seq(self, seq: int) -> None:
         fl = self.cache.flusher
@@ -216,7 +344,13 @@ class Operations(pyfuse3.Operations):
             await self.xattrs_loaded(node)
             if size:
                 await self.cached(node)
-            await self.with_space(lambda: cache.truncate(node, size))
+            sp = await self._spill_ready(node)
+            if sp is not None and not sp.handed:
+                await trio.to_thread.run_sync(os.ftruncate, sp.fd, size)
+                node.size = size
+                cache.mark_written(node, size)
+            else:
+                await self.with_space(lambda: cache.truncate(node, size))
         if fields.update_mode or fields.update_uid or fields.update_gid or fields.update_atime \
                 or fields.update_mtime:
             cache.setattr(node,
@@ -319,6 +453,12 @@ class Operations(pyfuse3.Operations):
             await self.xattrs_loaded(node)
             if not trunc:
                 await self.cached(node)
+            else:
+                sp = await self._spill_ready(node)
+                if sp is not None and not sp.handed:
+                    await trio.to_thread.run_sync(os.ftruncate, sp.fd, 0)
+                    node.size = 0
+                    self.cache.mark_written(node, 0)
         self.cache.open(node, writable, trunc)
         fh = self._new_fh()
         self.handles[fh] = Handle(node, writable)
@@ -341,6 +481,12 @@ class Operations(pyfuse3.Operations):
     async def read(self, fh, off, size):
         h = self.handles[fh]
         node = h.node
+        sp = node.spill
+        if sp is not None and sp.fd >= 0:
+            try:
+                return await self._spill_read(sp, off, size)
+            except OSError as e:
+                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         data = self.cache.read(node, off, size)
         if data is not None:
             self.cache.touch(node)
@@ -369,12 +515,21 @@ class Operations(pyfuse3.Operations):
 
     async def write(self, fh, off, buf):
         node = self.handles[fh].node
+        if node.spill is None:
+            try:
+                return self.cache.write(node, off, buf)
+            except PoolFull:
+                pass
         try:
-            return self.cache.write(node, off, buf)
-        except PoolFull:
-            pass
-        try:
-            return await self.with_space(lambda: self.cache.write(node, off, buf))
+            while True:
+                sp = await self._spill_ready(node)
+                if sp is not None:
+                    n = await trio.to_thread.run_sync(os.pwrite, sp.fd, buf, off)
+                    self.cache.mark_written(node, off + n)
+                    return n
+                n = await self.with_space(lambda: None if node.spill else self.cache.write(node, off, buf))
+                if n is not None:
+                    return n
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import subprocess
 import threading
 import time
 
@@ -55,12 +56,42 @@ def test_1gib_through_a_64mib_cache(make_mount):
         assert hashlib.file_digest(f, "sha256").hexdigest() == digests["part-00"]
 
 
+def test_files_larger_than_the_cache_are_written_through(make_mount, tmp_path):
+    m = make_mount(cache_size="4M")
+    srcs = []
+    for i in range(4):
+        src = tmp_path / f"src{i}"
+        src.write_bytes(os.urandom((24 + 8 * i) << 20))
+        srcs.append(src)
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(96 << 20))
+    # one file 24x the cache, then 4 writers in parallel, each larger than the cache
+    subprocess.run(["dd", f"if={big}", f"of={m.mnt / 'big'}", "bs=1M", "status=none"], check=True)
+    procs = [subprocess.Popen(["cp", str(s), str(m.mnt / s.name)]) for s in srcs]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0, 0]
+    assert (m.mnt / "big").read_bytes() == big.read_bytes()
+    with open(m.mnt / "big", "ab") as f:          # reopened for appending: still larger than the cache
+        f.write(b"tail")
+    m.sync(timeout=300)
+    assert (m.back / "big").read_bytes() == big.read_bytes() + b"tail"
+    for s in srcs:
+        assert (m.back / s.name).read_bytes() == s.read_bytes()
+    assert m.status()["cache"]["peak_used_bytes"] <= 4 << 20
+    assert not [n for n in os.listdir(m.back) if n.startswith(".acpfs-tmp-")]
+
+
 def test_cache_full_with_nothing_to_free_gives_enospc_not_a_hang(make_mount):
     m = make_mount(cache_size="4M", extra=("--cache-full-timeout", "2"))
+    (m.mnt / "d").mkdir()
+    m.sync()
+    # The backing directory becomes unusable (a symlink the daemon refuses to follow), so
+    # nothing can be flushed or written through: writers must get ENOSPC, not hang.
+    os.rename(m.back / "d", m.back / "d.real")
+    os.symlink("d.real", m.back / "d")
     start = time.monotonic()
     err = None
     try:
-        with open(m.mnt / "huge", "wb") as f:
+        with open(m.mnt / "d" / "huge", "wb") as f:
             for _ in range(16):
                 f.write(os.urandom(1 << 20))
                 f.flush()
@@ -68,10 +99,14 @@ def test_cache_full_with_nothing_to_free_gives_enospc_not_a_hang(make_mount):
         err = e
     assert err is not None and err.errno == 28   # ENOSPC
     assert time.monotonic() - start < 60
-    # the mount stays usable afterwards
+    # the mount stays usable afterwards, and once the backing is repaired everything lands
     (m.mnt / "small").write_bytes(b"ok")
+    assert (m.mnt / "small").read_bytes() == b"ok"
+    os.unlink(m.back / "d")
+    os.rename(m.back / "d.real", m.back / "d")
     m.sync()
     assert (m.back / "small").read_bytes() == b"ok"
+    assert (m.back / "d" / "huge").stat().st_size == (m.mnt / "d" / "huge").stat().st_size
 
 
 def test_cache_dir_is_private(mnt):

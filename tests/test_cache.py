@@ -1,0 +1,108 @@
+"""The cache and flusher without a mount: block pool, copy-on-write snapshots, eviction, order."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from acpfs.backing import Backing
+from acpfs.cache import Cache
+from acpfs.flusher import Flusher
+from acpfs.pool import Pool, PoolFull
+
+BS = 4096
+
+
+@pytest.fixture
+def core(tmp_path):
+    back = tmp_path / "back"
+    back.mkdir()
+    pool = Pool(str(tmp_path / "pool"), 64 * BS, BS)
+    backing = Backing(str(back))
+    cache = Cache(backing, pool)
+    flusher = Flusher(cache, backing, workers=2)
+    cache.flusher = flusher
+    flusher.start()
+    cache.attach_listing(cache.root, cache.list_backing(cache.root))
+    yield cache, flusher, back
+    flusher.stop(drain=True, timeout=30)
+    pool.close()
+    backing.close()
+
+
+def drain(flusher: Flusher, seq: int) -> None:
+    deadline = time.time() + 30
+    while flusher.applied_seq < seq:
+        assert time.time() < deadline, "flusher did not drain"
+        time.sleep(0.005)
+
+
+def write_file(cache: Cache, name: bytes, data: bytes):
+    node = cache.create(cache.root, name, 0o644, 0, 0)
+    cache.open(node, True, False)
+    cache.write(node, 0, data)
+    return node
+
+
+def test_snapshot_is_immune_to_later_writes(core):
+    cache, flusher, back = core
+    node = write_file(cache, b"f", b"A" * (3 * BS))
+    with cache.bpos_lock:        # hold the flusher so the snapshot stays queued
+        cache.release(node, True)
+        cache.open(node, True, False)
+        cache.write(node, BS, b"B" * BS)   # must copy the shared block, not change the snapshot
+    cache.release(node, True)
+    drain(flusher, cache.seq)
+    assert (back / "f").read_bytes() == b"A" * BS + b"B" * BS + b"A" * BS
+    assert cache.pool.used_blocks == 3     # the copies of the snapshot were freed
+
+
+def test_truncate_zeroes_the_tail_so_growth_shows_zeros(core):
+    cache, flusher, back = core
+    node = write_file(cache, b"t", b"x" * 5000)
+    cache.truncate(node, 10)
+    cache.truncate(node, 6000)
+    assert bytes(cache.read(node, 0, 6000)) == b"x" * 10 + bytes(5990)
+
+
+def test_full_pool_evicts_persisted_files_first(core):
+    cache, flusher, back = core
+    a = write_file(cache, b"a", b"a" * (40 * BS))
+    cache.release(a, True)
+    drain(flusher, cache.seq)
+    b = write_file(cache, b"b", b"b" * (40 * BS))    # needs a's blocks: a is evicted
+    assert a.blocks is None and cache.read(a, 0, 1) is None   # now read from the backing
+    with pytest.raises(PoolFull):
+        cache.write(b, 40 * BS, b"c" * (30 * BS))    # nothing evictable left: the caller waits
+    assert b.size == 40 * BS                          # and nothing was written
+    cache.release(b, True)
+    drain(flusher, cache.seq)
+    assert (back / "b").read_bytes() == b"b" * (40 * BS)
+
+
+def test_unlinked_before_persisted_is_never_uploaded(core):
+    cache, flusher, back = core
+    with cache.bpos_lock:        # hold the flusher back
+        node = write_file(cache, b"gone", b"g" * BS)
+        cache.release(node, True)
+        cache.unlink(cache.root, b"gone")
+    drain(flusher, cache.seq)
+    assert not (back / "gone").exists()
+    assert not [n for n in os.listdir(back) if n.startswith(".acpfs-tmp-")]
+    assert cache.pool.used_blocks == 0
+
+
+def test_rename_of_unsaved_file_keeps_old_bytes_until_new_ones_land(core):
+    cache, flusher, back = core
+    old = write_file(cache, b"latest", b"old")
+    cache.release(old, True)
+    drain(flusher, cache.seq)
+    new = write_file(cache, b"latest.tmp", b"new")   # still open: not in the backing
+    cache.rename(cache.root, b"latest.tmp", cache.root, b"latest")
+    drain(flusher, cache.seq)
+    assert (back / "latest").read_bytes() == b"old" and not (back / "latest.tmp").exists()
+    cache.release(new, True)
+    drain(flusher, cache.seq)
+    assert (back / "latest").read_bytes() == b"new"

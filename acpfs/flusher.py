@@ -153,6 +153,8 @@ class Flusher:
                     self._launch()
                     op = self.queue[0]
                 self._apply(op)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("%s %s: %s (seq %d)", op.kind, op.path, op.state, op.seq)
                 with self.cond:
                     self.queue.popleft()
                     self.applied_seq = op.seq

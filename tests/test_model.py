@@ -466,3 +466,11 @@ def test_model_small_cache(make_mount, tmp_path):
     """4K blocks and a 512K cache: files are evicted and read back from the backing."""
     run_model(make_mount, tmp_path, max_examples=120, steps=50,
               cache_size="512K", extra=("--block-size", "4K"))
+
+
+def test_model_tiny_cache(make_mount, tmp_path):
+    """4K blocks and a 64K cache (16 blocks): most writes overflow the cache, so open files
+    are written through to the backing (spilled) and large files are copied up into spill
+    files. A stall shows up as ENOSPC after 30 s, which the reference never returns."""
+    run_model(make_mount, tmp_path, max_examples=int(os.environ.get("TINY_N", 60)), steps=40, cache_size="64K",
+              extra=("--block-size", "4K", "--cache-full-timeout", "30"))

@@ -47,6 +47,15 @@ class RandomSource:
         return head + self.buf[offset + len(head):offset + size]
 
 
+def sync_noraise(m) -> Exception | None:
+    """``m.sync()``, returning its failure so that the watcher's findings are reported first."""
+    try:
+        m.sync()
+    except Exception as e:  # AssertionError, or subprocess.TimeoutExpired
+        return e
+    return None
+
+
 class Poller(threading.Thread):
     """Runs ``poll`` in a tight loop until stopped, then once more; records exceptions."""
 
@@ -193,11 +202,12 @@ def test_pointer_never_ahead_of_checkpoint(make_mount):
             with open(m.mnt / "latest", "w") as f:
                 f.write(name + "\n")
             assert (m.mnt / "latest").read_text() == name + "\n"
-        m.sync()
+        sync_error = sync_noraise(m)
     finally:
         watcher.finish()
 
     assert violations == [], "\n".join(violations[:20])
+    assert sync_error is None, sync_error
     # the test saw the protocol in action, not just the end state
     assert stats["latest_seen"] >= 3, stats
     assert len(stats["latest_values"]) >= 2, stats
@@ -271,7 +281,7 @@ def test_overwrite_large_file_old_or_new(make_mount):
         finally:
             os.close(fd)
         assert (m.mnt / "model.bin").read_bytes() == v[2]
-        m.sync()
+        sync_error = sync_noraise(m)
         n = len(seen)
         deadline = time.time() + 30
         while len(seen) < n + 2 and time.time() < deadline:
@@ -280,6 +290,7 @@ def test_overwrite_large_file_old_or_new(make_mount):
         reader.finish()
 
     assert violations == [], violations[:20]
+    assert sync_error is None, sync_error
     assert seen[0] == 0 and seen[-1] == 2, seen
     assert len(seen) >= 4, seen
     assert (m.back / "model.bin").read_bytes() == v[2]
@@ -317,7 +328,7 @@ def test_overwrite_small_pointer_many_times(make_mount):
                     os.close(fd)
             if i % 50 == 0:
                 time.sleep(0.05)   # let the flusher catch up now and then
-        m.sync()
+        sync_error = sync_noraise(m)
         n = len(seen)
         deadline = time.time() + 30
         while len(seen) < n + 2 and time.time() < deadline:
@@ -326,6 +337,7 @@ def test_overwrite_small_pointer_many_times(make_mount):
         reader.finish()
 
     assert violations == [], violations[:20]
+    assert sync_error is None, sync_error
     assert seen[-1] == len(contents) - 1
     assert len(set(seen)) >= 3, "the reader saw too few versions to prove anything"
     assert back.read_bytes() == contents[-1]
@@ -389,13 +401,14 @@ def test_file_deleted_before_persist_never_reaches_backing(make_mount):
         keeper = src.make("keeper", 1 * MiB + 3, 6)
         (m.mnt / "sub" / "keeper.bin").write_bytes(keeper)
         assert m.state("blocker.bin") in ("flushing", "persisted")
-        m.sync()
+        sync_error = sync_noraise(m)
     finally:
         watcher.finish()
 
     assert watcher.polls >= 5
     leaked = sorted(seen_names & set(ephemeral))
     assert leaked == [], f"deleted-before-persist files appeared in the backing: {leaked}"
+    assert sync_error is None, sync_error
     assert {"blocker.bin", "sub", "sub/keeper.bin"} <= seen_names
     assert sorted(os.listdir(m.back)) == ["blocker.bin", "sub"]
     assert os.listdir(m.back / "sub") == ["keeper.bin"]   # no temporary files left either

@@ -7,6 +7,7 @@ and from the backing path, so a torn, stale, reordered or lost write fails it.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -73,8 +74,11 @@ def free_port() -> int:
 
 # -- torch.save / torch.load -------------------------------------------------------------------
 
-def test_torch_save_load_and_mmap(make_mount):
-    m = make_mount(cache_size="512M")
+@pytest.mark.parametrize("cache_size", ["512M", "48M"], ids=["ram", "spill"])
+def test_torch_save_load_and_mmap(make_mount, cache_size):
+    """In the ``spill`` case the checkpoint is larger than the cache: it is written through to
+    the backing while torch.save runs, and read back from there."""
+    m = make_mount(cache_size=cache_size)
     ref = make_state(1)
     nested = {"model": ref, "epoch": 3, "note": "acpfs"}
     path = m.mnt / "model.pt"
@@ -160,10 +164,10 @@ def test_distributed_checkpoint_gloo(make_mount, tmp_path):
 
     m = make_mount(cache_size="512M")
     assert not dist.is_initialized()
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=__import__("datetime").timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        assert dist.get_world_size() == 1
+        assert dist.get_world_size() == 1 and dist.get_backend() == "gloo"
         ref = make_state(3)
         extra = {"step": torch.tensor(1234), "lr": torch.tensor(3e-4, dtype=torch.float64)}
         sd = {"model": {k: v.clone() for k, v in ref.items()}, "extra": {k: v.clone() for k, v in extra.items()}}

@@ -24,6 +24,10 @@ from typing import Iterable, Iterator
 log = logging.getLogger(__name__)
 
 TEMP_PREFIX = b".acpfs-tmp-"
+# Files written through (too large for the cache) are staged here, at the backing root, so
+# that renaming or removing their directory on the mount never touches them; the final
+# rename into place is still atomic (same filesystem).
+SPILL_DIR = TEMP_PREFIX + b"spill"
 IS_ROOT = os.geteuid() == 0
 
 Comps = list[bytes]
@@ -82,6 +86,20 @@ class Backing:
             return out
         finally:
             os.close(fd)
+
+    def open_spill_dir(self) -> int:
+        try:
+            os.mkdir(SPILL_DIR, 0o700, dir_fd=self.root_fd)
+        except FileExistsError:
+            pass
+        return os.open(SPILL_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       dir_fd=self.root_fd)
+
+    def remove_spill_dir(self) -> None:
+        try:
+            os.rmdir(SPILL_DIR, dir_fd=self.root_fd)
+        except OSError:
+            pass
 
     def stat_root(self) -> os.stat_result:
         return os.fstat(self.root_fd)

@@ -40,7 +40,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from .backing import Backing, check_name
+from .backing import Backing, check_name, is_temp_name
 from .pool import Pool, PoolFull
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def now_ns() -> int:
 class Node:
     __slots__ = ("ino", "mode", "uid", "gid", "size", "atime", "mtime", "ctime", "parent", "name",
                  "children", "target", "blocks", "bparent", "bname", "bstale", "writers", "opens",
-                 "nlink", "lookups", "dirty", "dirty_since", "ops", "last_seq", "xattrs", "spill")
+                 "nlink", "lookups", "dirty", "dirty_since", "ops", "last_seq", "xattrs", "spill", "bgen")
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, parent: Node | None, name: bytes) -> None:
         self.ino = ino
@@ -86,6 +86,7 @@ class Node:
         self.last_seq = 0
         self.xattrs: dict[bytes, bytes] | None = None    # None: not read from the backing yet
         self.spill: Spill | None = None                  # content written through to the backing
+        self.bgen = 0                                    # count of versions published (reader fds)
 
     @property
     def is_dir(self) -> bool:
@@ -147,6 +148,12 @@ def err(code: int, msg: str = "") -> OSError:
     return OSError(code, msg or os.strerror(code))
 
 
+def check_not_reserved(name: bytes) -> None:
+    """Names of acpfs's own temporary files cannot be created through the mount."""
+    if is_temp_name(name):
+        raise err(errno.EPERM, "names starting with .acpfs- are reserved")
+
+
 class Cache:
     def __init__(self, backing: Backing, pool: Pool) -> None:
         self.backing = backing
@@ -204,9 +211,6 @@ class Cache:
         kids: dict[bytes, Node] = {}
         for name, st, target in listing:
             fmt = statmod.S_IFMT(st.st_mode)
-            if fmt not in (statmod.S_IFREG, statmod.S_IFDIR, statmod.S_IFLNK):
-                log.debug("ignoring special file %r in the backing", name)
-                continue
             child = self._new_node(st.st_mode, st.st_uid, st.st_gid, node, name)
             child.size = st.st_size
             self._stat_times(child, st)
@@ -239,6 +243,7 @@ class Cache:
 
     def _free_name(self, parent: Node, name: bytes) -> dict[bytes, Node]:
         check_name(name)
+        check_not_reserved(name)
         if len(name) > 255:
             raise err(errno.ENAMETOOLONG)
         kids = parent.children
@@ -283,8 +288,9 @@ class Cache:
         node = self.lookup(parent, name)
         if node.is_dir:
             raise err(errno.EISDIR)
+        path = self.path(node)
         self._remove(parent, name, node)
-        self._enqueue("unlink", node, parent=parent, name=name)
+        self._enqueue("unlink", node, parent=parent, name=name, path=path)
 
     def rmdir(self, parent: Node, name: bytes) -> None:
         node = self.lookup(parent, name)
@@ -293,8 +299,9 @@ class Cache:
         assert node.children is not None, "directory not loaded"
         if node.children:
             raise err(errno.ENOTEMPTY)
+        path = self.path(node)
         self._remove(parent, name, node)
-        self._enqueue("rmdir", node, parent=parent, name=name)
+        self._enqueue("rmdir", node, parent=parent, name=name, path=path)
 
     def _remove(self, parent: Node, name: bytes, node: Node) -> None:
         del parent.children[name]  # type: ignore[union-attr]
@@ -310,6 +317,7 @@ class Cache:
         kids2 = p2.children
         assert kids2 is not None, "directory not loaded"
         check_name(n2)
+        check_not_reserved(n2)
         if len(n2) > 255:
             raise err(errno.ENAMETOOLONG)
         target = kids2.get(n2)
@@ -388,6 +396,11 @@ class Cache:
                 if node.dirty and node.nlink:
                     self.snapshot(node)
                 else:
+                    sp = node.spill
+                    if sp is not None and not sp.handed:   # opened for writing, never written
+                        node.spill = None
+                        assert self.flusher is not None
+                        self.flusher.discard_spill(sp)
                     self._maybe_evictable(node)
         if node.opens == 0 and node.nlink == 0:
             self.drop(node)
@@ -540,8 +553,12 @@ class Cache:
             self.snapshot(node)
 
     def fsync_snapshot(self, node: Node) -> int:
-        """For ``--fsync backing``: queue the current content now; returns the seq to wait for."""
-        if node.dirty and node.nlink:
+        """For ``--fsync backing``: queue the current content now; returns the seq to wait for.
+
+        A file being written through (spill) is published at its last close; its fsync
+        only makes the data written so far durable in its temporary file (see fs.fsync).
+        """
+        if node.dirty and node.nlink and node.spill is None:
             self.snapshot(node)
         return node.last_seq
 
@@ -589,12 +606,12 @@ class Cache:
         node.mtime = node.ctime = now_ns()
         self._mark_dirty(node)
 
-    def spill_candidate(self) -> Node | None:
+    def spill_candidate(self, exclude=()) -> Node | None:
         """The largest file open for writing whose cached blocks could go to the backing."""
         best = None
         for node in self.dirty_nodes:
             if node.writers and node.spill is None and node.blocks and node.nlink \
-                    and node.parent is not None and self.present(node.parent):
+                    and node.ino not in exclude:
                 if best is None or len(node.blocks) > len(best.blocks):  # type: ignore[arg-type]
                     best = node
         return best
@@ -642,6 +659,13 @@ class Cache:
         self.dirty_nodes.discard(node)
         self._enqueue("publish", node, parent=node.parent, name=node.name, snap=snap)
 
+    def snapshot_open_files(self) -> int:
+        """At shutdown: queue every file with unsaved changes, open or not. Returns the count."""
+        nodes = [n for n in self.dirty_nodes if n.nlink and n.is_reg]
+        for node in nodes:
+            self.snapshot(node)
+        return len(nodes)
+
     def _cancel(self, node: Node) -> None:
         """The node left the namespace: its queued uploads are not needed any more."""
         if node.ops:
@@ -652,10 +676,10 @@ class Cache:
         node.dirty = False
         self.dirty_nodes.discard(node)
 
-    def _enqueue(self, kind: str, node: Node, **kw) -> None:
+    def _enqueue(self, kind: str, node: Node, path: str | None = None, **kw) -> None:
         from .flusher import Op
         self.seq += 1
-        op = Op(self.seq, kind, node, path=self.path(node), **kw)
+        op = Op(self.seq, kind, node, path=path or self.path(node), **kw)
         node.last_seq = self.seq
         for d in (kw.get("parent"), kw.get("src")):
             if d is not None:

@@ -213,6 +213,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
         os.makedirs(os.path.dirname(cache_dir), mode=0o700, exist_ok=True)
         cache_size = parse_size(cache_size_text, "cache size") if cache_size_text \
             else default_cache_size(os.path.dirname(cache_dir))
+        check_cache_fits(cache_size, os.path.dirname(cache_dir))
         if cache_size < block_size * 16:
             raise UsageError(f"cache size {cache_size_text} is too small: at least {format_size(block_size * 16)}")
         log_file = a.log_file or env("log_file") or default_log_file(mountpoint)
@@ -227,6 +228,18 @@ def cmd_mount(a: argparse.Namespace) -> int:
         return start_daemon(opts, lock)
     finally:
         lock.close()
+
+
+def check_cache_fits(size: int, where: str) -> None:
+    from .config import total_ram
+    ram = total_ram()
+    if size > ram * 0.9:
+        raise UsageError(f"cache size {format_size(size)} is more than 90% of RAM ({format_size(ram)})")
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise UsageError(f"cache size {format_size(size)} does not fit in {where} "
+                         f"({format_size(free)} free)")
 
 
 def int_env(name: str, default: int) -> int:
@@ -391,8 +404,11 @@ def cmd_sync(a: argparse.Namespace) -> int:
         if not os.path.lexists(a.path):
             raise UsageError(f"{a.path} does not exist")
         mount = mount_of(a.path)
+        target = a.path
+        if os.path.islink(target):   # no user xattrs on symlinks: ask the directory holding it
+            target = os.path.dirname(os.path.abspath(target))
         try:
-            info = json.loads(os.getxattr(a.path, "user.acpfs.seq", follow_symlinks=False))
+            info = json.loads(os.getxattr(target, "user.acpfs.seq"))
         except OSError as e:
             raise Failure(f"cannot sync {a.path}: {e.strerror}") from None
         if info["open_dirty"]:
@@ -400,10 +416,17 @@ def cmd_sync(a: argparse.Namespace) -> int:
                   f"their data is persisted after they are closed", file=sys.stderr)
         wait_durable(mount, info["seq"], a.timeout, f"sync {a.path}")
         return 0
+    targets = []
+    stale = []
     for mount in acpfs_mounts():
-        seq = read_status(mount)["queue"]["last_seq"]
+        if is_stale(mount):
+            stale.append(mount)
+            print(f"acpfs: sync: skipping {mount}: its daemon is gone (stale mount)", file=sys.stderr)
+            continue
+        targets.append((mount, read_status(mount)["queue"]["last_seq"]))
+    for mount, seq in targets:
         wait_durable(mount, seq, a.timeout, f"sync {mount}")
-    return 0
+    return 1 if stale else 0
 
 
 def cmd_umount(a: argparse.Namespace) -> int:

@@ -132,11 +132,19 @@ def run(opts: Options, notify: Callable[[str], None]) -> int:
 
     try:
         trio.run(serve)
+    except BaseException:
+        log.exception("the FUSE loop failed; persisting what is cached before exiting")
     finally:
         pyfuse3.close(unmount=True)
-    log.info("unmounted %s", opts.mountpoint)
-    drained = drain(flusher)
+        log.info("unmounted %s", opts.mountpoint)
+        n = cache.snapshot_open_files()
+        if n:
+            log.warning("%d files were still open for writing at unmount; persisting what was "
+                        "written to them", n)
+        drained = drain(flusher)
     pool.close()
+    if drained:
+        backing.remove_spill_dir()
     backing.close()
     if drained:
         shutil.rmtree(opts.cache_dir, ignore_errors=True)
@@ -165,6 +173,9 @@ def drain(flusher) -> bool:
     while not stop.is_set():
         if flusher.stop(drain=True, timeout=0.2):
             return True
+        if not flusher.thread.is_alive():
+            log.error("the flusher died with %d operations left", len(flusher.queue))
+            return False
         if time.monotonic() - last > 5:
             last = time.monotonic()
             failing = flusher.failing_op()

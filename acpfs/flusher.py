@@ -125,12 +125,10 @@ class Flusher:
         return not self.queue
 
     def failing_op(self) -> Op | None:
-        q = self.queue
-        if q and q[0].error:
-            return q[0]
-        for op in itertools.islice(q, 0, self.window):
-            if op.error:
-                return op
+        with self.cond:
+            for op in itertools.islice(self.queue, 0, self.window):
+                if op.error:
+                    return op
         return None
 
     def rate(self) -> float:
@@ -259,7 +257,15 @@ class Flusher:
         """Apply a rename (hold bpos_lock). See docs/design.md, 'renames of unsaved files'."""
         cache = self.cache
         node, dst, name, replaced = op.node, op.parent, op.name, op.replaced
-        if node.bparent is not None:
+        if node.bparent is not None and node.bstale:
+            # Old bytes of another file stand under this node's name; they must not travel to
+            # a name that never held them. Drop them; the node's own snapshot comes later.
+            self.backing.unlink(cache.bpath(node.bparent), node.bname, False)
+            node.bparent, node.bstale = None, False
+            if replaced is not None and replaced.bparent is dst and replaced.bname == name:
+                node.bparent, node.bname, node.bstale = dst, name, True
+                replaced.bparent = None
+        elif node.bparent is not None:
             self.backing.rename(cache.bpath(node.bparent), node.bname, cache.bpath(dst), name)
             node.bparent, node.bname = dst, name
             if replaced is not None and replaced.bparent is dst and replaced.bname == name:
@@ -351,6 +357,7 @@ class Flusher:
                         os.close(dst)
                 node = op.node
                 node.bparent, node.bname, node.bstale = op.parent, op.name, False
+                node.bgen += 1
 
         try:
             self._retry(run, op, "publish of")

@@ -53,12 +53,13 @@ def fuse_errors(fn: Callable) -> Callable:
 
 
 class Handle:
-    __slots__ = ("node", "writable", "bfd")
+    __slots__ = ("node", "writable", "bfd", "bgen")
 
     def __init__(self, node: Node, writable: bool) -> None:
         self.node = node
         self.writable = writable
-        self.bfd = -1
+        self.bfd = -1    # backing copy, for files not in the cache
+        self.bgen = 0    # Node.bgen when bfd was opened
 
 
 class Operations(pyfuse3.Operations):
@@ -74,6 +75,7 @@ class Operations(pyfuse3.Operations):
         self._next_fh = 1
         self._locks: dict[int, trio.Lock] = {}
         self._spilling: dict[int, trio.Event] = {}
+        self._spill_failed: dict[int, float] = {}
         self._full_since = 0.0
 
     # -- helpers -------------------------------------------------------------------------
@@ -137,6 +139,7 @@ class Operations(pyfuse3.Operations):
         A file whose last version is a spill still being published is waited for; a file
         larger than half the cache is copied into a spill file in the backing instead.
         """
+        await self.settle(node)
         if node.blocks is not None:
             return
         if node.spill is not None:
@@ -179,7 +182,11 @@ class Operations(pyfuse3.Operations):
             await trio.sleep(delay)
             delay = min(delay * 2, 0.05)
             if time.monotonic() - start > 0.2:
-                victim = self.cache.spill_candidate()
+                now = time.monotonic()
+                for ino, when in list(self._spill_failed.items()):
+                    if now - when > 10:   # let a failed write-through be tried again later
+                        del self._spill_failed[ino]
+                victim = self.cache.spill_candidate(exclude=self._spill_failed)
                 if victim is not None:
                     await self.spill(victim)
             try:
@@ -193,32 +200,25 @@ class Operations(pyfuse3.Operations):
                               time.monotonic() - start)
                     raise OSError(errno.ENOSPC, "cache full") from None
 
-    async def spill(self, node: Node) -> bool:
-        """Write a large open file through to the backing, freeing its cached blocks.
+    async def _stage(self, node: Node, fill: Callable[[int], None], why: str) -> Spill | None:
+        """Create a spill file for ``node`` in the backing's staging directory.
 
-        Its blocks are copied to a temporary file next to where it will be published; from
-        then on its writes and reads go to that file (at the backing's speed) and its last
-        close hands the file to the flusher, which fsyncs and renames it in order.
+        ``fill(fd)`` runs in a worker thread and writes the file's current content. While it
+        runs, ``_spilling`` holds an event that every request changing the node waits for
+        (``settle``); the node only gets its spill once the file is complete, and only if
+        nothing replaced its content meanwhile. Returns None if staging failed.
         """
         cache = self.cache
-        sp = Spill()
-        node.spill = sp
         ev = self._spilling[node.ino] = trio.Event()
-        with cache.lock:
-            blocks = list(node.blocks or ())
-            cache.pool.incref(blocks)
-        size = node.size
-        parent = node.parent
         tmp = TEMP_PREFIX + f"{node.ino}-w{time.monotonic_ns()}".encode()
+        blocks_before = node.blocks
 
         def run() -> tuple[int, int]:
-            with cache.bpos_lock:
-                dfd = cache.backing.open_dir(cache.bpath(parent))  # type: ignore[arg-type]
+            dfd = cache.backing.open_spill_dir()
             try:
                 fd = cache.backing.create_temp(dfd, tmp)
                 try:
-                    cache.backing.copy_extents(fd, iter_extents(blocks, size, cache.bs), cache.pool.fd)
-                    os.ftruncate(fd, size)
+                    fill(fd)
                 except BaseException:
                     os.close(fd)
                     cache.backing.remove_temp(dfd, tmp)
@@ -229,70 +229,87 @@ class Operations(pyfuse3.Operations):
             return dfd, fd
 
         try:
-            sp.dfd, sp.fd = await trio.to_thread.run_sync(run)
-            sp.tmpname = tmp
-            with cache.lock:
-                cache.pool.decref(node.blocks or [])
-                node.blocks = None
-            log.info("cache full: writing %s through to the backing from now on (%d MiB were cached)",
-                     cache.path(node), size >> 20)
-            return True
-        except OSError as e:
-            log.warning("cannot write %s through to the backing (%s); it stays in the cache",
-                        cache.path(node), e)
-            node.spill = None
-            return False
+            try:
+                dfd, fd = await trio.to_thread.run_sync(run)
+            except OSError as e:
+                log.warning("cannot %s %s (%s); it stays in the cache", why, cache.path(node), e)
+                return None
+            sp = Spill()
+            sp.dfd, sp.fd, sp.tmpname = dfd, fd, tmp
+            if node.spill is not None or node.blocks is not blocks_before or node.nlink == 0:
+                self.cache.flusher.discard_spill(sp)  # type: ignore[union-attr]
+                return None
+            node.spill = sp
+            return sp
         finally:
-            cache.release_blocks(blocks)
             del self._spilling[node.ino]
             ev.set()
+
+    async def settle(self, node: Node) -> None:
+        """Wait until no spill file is being built for ``node``."""
+        ev = self._spilling.get(node.ino)
+        while ev is not None:
+            await ev.wait()
+            ev = self._spilling.get(node.ino)
+
+    async def spill(self, node: Node) -> bool:
+        """Write a large open file through to the backing, freeing its cached blocks.
+
+        Its blocks are copied to a staging file in the backing; from then on its writes and
+        reads go to that file (at the backing's speed) and its last close hands the file to
+        the flusher, which fsyncs it and renames it over the final name, in order.
+        """
+        cache = self.cache
+        if node.ino in self._spilling or node.ino in self._spill_failed:
+            return False
+        with cache.lock:
+            blocks = list(node.blocks or ())
+            cache.pool.incref(blocks)
+        size = node.size
+
+        def fill(fd: int) -> None:
+            cache.backing.copy_extents(fd, iter_extents(blocks, size, cache.bs), cache.pool.fd)
+            os.ftruncate(fd, size)
+
+        try:
+            sp = await self._stage(node, fill, "write through")
+        finally:
+            cache.release_blocks(blocks)
+        if sp is None:
+            self._spill_failed[node.ino] = time.monotonic()
+            return False
+        with cache.lock:
+            cache.pool.decref(node.blocks or [])
+            node.blocks = None
+        log.info("cache full: writing %s through to the backing from now on (%d MiB were cached)",
+                 cache.path(node), size >> 20)
+        return True
 
     async def spill_copy_up(self, node: Node) -> None:
         """Open a file larger than half the cache for writing: copy it into a spill file."""
         cache = self.cache
-        async with self._lock(node):
-            if node.spill is not None or node.blocks is not None:
-                return
-            tmp = TEMP_PREFIX + f"{node.ino}-w{time.monotonic_ns()}".encode()
-            size = node.size
+        size = node.size
 
-            def run() -> tuple[int, int]:
-                with cache.bpos_lock:
-                    if node.bparent is None:
-                        raise OSError(errno.EIO, "file lost its backing copy")
-                    comps = cache.bpath(node.bparent)
-                    src = cache.backing.open_file(comps, node.bname)
-                    dfd = cache.backing.open_dir(comps)
-                try:
-                    fd = cache.backing.create_temp(dfd, tmp)
-                    try:
-                        cache.backing.copy_file(src, fd, size)
-                    except BaseException:
-                        os.close(fd)
-                        cache.backing.remove_temp(dfd, tmp)
-                        raise
-                except BaseException:
-                    os.close(dfd)
-                    raise
-                finally:
-                    os.close(src)
-                return dfd, fd
+        def fill(fd: int) -> None:
+            with cache.bpos_lock:
+                if node.bparent is None:
+                    raise OSError(errno.EIO, "file lost its backing copy")
+                src = cache.backing.open_file(cache.bpath(node.bparent), node.bname)
+            try:
+                cache.backing.copy_file(src, fd, size)
+            finally:
+                os.close(src)
 
-            sp = Spill()
-            sp.dfd, sp.fd = await trio.to_thread.run_sync(run)
-            sp.tmpname = tmp
-            node.spill = sp
-        self._locks.pop(node.ino, None)
+        if await self._stage(node, fill, "copy for writing") is None and node.spill is None \
+                and node.blocks is None:
+            raise OSError(errno.EIO, "cannot stage a copy of this file for writing")
 
-    async def _spill_ready(self, node: Node) -> Spill | None:
-        ev = self._spilling.get(node.ino)
-        if ev is not None:
-            await ev.wait()
-        return node.spill
-
-    async def _spill_read(self, sp: Spill, off: int, size: int) -> bytes:
+    async def _spill_read(self, sp: Spill, off: int, size: int) -> bytes | None:
+        """Read from a spill file; None if it was closed (published) meanwhile."""
         lock = self.cache.lock
         with lock:
+            if sp.closing or sp.fd < 0:
+                return None
             sp.readers += 1
         try:
             return await trio.to_thread.run_sync(os.pread, sp.fd, size, off)
@@ -342,15 +359,26 @@ class Operations(pyfuse3.Operations):
                 raise OSError(errno.EINVAL, "not a regular file")
             size = attr.st_size
             await self.xattrs_loaded(node)
+            await self.settle(node)
+            if node.spill is not None and node.spill.handed:
+                await self.wait_seq(node.last_seq)   # its last version is still being published
             if size:
                 await self.cached(node)
-            sp = await self._spill_ready(node)
-            if sp is not None and not sp.handed:
-                await trio.to_thread.run_sync(os.ftruncate, sp.fd, size)
-                node.size = size
-                cache.mark_written(node, size)
-            else:
-                await self.with_space(lambda: cache.truncate(node, size))
+            while True:
+                await self.settle(node)
+                sp = node.spill
+                if sp is not None and not sp.handed:
+                    await trio.to_thread.run_sync(os.ftruncate, sp.fd, size)
+                    node.size = size
+                    cache.mark_written(node, size)
+                    if node.writers == 0 and node.nlink:
+                        cache.snapshot(node)
+                    break
+                # False: the node started being written through while we waited; go around
+                if await self.with_space(
+                        lambda: False if node.spill is not None or node.ino in self._spilling
+                        else cache.truncate(node, size) or True):
+                    break
         if fields.update_mode or fields.update_uid or fields.update_gid or fields.update_atime \
                 or fields.update_mtime:
             cache.setattr(node,
@@ -449,19 +477,26 @@ class Operations(pyfuse3.Operations):
             raise OSError(errno.EISDIR, "is a directory")
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         trunc = bool(flags & os.O_TRUNC) and writable
+        await self.settle(node)
         if writable:
             await self.xattrs_loaded(node)
             if not trunc:
                 await self.cached(node)
             else:
-                sp = await self._spill_ready(node)
+                await self.settle(node)
+                sp = node.spill
                 if sp is not None and not sp.handed:
                     await trio.to_thread.run_sync(os.ftruncate, sp.fd, 0)
                     node.size = 0
                     self.cache.mark_written(node, 0)
+        h = Handle(node, writable)
+        if not writable and node.blocks is None and node.spill is None and node.is_reg:
+            # Open the backing copy now, so that the reader keeps the version it opened
+            # even if the file is renamed over, deleted or republished meanwhile.
+            await self._open_backing(h)
         self.cache.open(node, writable, trunc)
         fh = self._new_fh()
-        self.handles[fh] = Handle(node, writable)
+        self.handles[fh] = h
         # direct_io for writers: 1 MiB requests straight into the pool, no page cache cap.
         # Readers keep the page cache (mmap works), dropped on each open.
         return pyfuse3.FileInfo(fh=fh, direct_io=writable, keep_cache=False)
@@ -479,59 +514,67 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False), self.attrs(node)
 
     async def read(self, fh, off, size):
-        h = self.handles[fh]
-        node = h.node
-        sp = node.spill
-        if sp is not None and sp.fd >= 0:
-            try:
-                return await self._spill_read(sp, off, size)
-            except OSError as e:
-                raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        data = self.cache.read(node, off, size)
-        if data is not None:
-            self.cache.touch(node)
-            return data
         try:
-            return await self._read_backing(h, off, size)
+            h = self.handles[fh]
+            node = h.node
+            if node.spill is not None:
+                data = await self._spill_read(node.spill, off, size)
+                if data is not None:
+                    return data
+            data = self.cache.read(node, off, size)
+            if data is not None:
+                self.cache.touch(node)
+                return data
+            if h.bfd < 0 or (h.bgen != node.bgen and node.nlink):
+                await self._open_backing(h)
+            return await trio.to_thread.run_sync(os.pread, h.bfd, size, off)
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        except Exception:
+            log.exception("internal error in read")
+            raise pyfuse3.FUSEError(errno.EIO) from None
 
-    async def _read_backing(self, h: Handle, off: int, size: int) -> bytes:
+    async def _open_backing(self, h: Handle) -> None:
+        """(Re)open the backing copy of the handle's file for reading."""
         cache = self.cache
-        if h.bfd < 0:
-            node = h.node
+        node = h.node
 
-            def open_backing() -> int:
-                with cache.bpos_lock:
-                    if node.bparent is None:
-                        raise OSError(errno.EIO, "file lost its backing copy")
-                    return cache.backing.open_file(cache.bpath(node.bparent), node.bname)
-            fd = await trio.to_thread.run_sync(open_backing)
-            if h.bfd >= 0:
-                os.close(fd)
-            else:
-                h.bfd = fd
-        return await trio.to_thread.run_sync(os.pread, h.bfd, size, off)
+        def open_backing() -> tuple[int, int]:
+            with cache.bpos_lock:
+                if node.bparent is None or node.bstale:
+                    raise OSError(errno.EIO, "file has no backing copy")
+                return cache.backing.open_file(cache.bpath(node.bparent), node.bname), node.bgen
+        fd, gen = await trio.to_thread.run_sync(open_backing)
+        if h.bfd >= 0:
+            os.close(h.bfd)
+        h.bfd, h.bgen = fd, gen
 
     async def write(self, fh, off, buf):
         node = self.handles[fh].node
-        if node.spill is None:
+        if node.spill is None and node.ino not in self._spilling:
             try:
                 return self.cache.write(node, off, buf)
             except PoolFull:
                 pass
         try:
             while True:
-                sp = await self._spill_ready(node)
+                await self.settle(node)
+                sp = node.spill
                 if sp is not None:
                     n = await trio.to_thread.run_sync(os.pwrite, sp.fd, buf, off)
                     self.cache.mark_written(node, off + n)
                     return n
-                n = await self.with_space(lambda: None if node.spill else self.cache.write(node, off, buf))
+                # None: the node started being written through while we waited; go around
+                n = await self.with_space(
+                    lambda: None if node.spill is not None or node.ino in self._spilling
+                    else self.cache.write(node, off, buf))
                 if n is not None:
                     return n
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        except Exception:
+            log.exception("internal error in write")
+            raise pyfuse3.FUSEError(errno.EIO) from None
 
     async def flush(self, fh):
         pass
@@ -539,14 +582,25 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def release(self, fh):
         h = self.handles.pop(fh)
-        if h.bfd >= 0:
-            os.close(h.bfd)
-        self.cache.release(h.node, h.writable)
+        if h.writable:
+            await self.settle(h.node)
+        try:
+            self.cache.release(h.node, h.writable)
+        finally:
+            if h.bfd >= 0:
+                os.close(h.bfd)
 
     @fuse_errors
     async def fsync(self, fh, datasync):
         if self.info.fsync_backing:
             node = self.handles[fh].node
+            await self.settle(node)
+            sp = node.spill
+            if sp is not None and not sp.handed:
+                # written through: the bytes so far become durable in the staging file;
+                # the file is renamed into place at its last close
+                await trio.to_thread.run_sync(os.fsync, sp.fd)
+                return
             await self.wait_seq(self.cache.fsync_snapshot(node))
 
     @fuse_errors

@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import stat as statmod
+import threading
 from typing import Iterable, Iterator
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class Backing:
         self.root = root
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._xattr_warned = False
+        self._spill_lock = threading.Lock()
 
     def close(self) -> None:
         os.close(self.root_fd)
@@ -87,19 +89,33 @@ class Backing:
         finally:
             os.close(fd)
 
-    def open_spill_dir(self) -> int:
-        try:
-            os.mkdir(SPILL_DIR, 0o700, dir_fd=self.root_fd)
-        except FileExistsError:
-            pass
-        return os.open(SPILL_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                       dir_fd=self.root_fd)
+    def create_staged(self, tmpname: bytes) -> tuple[int, int]:
+        """Create a staging file for a written-through file: (directory fd, file fd).
+
+        The staging directory exists only while it holds files (``remove_spill_dir``), so
+        that an idle backing equals the mount's view; ``_spill_lock`` keeps creation and
+        removal from crossing.
+        """
+        with self._spill_lock:
+            try:
+                os.mkdir(SPILL_DIR, 0o700, dir_fd=self.root_fd)
+            except FileExistsError:
+                pass
+            dfd = os.open(SPILL_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          dir_fd=self.root_fd)
+            try:
+                return dfd, self.create_temp(dfd, tmpname)
+            except BaseException:
+                os.close(dfd)
+                raise
 
     def remove_spill_dir(self) -> None:
-        try:
-            os.rmdir(SPILL_DIR, dir_fd=self.root_fd)
-        except OSError:
-            pass
+        """Remove the staging directory if it is empty."""
+        with self._spill_lock:
+            try:
+                os.rmdir(SPILL_DIR, dir_fd=self.root_fd)
+            except OSError:
+                pass
 
     def stat_root(self) -> os.stat_result:
         return os.fstat(self.root_fd)

@@ -342,6 +342,8 @@ class Flusher:
                 self.backing.remove_temp(op.dfd, op.tmpname)
                 if not spilled:
                     os.close(op.dfd)
+                else:
+                    self.backing.remove_spill_dir()
             op.state = "void"
             return
         cache = self.cache
@@ -364,6 +366,8 @@ class Flusher:
         finally:
             if not spilled:
                 os.close(op.dfd)
+        if spilled:
+            self.backing.remove_spill_dir()
         op.state = "done"
 
     def discard_spill(self, sp) -> None:
@@ -372,4 +376,5 @@ class Flusher:
             self.backing.remove_temp(sp.dfd, sp.tmpname)
             with self.cond:
                 sp.close()
+            self.backing.remove_spill_dir()
         self.pool.submit(run)

@@ -214,17 +214,14 @@ class Operations(pyfuse3.Operations):
         blocks_before = node.blocks
 
         def run() -> tuple[int, int]:
-            dfd = cache.backing.open_spill_dir()
+            dfd, fd = cache.backing.create_staged(tmp)
             try:
-                fd = cache.backing.create_temp(dfd, tmp)
-                try:
-                    fill(fd)
-                except BaseException:
-                    os.close(fd)
-                    cache.backing.remove_temp(dfd, tmp)
-                    raise
+                fill(fd)
             except BaseException:
+                os.close(fd)
+                cache.backing.remove_temp(dfd, tmp)
                 os.close(dfd)
+                cache.backing.remove_spill_dir()
                 raise
             return dfd, fd
 

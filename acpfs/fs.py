@@ -162,7 +162,7 @@ class Operations(pyfuse3.Operations):
                 self.cache.attach_blocks(node, blocks)
         self._locks.pop(node.ino, None)
 
-    async def with_space(self, fn: Callable[[], Any]) -> Any:
+    async def with_space(self, fn: Callable[[], Any], node: Node | None = None) -> Any:
         """Call ``fn``; while the cache is full, wait for the flusher to free space.
 
         Writers are throttled to the backing store's speed this way. After
@@ -187,6 +187,8 @@ class Operations(pyfuse3.Operations):
                     if now - when > 10:   # let a failed write-through be tried again later
                         del self._spill_failed[ino]
                 victim = self.cache.spill_candidate(exclude=self._spill_failed)
+                if victim is None and node is not None and self._may_spill(node):
+                    victim = node   # e.g. one write larger than the free cache
                 if victim is not None:
                     await self.spill(victim)
             try:
@@ -241,6 +243,11 @@ class Operations(pyfuse3.Operations):
         finally:
             del self._spilling[node.ino]
             ev.set()
+
+    def _may_spill(self, node: Node) -> bool:
+        return (node.writers > 0 and node.spill is None and node.blocks is not None
+                and node.nlink > 0 and node.ino not in self._spill_failed
+                and node.ino not in self._spilling)
 
     async def settle(self, node: Node) -> None:
         """Wait until no spill file is being built for ``node``."""
@@ -374,7 +381,7 @@ class Operations(pyfuse3.Operations):
                 # False: the node started being written through while we waited; go around
                 if await self.with_space(
                         lambda: False if node.spill is not None or node.ino in self._spilling
-                        else cache.truncate(node, size) or True):
+                        else cache.truncate(node, size) or True, node):
                     break
         if fields.update_mode or fields.update_uid or fields.update_gid or fields.update_atime \
                 or fields.update_mtime:
@@ -562,9 +569,12 @@ class Operations(pyfuse3.Operations):
                     self.cache.mark_written(node, off + n)
                     return n
                 # None: the node started being written through while we waited; go around
+                if len(buf) > self.cache.pool.size // 2 and self._may_spill(node):
+                    await self.spill(node)   # this write alone nearly fills the cache
+                    continue
                 n = await self.with_space(
                     lambda: None if node.spill is not None or node.ino in self._spilling
-                    else self.cache.write(node, off, buf))
+                    else self.cache.write(node, off, buf), node)
                 if n is not None:
                     return n
         except OSError as e:

@@ -610,8 +610,7 @@ class Cache:
         """The largest file open for writing whose cached blocks could go to the backing."""
         best = None
         for node in self.dirty_nodes:
-            if node.writers and node.spill is None and node.blocks and node.nlink \
-                    and node.ino not in exclude:
+            if node.writers and node.spill is None and node.blocks and node.ino not in exclude:
                 if best is None or len(node.blocks) > len(best.blocks):  # type: ignore[arg-type]
                     best = node
         return best

@@ -386,6 +386,8 @@ def render_status(d: dict[str, Any]) -> str:
     ]
     if d["oldest_dirty_age_s"] is not None:
         lines.append(f"  oldest unsaved change: {_age(d['oldest_dirty_age_s'])} ago")
+    if not d.get("flusher_alive", True):
+        lines.append(f"  ERROR      the flusher has stopped: nothing more is persisted; see {d['log_file']}")
     if d["errors"]:
         for e in d["errors"]:
             lines.append(f"  ERROR      {e['op']} {e['path']}: {e['reason']} "

@@ -102,6 +102,7 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         "flush_rate_bytes_per_s": round(fl.rate()),
         "oldest_dirty_age_s": None if oldest is None else round(now - oldest, 1),
         "errors": errors,
+        "flusher_alive": fl.thread.is_alive(),
     }
 
 

@@ -235,7 +235,7 @@ class Operations(pyfuse3.Operations):
                 return None
             sp = Spill()
             sp.dfd, sp.fd, sp.tmpname = dfd, fd, tmp
-            if node.spill is not None or node.blocks is not blocks_before or node.nlink == 0:
+            if node.spill is not None or node.blocks is not blocks_before:
                 self.cache.flusher.discard_spill(sp)  # type: ignore[union-attr]
                 return None
             node.spill = sp
@@ -246,7 +246,7 @@ class Operations(pyfuse3.Operations):
 
     def _may_spill(self, node: Node) -> bool:
         return (node.writers > 0 and node.spill is None and node.blocks is not None
-                and node.nlink > 0 and node.ino not in self._spill_failed
+                and node.ino not in self._spill_failed
                 and node.ino not in self._spilling)
 
     async def settle(self, node: Node) -> None:

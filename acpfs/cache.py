@@ -401,7 +401,7 @@ class Cache:
                         node.spill = None
                         assert self.flusher is not None
                         self.flusher.discard_spill(sp)
-                    self._maybe_evictable(node)
+                    self.maybe_evictable(node)
         if node.opens == 0 and node.nlink == 0:
             self.drop(node)
 
@@ -593,7 +593,7 @@ class Cache:
                 and node.writers == 0 and node.nlink > 0 and node.bparent is not None
                 and not node.bstale)
 
-    def _maybe_evictable(self, node: Node) -> None:
+    def maybe_evictable(self, node: Node) -> None:
         with self.lock:
             if self._evictable(node):
                 self.lru[node.ino] = node

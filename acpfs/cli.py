@@ -13,6 +13,7 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -431,6 +432,79 @@ def cmd_sync(a: argparse.Namespace) -> int:
     return 1 if stale else 0
 
 
+def files_under(paths: list[str]) -> list[tuple[str, int]]:
+    """Regular files named by ``paths`` (directories walked, symlinks not followed), with sizes."""
+    out = []
+    for path in paths:
+        if not os.path.lexists(path):
+            raise UsageError(f"{path} does not exist")
+        mount_of(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            for dirpath, _, names in os.walk(path):
+                for name in sorted(names):
+                    p = os.path.join(dirpath, name)
+                    st = os.lstat(p)
+                    if stat.S_ISREG(st.st_mode):
+                        out.append((p, st.st_size))
+        else:
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise UsageError(f"{path} is not a regular file or a directory")
+            out.append((path, st.st_size))
+    return out
+
+
+def preload(paths: list[str], quiet: bool = False) -> tuple[int, int, list[str]]:
+    """Read files into their mount's cache, in the order given, at most what the cache holds.
+
+    Returns (files loaded, bytes loaded, files left out with the reason). Files are loaded in
+    the order given; a file that does not fit is left out and the rest still tried.
+    """
+    files = files_under(paths)
+    total = sum(size for _, size in files)
+    limits: dict[str, int] = {}
+    prog = Progress() if not quiet else None
+    done_files = done_bytes = 0
+    left_out: list[str] = []
+    start = time.monotonic()
+    for path, size in files:
+        mount = mount_of(path)
+        if mount not in limits:
+            limits[mount] = read_status(mount)["cache"]["limit_bytes"]
+        if size > limits[mount]:
+            left_out.append(f"{path}: {format_size(size)}, but only {format_size(limits[mount])} of "
+                            f"the cache is left for preloading")
+            continue
+        try:
+            os.getxattr(path, "user.acpfs.preload")
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                left_out.append(f"{path}: the cache is full")
+                continue
+            raise Failure(f"cannot preload {path}: {e.strerror}") from None
+        limits[mount] -= size
+        done_files += 1
+        done_bytes += size
+        if prog:
+            rate = done_bytes / max(1e-6, time.monotonic() - start)
+            prog.update(f"preload: {bar(done_bytes / max(1, total))} {done_files}/{len(files)} files, "
+                        f"{format_size(done_bytes)} of {format_size(total)}, {format_size(rate)}/s")
+    if prog:
+        prog.done()
+    return done_files, done_bytes, left_out
+
+
+def cmd_preload(a: argparse.Namespace) -> int:
+    n, nbytes, left_out = preload(a.paths)
+    for line in left_out[:20]:
+        print(f"acpfs: preload: not loaded: {line}", file=sys.stderr)
+    if len(left_out) > 20:
+        print(f"acpfs: preload: ... and {len(left_out) - 20} more not loaded", file=sys.stderr)
+    print(f"acpfs: preloaded {n} files ({format_size(nbytes)})"
+          + (f"; {len(left_out)} did not fit in the cache" if left_out else ""), file=sys.stderr)
+    return 1 if left_out else 0
+
+
 def cmd_umount(a: argparse.Namespace) -> int:
     mountpoint = os.path.realpath(a.mountpoint) if not is_stale(a.mountpoint) else os.path.abspath(a.mountpoint)
     kind = mount_type(mountpoint)
@@ -530,6 +604,14 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("path", nargs="?", help="file or directory on an acpfs mount")
     y.add_argument("--timeout", type=float, help="give up after this many seconds (exit status 1)")
     y.set_defaults(fn=cmd_sync)
+
+    r = sub.add_parser("preload", help="read files into the cache ahead of a resume",
+                       description="Read the files named (directories recursively) from the backing "
+                       "directory into the cache, so that loading them later runs at memory speed. "
+                       "Stops short of the cache size: files that do not fit are listed and the exit "
+                       "status is 1.")
+    r.add_argument("paths", nargs="+", metavar="PATH", help="files or directories on an acpfs mount")
+    r.set_defaults(fn=cmd_preload)
 
     u = sub.add_parser("umount", help="persist everything, unmount, wait for the daemon",
                        description="Persist every change, unmount, and wait until the daemon has "

@@ -9,6 +9,8 @@ socket and work with ordinary permissions (``getfattr`` works too):
                         with unsaved data, and are saved at their last close)
     user.acpfs.status   mount root: the status document (schema in docs/status.md)
     user.acpfs.files    mount root: files not yet persisted, with their state (capped)
+    user.acpfs.preload  a regular file: reading it loads the file into the cache (``acpfs
+                        preload``); ENOSPC when the cache cannot hold it
 
 The status document's keys are stable within ``"version": 1``; keys may be added, never
 renamed or removed.
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from .cache import Cache, Node
 
 PREFIX = b"user.acpfs."
+PRELOAD = b"user.acpfs.preload"   # a file: read it into the cache; {"size": N, "cached": true}
 STATUS_VERSION = 1
 FILES_CAP = 400  # an xattr value is at most 64 KiB
 

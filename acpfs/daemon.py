@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Callable
 
-from .config import format_size
+from .config import format_size, write_mount_record
 
 log = logging.getLogger("acpfs")
 
@@ -88,6 +88,9 @@ def run(opts: Options, notify: Callable[[str], None]) -> int:
     setup_logging(opts)
     os.umask(0o077)
     lock_fd = lock_backing(opts.backing, opts.mountpoint)
+    write_mount_record(opts.mountpoint, {"mountpoint": opts.mountpoint, "backing": opts.backing,
+                                         "cache_dir": opts.cache_dir, "log_file": opts.log_file,
+                                         "pid": os.getpid(), "started": time.time()})
     os.makedirs(opts.cache_dir, mode=0o700, exist_ok=True)
     os.chmod(opts.cache_dir, 0o700)
     pool_path = os.path.join(opts.cache_dir, "pool")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import logging
 import os
 import stat as statmod
@@ -161,6 +162,36 @@ class Operations(pyfuse3.Operations):
                     raise
                 self.cache.attach_blocks(node, blocks)
         self._locks.pop(node.ino, None)
+
+    async def preload(self, node: Node) -> bytes:
+        """``user.acpfs.preload``: read a file's backing copy into the cache, for a fast resume.
+
+        Never waits for the flusher: when the cache cannot hold the file even after evicting
+        persisted files, the answer is ENOSPC at once. A preloaded file is clean and
+        evictable like any persisted file.
+        """
+        if not node.is_reg:
+            raise OSError(errno.EINVAL, "only regular files can be preloaded")
+        await self.settle(node)
+        if node.blocks is None and node.spill is None:
+            if node.size > self.cache.pool.size:
+                raise OSError(errno.EFBIG, "file larger than the cache")
+            async with self._lock(node):
+                if node.blocks is None:
+                    try:
+                        blocks = self.cache.copy_up_blocks(node)
+                    except PoolFull:
+                        raise OSError(errno.ENOSPC, "cache full") from None
+                    try:
+                        await trio.to_thread.run_sync(self.cache.read_backing_into, node, blocks)
+                    except BaseException:
+                        self.cache.release_blocks(blocks)
+                        raise
+                    self.cache.attach_blocks(node, blocks)
+                    self.cache.maybe_evictable(node)
+            self._locks.pop(node.ino, None)
+        self.cache.touch(node)
+        return json.dumps({"size": node.size, "cached": node.blocks is not None}).encode()
 
     async def with_space(self, fn: Callable[[], Any], node: Node | None = None) -> Any:
         """Call ``fn``; while the cache is full, wait for the flusher to free space.
@@ -623,6 +654,8 @@ class Operations(pyfuse3.Operations):
     @fuse_errors
     async def getxattr(self, inode, name, ctx):
         node = self.node(inode)
+        if name == control.PRELOAD:
+            return await self.preload(node)
         if name.startswith(control.PREFIX):
             return control.get(self.cache, self.info, node, name)
         if not name.startswith(b"user."):

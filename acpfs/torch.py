@@ -1,0 +1,686 @@
+"""``acpfs.torch``: torch.save/torch.load that keep working when the acpfs daemon does not.
+
+A checkpoint saved into an acpfs mount is in RAM when ``torch.save`` returns and reaches the
+backing directory a little later. If the daemon dies, hangs or was unmounted, a training job
+that only calls ``torch.save`` would crash or hang. This module is the automatic fallback::
+
+    import acpfs.torch as at
+
+    info = at.save(model.state_dict(), "/ckpt/step_1000/model.pt")   # memory speed
+    at.save("step_1000", "/ckpt/latest")
+    at.wait_persisted("/ckpt/step_1000")          # True once durable in the backing
+    sd = at.load("/ckpt/step_1000/model.pt", map_location="cpu", mmap=True)
+    at.preload(["/ckpt/step_1000"])               # warm the cache before a resume
+
+API
+---
+``save(obj, path, *, timeout=None, **torch_save_kwargs) -> Saved``
+    ``torch.save(obj, ...)`` through the mount: the bytes go to ``.NAME.acpfs-save-PID-RAND``
+    next to ``path`` on the mount and are renamed over ``path`` once complete (so a save that
+    is abandoned, see below, never replaces ``path`` later). Missing parent directories are
+    created (on the mount, or in the backing when falling back). Falls back to writing directly
+    to the backing directory when
+
+    - the path's mount is **dead** (the daemon is gone: ``ENOTCONN``/``ECONNABORTED``),
+    - the mount point is **not mounted** any more but a mount record (written by every
+      acpfs daemon, kept after it exits) or ``configure()`` names its backing, or
+    - the save does not complete within ``timeout`` seconds (argument, else
+      ``configure(timeout=...)``, else ``ACPFS_SAVE_TIMEOUT``, else 600): the daemon **hangs**.
+
+    The fallback write is atomic: ``.NAME.acpfs-fallback-PID-RAND`` in the same backing
+    directory (parents created), fsynced, renamed over the final name, directory fsynced.
+    A warning is logged once per mount on the ``logging`` logger ``"acpfs.torch"``. After a
+    mount fell back (dead or hung), later saves of this process to that mount go straight to
+    the backing; a new mount at the same place (``acpfs mount`` again) is used again.
+    A path on no acpfs mount (and under no recorded or configured mount point) is saved with
+    ``torch.save`` and fsynced. Returns a :class:`Saved` telling where the bytes went.
+
+``load(path, **torch_load_kwargs)``
+    ``torch.load`` from the mount; from the backing copy when the mount is dead, hung (it does
+    not answer ``statvfs`` within a few seconds), not mounted, or when this process saved
+    ``path`` by fallback (the mount's view of it may be older). Keyword arguments (``mmap``,
+    ``weights_only``, ``map_location``, ...) pass through.
+
+``wait_persisted(path_or_dir, timeout=None) -> True``
+    Blocks until the file, or everything under the directory, is durable in the backing, like
+    ``acpfs sync PATH``. Raises ``TimeoutError`` after ``timeout`` seconds. A file saved by
+    fallback is durable already. When the daemon is dead the answer comes from the backing: a
+    file counts as persisted if its backing copy exists (for files this process saved through
+    the mount: with the size and modification time it had on the mount); otherwise
+    :class:`NotPersisted` is raised (the data was lost with the daemon).
+
+``preload(paths) -> Preloaded``
+    Reads files (directories recursively) into their mount's cache ahead of a resume, like
+    ``acpfs preload``; files that do not fit are listed in ``left_out``. Paths on no live acpfs
+    mount are skipped (no-op).
+
+``configure(mountpoint=None, backing=None, timeout=None)``
+    Name the backing directory of a mount point explicitly (wins over the mount record), and/or
+    set the default save timeout. ``ACPFS_MOUNTPOINT`` + ``ACPFS_BACKING`` do the same from the
+    environment, but only when no mount record exists; ``ACPFS_BACKING`` alone applies to any
+    acpfs mount without a record.
+
+Where the backing of a path comes from: ``configure()``, then the mount record
+(``acpfs.config.read_mount_record``), then the live daemon's status, then the environment.
+Paths are resolved without touching the FUSE mount (a hung daemon cannot block resolution):
+symbolic links are followed up to the mount point, not inside it.
+
+Limits (read before relying on the fallback):
+
+- A write into a hung FUSE daemon cannot be cancelled. The abandoned worker thread (a daemon
+  thread) stays blocked until the daemon answers or dies; if the daemon resumes, the thread
+  finishes its temporary file and removes it instead of renaming it over ``path``.
+- If the daemon only hung (it was not killed), files it had already acknowledged but not yet
+  persisted are still persisted when it resumes, possibly over a newer fallback version of the
+  same name (e.g. ``latest``). Per-step file names are not affected. The same holds if a
+  future acpfs replays a dead daemon's unfinished work on the next mount.
+- A mount whose daemon is dead shows nothing; ``load`` reads what reached the backing.
+
+Nothing here imports ``torch_npu``; ``torch.save``/``torch.load`` handle NPU tensors
+themselves where ``torch_npu`` is installed (``map_location`` as usual).
+``import acpfs`` does not import torch; importing ``acpfs.torch`` does.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import secrets
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Literal
+
+import torch
+
+from . import config
+
+__all__ = ["save", "load", "wait_persisted", "preload", "configure", "Saved", "Preloaded",
+           "NotPersisted"]
+
+log = logging.getLogger("acpfs.torch")
+
+FSTYPE = "fuse.acpfs"
+DEFAULT_SAVE_TIMEOUT = 600.0
+PROBE_TIMEOUT = 5.0          # how long statvfs may take before a mount counts as hung
+DEAD_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)
+
+
+class NotPersisted(Exception):
+    """The mount's daemon is gone and the path is not (completely) in the backing directory."""
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Where ``save`` put the bytes.
+
+    ``route`` is ``"mount"`` (through the acpfs mount: persisted in the background),
+    ``"backing"`` (fallback: written directly, already durable) or ``"plain"`` (not on acpfs:
+    written and fsynced); ``written`` is the file actually written; ``reason`` says why a
+    fallback happened.
+    """
+    path: str
+    route: Literal["mount", "backing", "plain"]
+    written: str
+    seconds: float
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Preloaded:
+    """What ``preload`` loaded: counts, and the files left out with the reason."""
+    files: int = 0
+    bytes: int = 0
+    left_out: list[str] = field(default_factory=list)
+
+
+# -- state of this process ----------------------------------------------------------------------
+_lock = threading.Lock()
+_overrides: dict[str, str] = {}                 # mount point (real path) -> backing
+_timeout: float | None = None
+_fallen: dict[str, str] = {}                    # mount key -> reason: saves go to the backing
+_warned: set[str] = set()                       # mount points warned about
+_saved: dict[str, tuple[str, int, int]] = {}    # mount-side path -> (route, size, mtime_ns)
+_abandoned: list[threading.Thread] = []         # writer threads given up on (hung daemon)
+_probes: dict[str, threading.Thread] = {}       # mount point -> statvfs probe still running
+
+
+def configure(mountpoint: str | os.PathLike | None = None, backing: str | os.PathLike | None = None,
+              timeout: float | None = None) -> None:
+    """Set the backing of ``mountpoint`` (both or neither) and/or the default save timeout."""
+    global _timeout
+    if (mountpoint is None) != (backing is None):
+        raise ValueError("configure(): give mountpoint and backing together")
+    with _lock:
+        if mountpoint is not None:
+            _overrides[os.path.realpath(os.fspath(mountpoint))] = os.path.realpath(os.fspath(backing))
+        if timeout is not None:
+            if timeout <= 0:
+                raise ValueError("configure(): timeout must be positive")
+            _timeout = float(timeout)
+
+
+def _save_timeout(timeout: float | None) -> float:
+    if timeout is not None:
+        return float(timeout)
+    if _timeout is not None:
+        return _timeout
+    v = os.environ.get("ACPFS_SAVE_TIMEOUT")
+    if v:
+        try:
+            return float(v)
+        except ValueError:
+            raise ValueError(f"invalid ACPFS_SAVE_TIMEOUT={v!r}: not a number") from None
+    return DEFAULT_SAVE_TIMEOUT
+
+
+# -- resolving a path ---------------------------------------------------------------------------
+def _unescape(field_: str) -> str:
+    return (field_.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n")
+            .replace("\\134", "\\"))
+
+
+def _acpfs_mounts() -> dict[str, str]:
+    """acpfs mount points (live or stale) -> their mount ID (new for every mount)."""
+    out = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            try:
+                sep = parts.index("-")
+            except ValueError:
+                continue
+            if len(parts) > sep + 1 and parts[sep + 1] == FSTYPE:
+                out[_unescape(parts[4])] = parts[0]
+    return out
+
+
+@dataclass(frozen=True)
+class _Target:
+    path: str                     # absolute path, symlinks resolved up to the mount point
+    kind: Literal["plain", "mounted", "unmounted"]
+    mountpoint: str | None = None
+    mount_id: str | None = None
+    rel: str = ""
+    backing: str | None = None    # None for "mounted" until asked for (live status)
+
+    @property
+    def key(self) -> str:
+        return f"{self.mountpoint}#{self.mount_id}"
+
+    def backing_root(self) -> str:
+        b = self.backing or _backing_from_status(self.mountpoint)
+        if b is None:
+            raise NotPersisted(f"{self.path}: the backing directory of the acpfs mount point "
+                               f"{self.mountpoint} is unknown (no mount record, daemon not answering); "
+                               f"use acpfs.torch.configure(mountpoint=..., backing=...) or ACPFS_BACKING")
+        return b
+
+    def backing_of(self, path: str) -> str:
+        """The backing path of ``path`` (this target or a path under it)."""
+        rel = os.path.relpath(path, self.mountpoint)
+        return self.backing_root() if rel == "." else os.path.join(self.backing_root(), rel)
+
+    def backing_path(self) -> str:
+        return self.backing_of(self.path)
+
+
+def _env_backing(mountpoint: str, mounted: bool) -> str | None:
+    env_mnt, env_back = os.environ.get("ACPFS_MOUNTPOINT"), os.environ.get("ACPFS_BACKING")
+    if env_back and env_mnt and os.path.realpath(env_mnt) == mountpoint:
+        return os.path.realpath(env_back)
+    if env_back and not env_mnt and mounted:
+        return os.path.realpath(env_back)
+    return None
+
+
+def _known_backing(mountpoint: str, mounted: bool) -> str | None:
+    """configure(), then the mount record, then the environment (the status is asked later)."""
+    if mountpoint in _overrides:
+        return _overrides[mountpoint]
+    rec = config.read_mount_record(mountpoint)
+    if rec and rec.get("backing"):
+        return rec["backing"]
+    return _env_backing(mountpoint, mounted)
+
+
+def _recorded_backing(directory: str) -> str | None:
+    """The backing of a directory that is a recorded (or configured) but unmounted mount point."""
+    if directory in _overrides:
+        return _overrides[directory]
+    rec = config.read_mount_record(directory)
+    if rec and rec.get("backing") and os.path.isdir(rec["backing"]):
+        return rec["backing"]
+    return _env_backing(directory, False)
+
+
+def _resolve(path: str | os.PathLike) -> _Target:
+    """Find the acpfs mount (or recorded mount point) holding ``path`` without touching it.
+
+    Symbolic links are followed (like realpath) up to an acpfs mount point; inside a mount the
+    rest of the path is taken as written (normalized), so a hung daemon cannot block this.
+    """
+    mounts = _acpfs_mounts()
+    pending = os.path.abspath(os.fspath(path)).split("/")[1:]
+    cur = "/"
+    hops = 0
+    hit: tuple[str, str] | None = None       # (unmounted mount point, its backing)
+    while pending:
+        comp = pending.pop(0)
+        if comp in ("", "."):
+            continue
+        if comp == "..":
+            cur = os.path.dirname(cur)
+            continue
+        cand = os.path.join(cur, comp)
+        if cand in mounts:                      # never lstat inside an acpfs mount
+            full = os.path.normpath(os.path.join(cand, *pending)) if pending else cand
+            if full == cand or full.startswith(cand + "/"):
+                rel = os.path.relpath(full, cand)
+                return _Target(full, "mounted", cand, mounts[cand], "" if rel == "." else rel,
+                               _known_backing(cand, True))
+            pending = full.split("/")[1:]       # '..' leads out of the mount again
+            cur = "/"
+            continue
+        try:
+            st = os.lstat(cand)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            hops += 1
+            if hops > 40:
+                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fspath(path))
+            target = os.readlink(cand)
+            if target.startswith("/"):
+                cur = "/"
+            pending = [c for c in target.split("/") if c] + pending
+            continue
+        cur = cand
+        b = _recorded_backing(cur)
+        if b is not None:
+            hit = (cur, b)
+    if hit and (cur == hit[0] or cur.startswith(hit[0] + "/")):
+        rel = os.path.relpath(cur, hit[0])
+        return _Target(cur, "unmounted", hit[0], None, "" if rel == "." else rel, hit[1])
+    return _Target(cur, "plain")
+
+
+def _backing_from_status(mountpoint: str | None) -> str | None:
+    if mountpoint is None:
+        return None
+    ok, val = _in_thread(lambda: json.loads(os.getxattr(mountpoint, "user.acpfs.status")), PROBE_TIMEOUT)
+    if ok == "done":
+        return val.get("backing")
+    return None
+
+
+# -- running things that may hang -----------------------------------------------------------------
+def _in_thread(fn: Callable[[], Any], timeout: float | None,
+               name: str = "acpfs-torch") -> tuple[str, Any]:
+    """Run ``fn`` in a daemon thread: ("done", result), ("error", exception) or ("hung", thread)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["ok"] = fn()
+        except BaseException as e:  # handed to the caller
+            box["err"] = e
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        return "hung", t
+    if "err" in box:
+        return "error", box["err"]
+    return "done", box.get("ok")
+
+
+def _probe(mountpoint: str, timeout: float = PROBE_TIMEOUT) -> Literal["live", "dead", "hung"]:
+    """Is the daemon of ``mountpoint`` answering? statvfs is never answered from a kernel cache."""
+    if mountpoint not in _acpfs_mounts():
+        return "dead"
+    prev = _probes.get(mountpoint)
+    if prev is not None and prev.is_alive():
+        return "hung"
+    ok, val = _in_thread(lambda: os.statvfs(mountpoint), timeout, "acpfs-torch-probe")
+    if ok == "hung":
+        _probes[mountpoint] = val
+        return "hung"
+    if ok == "error":
+        return "dead" if isinstance(val, OSError) and val.errno in DEAD_ERRNOS else "live"
+    return "live"
+
+
+# -- save -------------------------------------------------------------------------------------
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _makedirs_durable(d: str) -> None:
+    """``os.makedirs`` that also fsyncs the parent of every directory it creates."""
+    missing = []
+    p = d
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for m in reversed(missing):
+        try:
+            os.mkdir(m)
+        except FileExistsError:
+            pass
+        _fsync_dir(os.path.dirname(m))
+
+
+def _write_atomic(obj: Any, final: str, kwargs: dict[str, Any], tag: str) -> None:
+    """torch.save to a temporary name next to ``final``, fsync, rename, fsync the directory."""
+    d, name = os.path.split(final)
+    _makedirs_durable(d)
+    tmp = os.path.join(d, f".{name}.acpfs-{tag}-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f, **kwargs)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(d)
+
+
+def _warn_once(t: _Target, reason: str) -> None:
+    """One warning per mount point, until a save through it works again."""
+    with _lock:
+        if t.mountpoint in _warned:
+            return
+        _warned.add(t.mountpoint or "")
+    log.warning("acpfs.torch: %s: %s; saving directly to the backing directory %s from now on "
+                "(atomic and fsynced, without the write-back cache)", t.mountpoint, reason,
+                t.backing_root())
+
+
+def _save_direct(obj: Any, t: _Target, kwargs: dict[str, Any], reason: str, start: float) -> Saved:
+    dest = t.backing_path()
+    _warn_once(t, reason)
+    _write_atomic(obj, dest, kwargs, "fallback")
+    with _lock:
+        _saved[t.path] = ("backing", 0, 0)
+    return Saved(t.path, "backing", dest, time.monotonic() - start, reason)
+
+
+class _MountWrite:
+    """torch.save to a temporary name on the mount, renamed over the final name unless abandoned."""
+
+    def __init__(self, obj: Any, path: str, kwargs: dict[str, Any]) -> None:
+        d, name = os.path.split(path)
+        self.obj, self.path, self.kwargs = obj, path, kwargs
+        self.tmp = os.path.join(d, f".{name}.acpfs-save-{os.getpid()}-{secrets.token_hex(4)}")
+        self.cond = threading.Condition()
+        self.state = "writing"   # -> committing -> done | failed; writing -> abandoned
+        self.error: BaseException | None = None
+        self.size = self.mtime_ns = 0
+
+    def run(self) -> None:
+        try:
+            os.makedirs(os.path.dirname(self.tmp), exist_ok=True)
+            with open(self.tmp, "wb") as f:
+                torch.save(self.obj, f, **self.kwargs)
+            with self.cond:
+                if self.state == "abandoned":
+                    raise _Abandoned()
+                self.state = "committing"
+            st = os.stat(self.tmp)
+            self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
+            os.replace(self.tmp, self.path)
+            with self.cond:
+                self.state = "done"
+                self.cond.notify_all()
+        except BaseException as e:
+            try:
+                os.unlink(self.tmp)
+            except OSError:
+                pass
+            with self.cond:
+                if not isinstance(e, _Abandoned):
+                    self.error = e
+                if self.state != "abandoned":
+                    self.state = "failed"
+                self.cond.notify_all()
+        finally:
+            self.obj = None
+
+    def wait(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.state in ("writing", "committing"):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if self.state == "writing":
+                        self.state = "abandoned"
+                        return "abandoned"
+                    # renaming: give the rename a last few seconds, then abandon it too
+                    if not self.cond.wait(PROBE_TIMEOUT) and self.state == "committing":
+                        return "abandoned"
+                    continue
+                self.cond.wait(left)
+            return self.state
+
+
+class _Abandoned(Exception):
+    pass
+
+
+def save(obj: Any, path: str | os.PathLike, *, timeout: float | None = None,
+         **torch_save_kwargs: Any) -> Saved:
+    """``torch.save(obj, path)`` through the acpfs mount, or directly to its backing when the
+    mount is dead, unmounted or does not complete the save within ``timeout`` seconds."""
+    start = time.monotonic()
+    wait_s = _save_timeout(timeout)
+    t = _resolve(path)
+    if t.kind == "plain":
+        with open(t.path, "wb") as f:
+            torch.save(obj, f, **torch_save_kwargs)
+            f.flush()
+            os.fsync(f.fileno())
+        return Saved(t.path, "plain", t.path, time.monotonic() - start)
+    if t.kind == "unmounted":
+        return _save_direct(obj, t, torch_save_kwargs, "not mounted (its daemon exited)", start)
+    with _lock:
+        fallen = _fallen.get(t.key)
+    if fallen:
+        return _save_direct(obj, t, torch_save_kwargs, fallen, start)
+    w = _MountWrite(obj, t.path, torch_save_kwargs)
+    th = threading.Thread(target=w.run, name=f"acpfs-torch-save {t.path}", daemon=True)
+    th.start()
+    state = w.wait(wait_s)
+    if state == "done":
+        th.join()
+        with _lock:
+            _saved[t.path] = ("mount", w.size, w.mtime_ns)
+            _warned.discard(t.mountpoint)
+        return Saved(t.path, "mount", t.path, time.monotonic() - start)
+    if state == "abandoned":
+        with _lock:
+            _abandoned.append(th)
+            reason = f"the daemon did not complete a save within {wait_s:g}s (hung)"
+            _fallen[t.key] = reason
+        return _save_direct(obj, t, torch_save_kwargs, reason, start)
+    th.join()
+    err = w.error
+    if isinstance(err, OSError) and (err.errno in DEAD_ERRNOS or _probe(t.mountpoint) == "dead"):
+        reason = f"the daemon is gone ({os.strerror(err.errno) if err.errno else err})"
+        with _lock:
+            _fallen[t.key] = reason
+        return _save_direct(obj, t, torch_save_kwargs, reason, start)
+    assert err is not None
+    raise err
+
+
+# -- load -------------------------------------------------------------------------------------
+def _load_source(t: _Target) -> str:
+    if t.kind == "plain":
+        return t.path
+    if t.kind == "unmounted":
+        return t.backing_path()
+    with _lock:
+        route = _saved.get(t.path, ("",))[0]
+    if route == "backing" or _probe(t.mountpoint) != "live":
+        return t.backing_path()
+    return t.path
+
+
+def load(path: str | os.PathLike, **torch_load_kwargs: Any) -> Any:
+    """``torch.load(path)`` from the mount, or from the backing copy when the mount is dead,
+    hung, not mounted, or this process saved ``path`` by fallback."""
+    t = _resolve(path)
+    src = _load_source(t)
+    if src == t.path and t.kind == "mounted":
+        try:
+            return torch.load(src, **torch_load_kwargs)
+        except OSError as e:
+            if e.errno not in DEAD_ERRNOS:
+                raise
+            src = t.backing_path()
+    return torch.load(src, **torch_load_kwargs)
+
+
+# -- wait_persisted ---------------------------------------------------------------------------------
+def _check_backing(t: _Target) -> bool:
+    """The daemon is gone: is ``t`` (and what this process saved under it) in the backing?"""
+    bpath = t.backing_path()
+    if not os.path.lexists(bpath):
+        raise NotPersisted(f"{t.path} is not persisted: the acpfs daemon of {t.mountpoint} is gone "
+                           f"and {bpath} does not exist in the backing")
+    missing = []
+    with _lock:
+        mine = [(p, v) for p, v in _saved.items()
+                if p == t.path or p.startswith(t.path.rstrip("/") + "/")]
+    for p, (route, size, mtime_ns) in mine:
+        bp = t.backing_of(p)
+        try:
+            st = os.stat(bp)
+        except OSError:
+            missing.append(f"{p} (missing)")
+            continue
+        if route == "mount" and (st.st_size != size or st.st_mtime_ns // 1000 != mtime_ns // 1000):
+            missing.append(f"{p} (the backing has another version)")
+    if missing:
+        raise NotPersisted(f"{t.path} is not completely persisted: the acpfs daemon of {t.mountpoint} "
+                           f"is gone and the backing lacks {len(missing)} saved files: "
+                           + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
+    return True
+
+
+class _Dead(Exception):
+    pass
+
+
+def _wait_live(t: _Target, stop: threading.Event) -> bool:
+    target = t.path
+    if os.path.islink(target):   # no user xattrs on symlinks: ask the directory holding it
+        target = os.path.dirname(target)
+    try:
+        info = json.loads(os.getxattr(target, "user.acpfs.seq"))
+    except OSError as e:
+        if e.errno in DEAD_ERRNOS:
+            raise _Dead() from None
+        raise
+    if info.get("open_dirty"):
+        log.info("acpfs.torch: %d files under %s are still open for writing; their data is "
+                 "persisted after they are closed", info["open_dirty"], t.path)
+    start = time.monotonic()
+    while not stop.is_set():
+        try:
+            st = json.loads(os.getxattr(t.mountpoint, "user.acpfs.status"))
+        except OSError as e:
+            if e.errno in DEAD_ERRNOS:
+                raise _Dead() from None
+            raise
+        if st["queue"]["applied_seq"] >= info["seq"]:
+            return True
+        time.sleep(0.02 if time.monotonic() - start < 2 else 0.2)
+    return False
+
+
+def wait_persisted(path_or_dir: str | os.PathLike, timeout: float | None = None) -> bool:
+    """Block until ``path_or_dir`` (a file, or a directory recursively) is durable in the backing.
+
+    Returns True; raises TimeoutError after ``timeout`` seconds, NotPersisted when the daemon
+    is gone and the backing lacks the data, FileNotFoundError for a missing plain path.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    t = _resolve(path_or_dir)
+    if t.kind == "plain":
+        if not os.path.lexists(t.path):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), t.path)
+        return True              # save() fsynced it
+    if t.kind == "unmounted":
+        return _check_backing(t)
+    with _lock:
+        route = _saved.get(t.path, ("",))[0]
+    if route == "backing":
+        return True
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError(f"wait_persisted({t.path}): not durable after {timeout:g}s")
+        state = _probe(t.mountpoint, PROBE_TIMEOUT if left is None else min(PROBE_TIMEOUT, left))
+        if state == "dead":
+            return _check_backing(t)
+        if state == "hung":
+            try:
+                return _check_backing(t)
+            except NotPersisted:
+                time.sleep(0.2)
+                continue
+        stop = threading.Event()
+        ok, val = _in_thread(lambda: _wait_live(t, stop), left, "acpfs-torch-wait")
+        stop.set()
+        if ok == "done" and val:
+            return True
+        if ok == "error":
+            if isinstance(val, _Dead):
+                return _check_backing(t)
+            raise val
+        # timed out (or hung in a FUSE call): loop to the deadline check
+
+
+# -- preload -------------------------------------------------------------------------------------
+def preload(paths: Iterable[str | os.PathLike]) -> Preloaded:
+    """Read files (directories recursively) into their mount's cache ahead of a resume.
+
+    Paths on no live acpfs mount are skipped. Files that do not fit are listed in ``left_out``.
+    """
+    from . import cli
+    live = []
+    for p in paths:
+        t = _resolve(p)
+        if t.kind == "mounted" and _probe(t.mountpoint) == "live":
+            live.append(t.path)
+    if not live:
+        return Preloaded()
+    try:
+        files, nbytes, left_out = cli.preload(live, quiet=True)
+    except (cli.Failure, config.UsageError) as e:
+        raise OSError(errno.EIO, f"acpfs preload failed: {e}") from None
+    return Preloaded(files, nbytes, list(left_out))
+
+
+def _abandoned_threads() -> list[threading.Thread]:
+    """Writer threads given up on and still blocked in the mount (for tests and diagnostics)."""
+    with _lock:
+        _abandoned[:] = [th for th in _abandoned if th.is_alive()]
+        return list(_abandoned)

@@ -1,0 +1,864 @@
+"""tools/bench: checkpoint workloads against /dev/shm, the backing disk, acpfs and rclone.
+
+Run `./tools/bench --help`. Every workload runs against every target in the same run,
+interleaved (for each workload: for each repetition: for each target), repetition 0 is a
+warm-up and is discarded, and the table shows medians. Raw samples go to results.json, the
+table to table.md and the chart to chart.png, under --out (default
+/tmp/bench-results/<timestamp>/). docs/benchmarks.md explains every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PY = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
+WORKER = str(REPO / "tools" / "bench_worker.py")
+GiB = 1 << 30
+MiB = 1 << 20
+
+TARGETS = ["shm", "disk", "acpfs", "rclone"]
+TARGET_LABEL = {
+    "shm": "/dev/shm",
+    "disk": "disk+fsync",
+    "acpfs": "acpfs",
+    "rclone": "rclone",
+}
+WORKLOADS = ["torch", "safetensors", "dcp", "dd", "writers4", "small", "close_flush"]
+
+# metric -> (workload, unit, higher_is_better, description)
+METRICS = {
+    "torch_save": ("torch", "GB/s", True, "torch.save of the state dict"),
+    "torch_load": ("torch", "GB/s", True, "torch.load of the file just written (cached)"),
+    "torch_load_mmap": ("torch", "GB/s", True, "torch.load(mmap=True) + read every tensor"),
+    "st_save": ("safetensors", "GB/s", True, "safetensors save_file"),
+    "st_load": ("safetensors", "GB/s", True, "safetensors load_file (cached)"),
+    "dcp_save": ("dcp", "GB/s", True, "dcp.save, FileSystemWriter, no_dist"),
+    "dcp_load": ("dcp", "GB/s", True, "dcp.load, FileSystemReader, no_dist"),
+    "dd_1m": ("dd", "GB/s", True, "dd bs=1M of the checkpoint size"),
+    "writers4": ("writers4", "GB/s", True, "4 processes torch.save a quarter each, at once"),
+    "small_create": ("small", "files/s", True, "small files: create+write+close"),
+    "small_stat": ("small", "files/s", True, "small files: stat"),
+    "small_unlink": ("small", "files/s", True, "small files: unlink"),
+    "write_1m": ("close_flush", "GB/s", True, "python os.write 1 MiB chunks (before close)"),
+    "close_ms": ("close_flush", "ms", False, "close() of the file just written, alone"),
+    "durable_s": ("close_flush", "s", False, "close() returned -> file complete in the backing"),
+    "drain_s": ("close_flush", "s", False, "`acpfs sync MOUNT` started at close(): run time"),
+    "flush": ("close_flush", "GB/s", True, "bytes / durable_s (disk: plain copy+fsync of the same bytes)"),
+    "rss_mib": ("daemon", "MiB", False, "daemon RSS without the cache pool (max over the run)"),
+    "rss_total_mib": ("daemon", "MiB", False, "daemon VmRSS including mapped pool pages (max)"),
+    "cache_peak_gib": ("daemon", "GiB", False, "acpfs cache.peak_used_bytes"),
+    "rss_100k_mib": ("rss100k", "MiB", False, "daemon RSS without the pool, N cached small files"),
+}
+
+
+def log(*a: object) -> None:
+    print(time.strftime("%H:%M:%S"), *a, file=sys.stderr, flush=True)
+
+
+def parse_size(s: str) -> int:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)i?B?", s.strip(), re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {s!r}")
+    mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+    return int(float(m.group(1)) * mult)
+
+
+def fs_type(path: str) -> str:
+    best, typ = "", "?"
+    real = os.path.realpath(path)
+    with open("/proc/mounts") as f:
+        for line in f:
+            dev, mnt, t = line.split()[:3]
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, typ = mnt, f"{t} ({dev} on {mnt})"
+    return typ
+
+
+def meminfo() -> dict[str, int]:
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, v = line.split(":")
+            out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def proc_rss(pid: int) -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def is_mounted(path: str) -> bool:
+    path = os.path.realpath(path)
+    with open("/proc/mounts") as f:
+        return any(line.split()[1] == path for line in f)
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, text=True, capture_output=True, **kw)
+
+
+def rm_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------
+# targets
+
+
+class Target:
+    name = "?"
+    fsync = False  # fsync before close: what careful users do against a plain disk
+    pid: int | None = None
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def start(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+
+    def stop(self) -> None:
+        pass
+
+    def settle(self, path: str) -> None:
+        """Wait, untimed, until what was written under path has reached the backing."""
+
+    def remove(self, path: str) -> None:
+        rm_tree(path)
+        self.settle(os.path.dirname(path))
+
+    def backing_of(self, path: str) -> str:
+        return path
+
+
+class Shm(Target):
+    name = "shm"
+
+
+class Disk(Target):
+    name = "disk"
+    fsync = True
+
+
+class Acpfs(Target):
+    name = "acpfs"
+
+    def __init__(self, root: str, backing: str, cache_dir: str, cache_size: int, log_file: str,
+                 extra: list[str] | None = None) -> None:
+        super().__init__(root)
+        self.backing, self.cache_dir, self.cache_size = backing, cache_dir, cache_size
+        self.log_file, self.extra = log_file, extra or []
+
+    def acpfs(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+        return run([PY, "-m", "acpfs", *args], cwd=str(REPO), timeout=timeout)
+
+    def start(self) -> None:
+        for d in (self.root, self.backing):
+            os.makedirs(d, exist_ok=True)
+        t = time.perf_counter()
+        self.acpfs("mount", self.root, "--backing", self.backing, "--cache-size", str(self.cache_size),
+                   "--cache-dir", self.cache_dir, "--log-file", self.log_file, *self.extra, timeout=600)
+        self.pid = self.status()["pid"]
+        log(f"acpfs mounted at {self.root} (pid {self.pid}, cache {self.cache_size / GiB:.1f} GiB, "
+            f"{time.perf_counter() - t:.1f}s)")
+
+    def status(self) -> dict:
+        return json.loads(os.getxattr(self.root, "user.acpfs.status"))
+
+    def sync(self) -> None:
+        self.acpfs("sync", self.root, timeout=1800)
+
+    def settle(self, path: str) -> None:
+        self.sync()
+
+    def stop(self) -> None:
+        if not is_mounted(self.root):
+            return
+        try:
+            self.acpfs("umount", self.root, timeout=1800)
+        except Exception as e:
+            log(f"acpfs umount failed ({e}); lazy unmount")
+            subprocess.run(["fusermount3", "-u", "-z", self.root])
+        if self.pid:
+            for _ in range(600):
+                if not os.path.exists(f"/proc/{self.pid}"):
+                    break
+                time.sleep(0.1)
+
+    def backing_of(self, path: str) -> str:
+        return os.path.join(self.backing, os.path.relpath(path, self.root))
+
+
+class Rclone(Target):
+    name = "rclone"
+
+    def __init__(self, root: str, backing: str, cache_dir: str, log_file: str) -> None:
+        super().__init__(root)
+        self.backing, self.cache_dir, self.log_file = backing, cache_dir, log_file
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        for d in (self.root, self.backing, self.cache_dir):
+            os.makedirs(d, exist_ok=True)
+        cmd = ["rclone", "mount", self.backing, self.root, "--vfs-cache-mode", "writes",
+               "--vfs-write-back", "0s", "--cache-dir", self.cache_dir, "--config", "/dev/null",
+               "--log-file", self.log_file, "--log-level", "NOTICE"]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        self.pid = self.proc.pid
+        for _ in range(300):
+            if is_mounted(self.root):
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"rclone mount exited with {self.proc.returncode}; see {self.log_file}")
+            time.sleep(0.1)
+        else:
+            raise RuntimeError("rclone mount did not come up in 30s")
+        log(f"rclone mounted at {self.root} (pid {self.pid})")
+
+    def settle(self, path: str, timeout: float = 1800) -> None:
+        """Until every file under path (on the mount) has its full size in the backing."""
+        deadline = time.monotonic() + timeout
+        want = {}
+        if os.path.isdir(path):
+            for root, _d, files in os.walk(path):
+                for f in files:
+                    p = os.path.join(root, f)
+                    want[self.backing_of(p)] = os.stat(p).st_size
+        elif os.path.exists(path):
+            want[self.backing_of(path)] = os.stat(path).st_size
+        while want and time.monotonic() < deadline:
+            for p, size in list(want.items()):
+                with contextlib.suppress(FileNotFoundError):
+                    if os.stat(p).st_size == size:
+                        del want[p]
+            time.sleep(0.01)
+        if want:
+            raise TimeoutError(f"rclone did not upload {len(want)} files in {timeout}s")
+        time.sleep(0.2)  # let rclone set times and drop its open handles
+
+    def remove(self, path: str) -> None:
+        rm_tree(path)
+        b = self.backing_of(path)
+        for _ in range(600):
+            if not os.path.exists(b):
+                return
+            time.sleep(0.05)
+        rm_tree(b)
+
+    def stop(self) -> None:
+        if is_mounted(self.root):
+            r = subprocess.run(["fusermount3", "-u", self.root], capture_output=True)
+            if r.returncode:
+                subprocess.run(["fusermount3", "-u", "-z", self.root])
+        if self.proc:
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.terminate()
+                self.proc.wait(timeout=30)
+
+    def backing_of(self, path: str) -> str:
+        return os.path.join(self.backing, os.path.relpath(path, self.root))
+
+
+# ---------------------------------------------------------------------------------------
+# the worker process
+
+
+class WorkerProc:
+    def __init__(self, size: int) -> None:
+        self.p = subprocess.Popen([PY, WORKER, "serve", str(size)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, cwd="/")
+        hello = json.loads(self.p.stdout.readline())
+        self.size = hello["size"]
+
+    def call(self, cmd: str, **args) -> dict:
+        self.p.stdin.write(json.dumps({"cmd": cmd, "args": args}) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError("worker died")
+        res = json.loads(line)
+        if not res["ok"]:
+            raise RuntimeError(f"{cmd}: {res['error']}")
+        return res["result"]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.p.stdin.close()
+            self.p.wait(timeout=60)
+
+
+# ---------------------------------------------------------------------------------------
+# the benchmark
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.samples: list[dict] = []
+        self.notes: list[str] = []
+        self.extra: dict = {}
+        self.rss_max: dict[str, dict] = {}
+        self.profilers: dict = {}
+
+    # -- recording ------------------------------------------------------------------------
+    def record(self, metric: str, target: str, rep: int, value: float | None, **kw) -> None:
+        if value is None:
+            return
+        s = {"metric": metric, "target": target, "rep": rep, "warmup": rep == 0,
+             "value": value, "unit": METRICS[metric][1], **kw}
+        self.samples.append(s)
+        log(f"  {metric:16s} {TARGET_LABEL[target]:11s} rep {rep}{' (warm-up)' if rep == 0 else ''}: "
+            f"{value:.4g} {s['unit']}")
+
+    def sample_rss(self, t: Target, label: str) -> None:
+        if not t.pid or not os.path.exists(f"/proc/{t.pid}"):
+            return
+        r = proc_rss(t.pid)
+        r["no_pool"] = r["VmRSS"] - r.get("RssShmem", 0)
+        r["at"] = label
+        cur = self.rss_max.get(t.name)
+        if cur is None or r["no_pool"] > cur["no_pool"]:
+            self.rss_max[t.name] = r
+        self.extra.setdefault("rss_samples", {}).setdefault(t.name, []).append(r)
+
+    def save(self) -> None:
+        doc = {"meta": self.meta, "samples": self.samples, "notes": self.notes, "extra": self.extra,
+               "rss_max": self.rss_max}
+        (self.out / "results.json").write_text(json.dumps(doc, indent=1))
+
+    # -- setup ----------------------------------------------------------------------------
+    def setup(self) -> None:
+        a = self.args
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.id = f"bench-{stamp}-{os.getpid()}"
+        self.shm = f"/dev/shm/{self.id}"
+        self.tmp = f"/tmp/{self.id}"
+        self.bdir = os.path.join(a.backing_dir, self.id)
+        for d in (self.shm, self.tmp, self.bdir):
+            os.makedirs(d, exist_ok=True)
+        self.meta = {
+            "started": stamp, "args": {k: v for k, v in vars(a).items()},
+            "machine": {
+                "nproc": os.cpu_count(), "mem_total_gib": round(meminfo()["MemTotal"] / GiB, 1),
+                "kernel": platform.release(), "python": platform.python_version(),
+                "backing_fs": fs_type(a.backing_dir), "shm_fs": fs_type("/dev/shm"),
+                "cpu": self._cpu_model(),
+            },
+        }
+        with contextlib.suppress(Exception):
+            import torch
+            self.meta["machine"]["torch"] = torch.__version__
+        self.meta["machine"]["rclone"] = (shutil.which("rclone") and
+                                          run(["rclone", "version"]).stdout.splitlines()[0]) or None
+        self.targets: dict[str, Target] = {}
+        for name in a.targets:
+            if name == "shm":
+                self.targets[name] = Shm(os.path.join(self.shm, "shm"))
+            elif name == "disk":
+                self.targets[name] = Disk(os.path.join(self.bdir, "disk"))
+            elif name == "acpfs":
+                self.targets[name] = Acpfs(os.path.join(self.tmp, "mnt-acpfs"),
+                                           os.path.join(self.bdir, "acpfs-backing"),
+                                           os.path.join(self.shm, "acpfs-cache"), a.cache_size,
+                                           os.path.join(self.tmp, "acpfs.log"))
+            elif name == "rclone":
+                if not shutil.which("rclone"):
+                    self.note("rclone is not installed: the rclone target is skipped "
+                              "(Debian/Ubuntu: apt-get install -y rclone)")
+                    continue
+                self.targets[name] = Rclone(os.path.join(self.tmp, "mnt-rclone"),
+                                            os.path.join(self.bdir, "rclone-backing"),
+                                            os.path.join(a.rclone_cache_dir or self.shm, "rclone-cache"),
+                                            os.path.join(self.tmp, "rclone.log"))
+
+    @staticmethod
+    def _cpu_model() -> str:
+        with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+        return "?"
+
+    def note(self, msg: str) -> None:
+        log("NOTE:", msg)
+        self.notes.append(msg)
+
+    # -- profiling (py-spy on the acpfs daemon) --------------------------------------------
+    @contextlib.contextmanager
+    def profiled(self, t: Target, label: str):
+        if not (self.args.profile and t.name == "acpfs" and t.pid):
+            yield
+            return
+        spy = shutil.which("py-spy", path=str(REPO / ".venv" / "bin") + os.pathsep + os.environ["PATH"])
+        if not spy:
+            self.note("--profile needs py-spy: .venv/bin/pip install py-spy")
+            self.args.profile = False
+            yield
+            return
+        path = self.out / f"profile-{label}.txt"
+        p = subprocess.Popen([spy, "record", "--pid", str(t.pid), "--threads", "--rate", "250",
+                              "--format", "raw", "--output", str(path), "--nonblocking"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)
+        try:
+            yield
+        finally:
+            p.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=60)
+
+    # -- workloads ------------------------------------------------------------------------
+    def fresh(self, t: Target, wl: str, rep: int) -> str:
+        d = os.path.join(t.root, f"{wl}-r{rep}")
+        os.makedirs(d)
+        return d
+
+    def size_gb(self) -> float:
+        return self.w.size / 1e9
+
+    def wl_torch(self, t: Target, rep: int) -> None:
+        d = self.fresh(t, "torch", rep)
+        p = os.path.join(d, "model.pt")
+        with self.profiled(t, f"torch_save-r{rep}"):
+            r = self.w.call("torch_save", path=p, fsync=t.fsync)
+        self.record("torch_save", t.name, rep, self.size_gb() / r["s"])
+        t.settle(d)
+        self.sample_rss(t, "torch_save")
+        with self.profiled(t, f"torch_load-r{rep}"):
+            r = self.w.call("torch_load", path=p, mmap=False)
+        if not r["ok"]:
+            self.note(f"torch.load from {t.name} returned wrong data")
+        self.record("torch_load", t.name, rep, self.size_gb() / r["s"] if r["s"] else None)
+        r = self.w.call("torch_load", path=p, mmap=True)
+        self.extra.setdefault("mmap_ok", {}).setdefault(t.name, []).append(r.get("ok"))
+        if not r["ok"]:
+            self.note(f"torch.load(mmap=True) from {t.name} failed: {r.get('error', 'wrong data')}")
+        self.record("torch_load_mmap", t.name, rep, self.size_gb() / r["s"] if r["s"] else None)
+        t.remove(d)
+
+    def wl_safetensors(self, t: Target, rep: int) -> None:
+        d = self.fresh(t, "st", rep)
+        p = os.path.join(d, "model.safetensors")
+        with self.profiled(t, f"st_save-r{rep}"):
+            r = self.w.call("st_save", path=p, fsync=t.fsync)
+        self.record("st_save", t.name, rep, self.size_gb() / r["s"])
+        t.settle(d)
+        r = self.w.call("st_load", path=p)
+        self.record("st_load", t.name, rep, self.size_gb() / r["s"])
+        t.remove(d)
+
+    def wl_dcp(self, t: Target, rep: int) -> None:
+        d = self.fresh(t, "dcp", rep)
+        p = os.path.join(d, "ckpt")
+        with self.profiled(t, f"dcp_save-r{rep}"):
+            r = self.w.call("dcp_save", path=p, fsync=t.fsync)
+        self.record("dcp_save", t.name, rep, self.size_gb() / r["s"])
+        t.settle(d)
+        r = self.w.call("dcp_load", path=p)
+        self.record("dcp_load", t.name, rep, self.size_gb() / r["s"])
+        t.remove(d)
+
+    def wl_dd(self, t: Target, rep: int) -> None:
+        d = self.fresh(t, "dd", rep)
+        count = self.w.size // MiB
+        cmd = ["dd", "if=/dev/zero", f"of={os.path.join(d, 'dd.bin')}", "bs=1M", f"count={count}"]
+        if t.fsync:
+            cmd.append("conv=fsync")
+        with self.profiled(t, f"dd-r{rep}"):
+            res = run(cmd)
+        m = re.search(r"^(\d+) bytes .* copied, ([\d.]+) s", res.stderr, re.M)
+        self.record("dd_1m", t.name, rep, int(m.group(1)) / float(m.group(2)) / 1e9)
+        t.settle(d)
+        t.remove(d)
+
+    def wl_writers4(self, t: Target, rep: int) -> None:
+        d = self.fresh(t, "w4", rep)
+        shard = self.w.size // 4
+        procs = [subprocess.Popen([PY, WORKER, "rank", str(shard), os.path.join(d, f"rank{i}.pt"),
+                                   "1" if t.fsync else "0"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, cwd="/") for i in range(4)]
+        try:
+            for p in procs:
+                if p.stdout.readline().strip() != "ready":
+                    raise RuntimeError("rank writer failed to start")
+            with self.profiled(t, f"writers4-r{rep}"):
+                t0 = time.perf_counter()
+                for p in procs:
+                    p.stdin.write("go\n")
+                    p.stdin.flush()
+                for p in procs:
+                    json.loads(p.stdout.readline())
+                s = time.perf_counter() - t0
+        finally:
+            for p in procs:
+                p.stdin.close()
+                p.wait()
+        self.record("writers4", t.name, rep, 4 * shard / 1e9 / s)
+        t.settle(d)
+        self.sample_rss(t, "writers4")
+        t.remove(d)
+
+    def wl_small(self, t: Target, rep: int) -> None:
+        d = self.fresh(t, "small", rep)
+        n = self.args.small_files
+        with self.profiled(t, f"small-r{rep}"):
+            r = self.w.call("small", path=d, n=n, size=self.args.small_size, fsync=t.fsync)
+        self.record("small_create", t.name, rep, n / r["create_s"])
+        self.record("small_stat", t.name, rep, n / r["stat_s"])
+        self.record("small_unlink", t.name, rep, n / r["unlink_s"])
+        self.sample_rss(t, "small")
+        t.remove(d)
+
+    def wl_close_flush(self, t: Target, rep: int) -> None:
+        d = self.fresh(t, "close", rep)
+        p = os.path.join(d, "big.bin")
+        poll = t.name if t.name in ("acpfs", "rclone") else None
+        sync_cmd = [PY, "-m", "acpfs", "sync", t.root] if t.name == "acpfs" else None
+        with self.profiled(t, f"close_flush-r{rep}"):
+            r = self.w.call("write_close", path=p, size=self.w.size, fsync=t.fsync, poll=poll,
+                            backing_path=t.backing_of(p), sync_cmd=sync_cmd)
+        gb = r["bytes"] / 1e9
+        self.record("write_1m", t.name, rep, gb / r["write_s"])
+        self.record("close_ms", t.name, rep, r["close_s"] * 1e3)
+        if "durable_s" in r:
+            self.record("durable_s", t.name, rep, r["durable_s"])
+            self.record("flush", t.name, rep, gb / r["durable_s"])
+        if "drain_s" in r:
+            self.record("drain_s", t.name, rep, r["drain_s"])
+        self.sample_rss(t, "close_flush")
+        if t.name == "disk":
+            # the baseline for flush throughput: copy the same bytes from RAM, with fsync
+            src = os.path.join(self.shm, "copy-src.bin")
+            if not os.path.exists(src):
+                shutil.copyfile(p, src)
+            r = self.w.call("copy_fsync", src=src, dst=os.path.join(d, "copy.bin"))
+            self.record("flush", t.name, rep, os.path.getsize(src) / 1e9 / r["s"])
+        t.settle(d)
+        t.remove(d)
+
+    # -- daemon RSS with many cached small files ------------------------------------------
+    def rss100k(self) -> None:
+        a = self.args
+        n = a.rss_files
+        bs = 64 << 10
+        cache = max(n * bs + GiB, 2 * GiB)
+        if cache > meminfo()["MemAvailable"] * 0.8:
+            self.note(f"rss100k skipped: {n} files need a {cache / GiB:.1f} GiB pool (one 64 KiB block each)")
+            return
+        t = Acpfs(os.path.join(self.tmp, "mnt-rss"), os.path.join(self.bdir, "rss-backing"),
+                  os.path.join(self.shm, "rss-cache"), cache, os.path.join(self.tmp, "acpfs-rss.log"))
+        log(f"rss100k: {n} small files into a fresh acpfs mount (cache {cache / GiB:.1f} GiB)")
+        try:
+            t.start()
+            base = proc_rss(t.pid)
+            t0 = time.perf_counter()
+            self.w.call("small", path=os.path.join(t.root, "many"), n=n, size=a.small_size,
+                        fsync=False, unlink=False, per_dir=1000)
+            create_s = time.perf_counter() - t0
+            dirty = proc_rss(t.pid)
+            t0 = time.perf_counter()
+            t.sync()
+            sync_s = time.perf_counter() - t0
+            after = proc_rss(t.pid)
+            st = t.status()
+            res = {"files": n, "create_s": create_s, "sync_s": sync_s,
+                   "cached_files": st["cache"]["cached_files"], "cache_used_bytes": st["cache"]["used_bytes"],
+                   "rss_empty": base, "rss_dirty": dirty, "rss_persisted": after}
+            self.extra["rss100k"] = res
+            worst = max(r["VmRSS"] - r.get("RssShmem", 0) for r in (dirty, after))
+            self.record("rss_100k_mib", "acpfs", 1, worst / MiB, files=n)
+            log(f"rss100k: {n} files created in {create_s:.1f}s ({n / create_s:.0f}/s), synced in "
+                f"{sync_s:.1f}s; RSS without pool: dirty {(dirty['VmRSS'] - dirty.get('RssShmem', 0)) / MiB:.0f} MiB, "
+                f"persisted {(after['VmRSS'] - after.get('RssShmem', 0)) / MiB:.0f} MiB; "
+                f"{st['cache']['cached_files']} files cached")
+        finally:
+            t.stop()
+            rm_tree(t.cache_dir)
+
+    # -- the run --------------------------------------------------------------------------
+    def check_memory(self) -> None:
+        a = self.args
+        need = 2 * a.size + a.size + a.cache_size  # worker dict + loaded copy, /dev/shm file, pool
+        if "rclone" in self.targets and not a.rclone_cache_dir:
+            need += a.size
+        avail = meminfo()["MemAvailable"]
+        shm_free = shutil.disk_usage("/dev/shm").free
+        shm_need = a.size + a.cache_size + (a.size if "rclone" in self.targets and not a.rclone_cache_dir else 0)
+        log(f"memory: need ~{need / GiB:.1f} GiB of {avail / GiB:.1f} GiB available; "
+            f"/dev/shm: need ~{shm_need / GiB:.1f} GiB of {shm_free / GiB:.1f} GiB free")
+        if need > avail * 0.95 or shm_need > shm_free:
+            sys.exit(f"bench: --size {a.size / GiB:g}G needs ~{need / GiB:.0f} GiB RAM and {shm_need / GiB:.0f} GiB "
+                     f"of /dev/shm; this machine has {avail / GiB:.0f} GiB available and {shm_free / GiB:.0f} GiB "
+                     f"free; use a smaller --size (and --cache-size)")
+
+    def main(self) -> int:
+        a = self.args
+        self.setup()
+        self.check_memory()
+        log(f"results: {self.out}")
+        started = []
+        try:
+            log(f"building a {a.size / GiB:.2f} GiB state dict in the worker")
+            self.w = WorkerProc(a.size)
+            for t in self.targets.values():
+                t.start()
+                started.append(t)
+                self.sample_rss(t, "start")
+            self.save()
+            t_run = time.perf_counter()
+            for wl in a.workloads:
+                if wl == "rss100k":
+                    continue
+                fn = getattr(self, f"wl_{wl}")
+                for rep in range(a.reps + 1):
+                    log(f"{wl}: repetition {rep}{' (warm-up)' if rep == 0 else ''}")
+                    for t in self.targets.values():
+                        fn(t, rep)
+                        self.save()
+            for t in self.targets.values():
+                self.sample_rss(t, "end")
+                if isinstance(t, Acpfs):
+                    self.extra["acpfs_status_end"] = t.status()
+            self.extra["run_s"] = time.perf_counter() - t_run
+        finally:
+            for t in reversed(started):
+                with contextlib.suppress(Exception):
+                    t.stop()
+        try:
+            if "rss100k" in a.workloads:
+                self.rss100k()
+        finally:
+            if hasattr(self, "w"):
+                self.w.close()
+        self.daemon_metrics()
+        self.save()
+        table = self.report()
+        (self.out / "table.md").write_text(table + "\n")
+        print(table)
+        self.chart()
+        self.save()
+        if not a.keep:
+            for d in (self.shm, self.tmp, self.bdir):
+                rm_tree(d)
+        print(f"\nresults: {self.out}/results.json, {self.out}/table.md" +
+              (f", {self.out}/chart.png" if (self.out / "chart.png").exists() else ""))
+        return 0
+
+    def daemon_metrics(self) -> None:
+        for name, r in self.rss_max.items():
+            self.record("rss_mib", name, 1, r["no_pool"] / MiB)
+            self.record("rss_total_mib", name, 1, r["VmRSS"] / MiB)
+        st = self.extra.get("acpfs_status_end")
+        if st:
+            self.record("cache_peak_gib", "acpfs", 1, st["cache"]["peak_used_bytes"] / GiB)
+
+    # -- reporting ------------------------------------------------------------------------
+    def medians(self) -> dict[tuple[str, str], dict]:
+        groups: dict[tuple[str, str], list[float]] = {}
+        for s in self.samples:
+            if not s["warmup"]:
+                groups.setdefault((s["metric"], s["target"]), []).append(s["value"])
+        return {k: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
+                for k, v in groups.items()}
+
+    def checks(self, med) -> list[dict]:
+        def m(metric, target):
+            return med.get((metric, target), {}).get("median")
+
+        def ratio(metric, a, b):
+            x, y = m(metric, a), m(metric, b)
+            return None if x is None or y is None or y == 0 else x / y
+
+        out = []
+
+        def add(metric, goal, value, ok, shown):
+            out.append({"metric": metric, "goal": goal, "value": value,
+                        "result": "n/a" if ok is None else ("PASS" if ok else "MISS"), "shown": shown})
+
+        r1, r2 = ratio("torch_save", "acpfs", "shm"), ratio("torch_save", "acpfs", "rclone")
+        add("torch_save", ">=0.9x shm", r1, None if r1 is None else r1 >= 0.9, f"{r1:.2f}x" if r1 else "-")
+        add("torch_save", ">=4x rclone", r2, None if r2 is None else r2 >= 4, f"{r2:.2f}x" if r2 else "-")
+        r = ratio("dd_1m", "acpfs", "shm")
+        add("dd_1m", ">=1.0x shm", r, None if r is None else r >= 1.0, f"{r:.2f}x" if r else "-")
+        c = med.get(("close_ms", "acpfs"))
+        add("close_ms", "<10 ms", c and c["median"], None if c is None else c["median"] < 10,
+            f"{c['median']:.2f} ms (max {c['max']:.2f})" if c else "-")
+        r = ratio("flush", "acpfs", "disk")
+        add("flush", ">=0.8x copy+fsync", r, None if r is None else r >= 0.8, f"{r:.2f}x" if r else "-")
+        r = ratio("torch_load", "acpfs", "shm")
+        add("torch_load", ">=0.8x shm", r, None if r is None else r >= 0.8, f"{r:.2f}x" if r else "-")
+        ok = self.extra.get("mmap_ok", {}).get("acpfs")
+        add("torch_load_mmap", "mmap=True works", None, None if ok is None else all(ok),
+            "works" if ok and all(ok) else ("fails" if ok else "-"))
+        r = ratio("small_create", "acpfs", "rclone")
+        add("small_create", ">=1.0x rclone", r, None if r is None else r >= 1.0, f"{r:.2f}x" if r else "-")
+        v = m("rss_100k_mib", "acpfs")
+        files = self.extra.get("rss100k", {}).get("files", self.args.rss_files)
+        add("rss_100k_mib", f"<200 MiB ({files} files)", v, None if v is None else v < 200,
+            f"{v:.0f} MiB" if v else "-")
+        return out
+
+    def report(self) -> str:
+        med = self.medians()
+        checks = self.checks(med)
+        self.extra["medians"] = {f"{k[0]}|{k[1]}": v for k, v in med.items()}
+        self.extra["checks"] = checks
+        names = [n for n in TARGETS if any(k[1] == n for k in med)]
+        by_metric: dict[str, list[dict]] = {}
+        for c in checks:
+            by_metric.setdefault(c["metric"], []).append(c)
+        a = self.args
+        lines = [f"acpfs benchmark, {self.meta['started']}: {'--quick' if a.quick else 'full'}, "
+                 f"size {self.w.size / GiB:.2f} GiB, {a.small_files} small files of {a.small_size} B, "
+                 f"median of {a.reps} repetitions after 1 warm-up",
+                 f"machine: {self.meta['machine']['nproc']} CPUs ({self.meta['machine']['cpu']}), "
+                 f"{self.meta['machine']['mem_total_gib']} GiB RAM, kernel {self.meta['machine']['kernel']}, "
+                 f"backing {a.backing_dir} on {self.meta['machine']['backing_fs']}", ""]
+        hdr = ["metric", "unit"] + [TARGET_LABEL[n] for n in names] + ["acpfs/shm", "acpfs/disk", "acpfs/rclone", "target"]
+        lines.append("| " + " | ".join(hdr) + " |")
+        lines.append("|" + "|".join("---" for _ in hdr) + "|")
+        for metric, (_wl, unit, higher, _desc) in METRICS.items():
+            if not any(k[0] == metric for k in med):
+                continue
+            row = [metric, unit]
+            for n in names:
+                v = med.get((metric, n))
+                row.append(fmt(v["median"]) if v else "-")
+            for other in ("shm", "disk", "rclone"):
+                x, y = med.get((metric, "acpfs")), med.get((metric, other))
+                row.append(f"{x['median'] / y['median']:.2f}" if x and y and y["median"] else "-")
+            row.append("; ".join(f"{c['goal']}: {c['shown']} {c['result']}" for c in by_metric.get(metric, [])))
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+        lines.append("ratios are acpfs/other of the medians (for s, ms and MiB lower is better).")
+        for c in checks:
+            lines.append(f"{c['result']:4s}  {c['metric']:16s} {c['goal']:28s} {c['shown']}")
+        if self.extra.get("rss100k"):
+            r = self.extra["rss100k"]
+            lines.append(f"rss100k: {r['files']} files, {r['cached_files']} cached, created in {r['create_s']:.1f}s, "
+                         f"synced in {r['sync_s']:.1f}s")
+        for name, r in self.rss_max.items():
+            lines.append(f"peak RSS of {name} daemon: VmRSS {r['VmRSS'] / MiB:.0f} MiB = RssAnon "
+                         f"{r.get('RssAnon', 0) / MiB:.0f} + RssFile {r.get('RssFile', 0) / MiB:.0f} + RssShmem "
+                         f"{r.get('RssShmem', 0) / MiB:.0f} MiB (at {r['at']})")
+        for n in self.notes:
+            lines.append(f"note: {n}")
+        return "\n".join(lines)
+
+    def chart(self) -> None:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("bench: no chart: matplotlib is missing (.venv/bin/pip install matplotlib)", file=sys.stderr)
+            self.notes.append("no chart: matplotlib missing")
+            return
+        med = self.medians()
+        metrics = [m for m in METRICS if any(k[0] == m for k in med)]
+        names = [n for n in TARGETS if any(k[1] == n for k in med)]
+        cols = 4
+        rows = (len(metrics) + cols - 1) // cols
+        fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+        colors = {"shm": "#888888", "disk": "#d62728", "acpfs": "#1f77b4", "rclone": "#ff7f0e"}
+        for ax, metric in zip(axes.flat, metrics):
+            xs, ys, lo, hi, cs = [], [], [], [], []
+            for n in names:
+                v = med.get((metric, n))
+                if v:
+                    xs.append(TARGET_LABEL[n])
+                    ys.append(v["median"])
+                    lo.append(v["median"] - v["min"])
+                    hi.append(v["max"] - v["median"])
+                    cs.append(colors[n])
+            ax.bar(xs, ys, yerr=[lo, hi], color=cs, capsize=3)
+            unit, higher = METRICS[metric][1], METRICS[metric][2]
+            ax.set_title(f"{metric} ({unit}, {'higher' if higher else 'lower'} is better)", fontsize=9)
+            ax.tick_params(axis="x", labelsize=8)
+        for ax in list(axes.flat)[len(metrics):]:
+            ax.axis("off")
+        fig.suptitle(f"acpfs bench {self.meta['started']} ({'quick' if self.args.quick else 'full'}, "
+                     f"{self.w.size / GiB:.1f} GiB; median, bars min..max)")
+        fig.tight_layout()
+        fig.savefig(self.out / "chart.png", dpi=90)
+
+
+def fmt(v: float) -> str:
+    if v >= 100:
+        return f"{v:.0f}"
+    if v >= 10:
+        return f"{v:.1f}"
+    return f"{v:.3g}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="tools/bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="2 GiB checkpoints, 2,000 small files")
+    ap.add_argument("--size", type=parse_size, help="checkpoint size (default 8G, 2G with --quick)")
+    ap.add_argument("--small-files", type=int, help="small-file count (default 10000, 2000 with --quick)")
+    ap.add_argument("--small-size", type=int, default=4096, help="bytes per small file")
+    ap.add_argument("--rss-files", type=int, default=100_000, help="cached files for the rss100k workload")
+    ap.add_argument("--reps", type=int, default=3, help="measured repetitions (after one warm-up)")
+    ap.add_argument("--backing-dir", default="/var/tmp", help="a directory on the real disk for backings")
+    ap.add_argument("--cache-size", type=parse_size, help="acpfs --cache-size (default 2.5 x size, rounded up)")
+    ap.add_argument("--rclone-cache-dir", help="parent of rclone's --cache-dir (default: under /dev/shm, like acpfs)")
+    ap.add_argument("--targets", default=",".join(TARGETS), help="comma-separated subset of " + ",".join(TARGETS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS + ["rss100k"]),
+                    help="comma-separated subset of " + ",".join(WORKLOADS + ["rss100k"]))
+    ap.add_argument("--out", help="results directory (default /tmp/bench-results/<timestamp>)")
+    ap.add_argument("--profile", action="store_true",
+                    help="py-spy record the acpfs daemon during each acpfs measurement (skews them)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directories")
+    a = ap.parse_args()
+    if os.geteuid() != 0 and not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        sys.exit("bench: needs /dev/fuse")
+    a.size = a.size or (2 * GiB if a.quick else 8 * GiB)
+    a.small_files = a.small_files or (2000 if a.quick else 10000)
+    a.cache_size = a.cache_size or -(-int(2.5 * a.size) // GiB) * GiB
+    a.targets = [t for t in a.targets.split(",") if t]
+    a.workloads = [w for w in a.workloads.split(",") if w]
+    for t in a.targets:
+        if t not in TARGETS:
+            sys.exit(f"bench: unknown target {t!r}")
+    for w in a.workloads:
+        if w not in WORKLOADS + ["rss100k"]:
+            sys.exit(f"bench: unknown workload {w!r}")
+    if a.reps < 1:
+        sys.exit("bench: --reps must be at least 1")
+    if "tmpfs" in fs_type(a.backing_dir).split()[0]:
+        print(f"bench: warning: --backing-dir {a.backing_dir} is on tmpfs, not a disk", file=sys.stderr)
+    a.out = a.out or f"/tmp/bench-results/{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("bench: matplotlib is missing, no chart will be drawn: .venv/bin/pip install matplotlib",
+              file=sys.stderr)
+    return Bench(a).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import stat as statmod
 import threading
 from typing import Iterable, Iterator
@@ -29,6 +30,7 @@ TEMP_PREFIX = b".acpfs-tmp-"
 # that renaming or removing their directory on the mount never touches them; the final
 # rename into place is still atomic (same filesystem).
 SPILL_DIR = TEMP_PREFIX + b"spill"
+STALE_TEMP = re.compile(re.escape(TEMP_PREFIX) + rb"\d+-(\d+)")   # an upload's temp file
 IS_ROOT = os.geteuid() == 0
 
 Comps = list[bytes]
@@ -69,8 +71,12 @@ class Backing:
             raise
         return fd
 
-    def listdir(self, comps: Comps) -> list[tuple[bytes, os.stat_result, bytes | None]]:
-        """(name, lstat result, symlink target) of each entry, without acpfs temporary files."""
+    def listdir(self, comps: Comps, stale_seq: int = 0) -> list[tuple[bytes, os.stat_result, bytes | None]]:
+        """(name, lstat result, symlink target) of each entry, without acpfs temporary files.
+
+        Uploads a dead daemon left half-written (``.acpfs-tmp-<ino>-<seq>`` with seq at most
+        ``stale_seq``, the last seq of the daemon this one recovered from) are removed.
+        """
         fd = self.open_dir(comps)
         try:
             out = []
@@ -78,6 +84,14 @@ class Backing:
                 for ent in it:
                     name = os.fsencode(ent.name)
                     if is_temp_name(name):
+                        m = STALE_TEMP.fullmatch(name)
+                        if m and int(m.group(1)) <= stale_seq:
+                            try:
+                                os.unlink(name, dir_fd=fd)
+                                log.info("removed %r, an upload left unfinished by a dead daemon",
+                                         os.fsdecode(name))
+                            except OSError:
+                                pass
                         continue
                     try:
                         st = ent.stat(follow_symlinks=False)

@@ -41,14 +41,21 @@ import time
 from typing import TYPE_CHECKING
 
 from .backing import Backing, check_name, is_temp_name
+from .journal import pack_blocks
 from .pool import Pool, PoolFull
 
 if TYPE_CHECKING:
     from .flusher import Flusher, Op
+    from .journal import Journal
 
 log = logging.getLogger(__name__)
 
 ROOT_INODE = 1
+
+# What the journal last said about a file (Node.jstate); recovery acts on the last record.
+J_NONE = 0      # nothing pending: a later crash leaves the backing version alone
+J_DIRTY = 1     # "dirty": open with unsaved changes; at a crash they are dropped (logged)
+J_FLUSHED = 2   # "flushed": its last writer closed it; at a crash this content is published
 
 
 def now_ns() -> int:
@@ -58,7 +65,8 @@ def now_ns() -> int:
 class Node:
     __slots__ = ("ino", "mode", "uid", "gid", "size", "atime", "mtime", "ctime", "parent", "name",
                  "children", "target", "blocks", "bparent", "bname", "bstale", "writers", "opens",
-                 "nlink", "lookups", "dirty", "dirty_since", "ops", "last_seq", "xattrs", "spill", "bgen")
+                 "nlink", "lookups", "dirty", "dirty_since", "ops", "last_seq", "xattrs", "spill", "bgen",
+                 "jstate", "jblocks")
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, parent: Node | None, name: bytes) -> None:
         self.ino = ino
@@ -87,6 +95,8 @@ class Node:
         self.xattrs: dict[bytes, bytes] | None = None    # None: not read from the backing yet
         self.spill: Spill | None = None                  # content written through to the backing
         self.bgen = 0                                    # count of versions published (reader fds)
+        self.jstate = J_NONE                             # its last journal record (J_*)
+        self.jblocks: list[int] | None = None            # blocks held for a "flushed" record
 
     @property
     def is_dir(self) -> bool:
@@ -173,6 +183,9 @@ class Cache:
         self.dirty_nodes: set[Node] = set()
         self.lru: collections.OrderedDict[int, Node] = collections.OrderedDict()
         self.flusher: Flusher | None = None   # attached by the daemon
+        self.journal: Journal | None = None   # attached by the daemon; None in unit tests
+        self.flushed_pending = 0              # nodes in J_FLUSHED (the journal cannot be cut)
+        self.stale_seq = 0                    # temp files with seqs up to this are a dead daemon's
 
     # -- positions -----------------------------------------------------------------------
     def present(self, node: Node) -> bool:
@@ -189,6 +202,17 @@ class Cache:
         comps.reverse()
         return comps
 
+    def mpath(self, node: Node) -> bytes | None:
+        """The node's path relative to the mount root (b"" for the root); None once deleted."""
+        parts = []
+        while node.parent is not None:
+            parts.append(node.name)
+            node = node.parent
+        if node is not self.root:
+            return None
+        parts.reverse()
+        return b"/".join(parts)
+
     def path(self, node: Node) -> str:
         """The node's path relative to the mount root, for humans."""
         parts = []
@@ -203,7 +227,7 @@ class Cache:
     def list_backing(self, node: Node) -> list:
         """Runs in a worker thread: the backing listing of a directory not yet loaded."""
         with self.bpos_lock:
-            return self.backing.listdir(self.bpath(node))
+            return self.backing.listdir(self.bpath(node), self.stale_seq)
 
     def attach_listing(self, node: Node, listing: list) -> None:
         if node.children is not None:
@@ -288,9 +312,9 @@ class Cache:
         node = self.lookup(parent, name)
         if node.is_dir:
             raise err(errno.EISDIR)
-        path = self.path(node)
+        path = self.mpath(node)
         self._remove(parent, name, node)
-        self._enqueue("unlink", node, parent=parent, name=name, path=path)
+        self._enqueue("unlink", node, parent=parent, name=name, mpath=path)
 
     def rmdir(self, parent: Node, name: bytes) -> None:
         node = self.lookup(parent, name)
@@ -299,9 +323,9 @@ class Cache:
         assert node.children is not None, "directory not loaded"
         if node.children:
             raise err(errno.ENOTEMPTY)
-        path = self.path(node)
+        path = self.mpath(node)
         self._remove(parent, name, node)
-        self._enqueue("rmdir", node, parent=parent, name=name, path=path)
+        self._enqueue("rmdir", node, parent=parent, name=name, mpath=path)
 
     def _remove(self, parent: Node, name: bytes, node: Node) -> None:
         del parent.children[name]  # type: ignore[union-attr]
@@ -335,12 +359,13 @@ class Cache:
                 if target.children:
                     raise err(errno.ENOTEMPTY)
             self._remove(p2, n2, target)
+        src_path = self.mpath(node)
         del p1.children[n1]  # type: ignore[union-attr]
         kids2[n2] = node
         node.parent, node.name = p2, n2
         t = now_ns()
         p1.mtime = p1.ctime = p2.mtime = p2.ctime = node.ctime = t
-        self._enqueue("rename", node, parent=p2, name=n2, replaced=target, src=p1)
+        self._enqueue("rename", node, parent=p2, name=n2, replaced=target, src=p1, src_path=src_path)
 
     def setattr(self, node: Node, mode: int | None = None, uid: int | None = None,
                 gid: int | None = None, atime: int | None = None, mtime: int | None = None) -> None:
@@ -520,7 +545,7 @@ class Cache:
         if end > node.size:
             node.size = end
         node.mtime = node.ctime = now_ns()
-        if not node.dirty:
+        if not node.dirty or node.jstate != J_DIRTY:
             self._mark_dirty(node)
         return n
 
@@ -620,6 +645,8 @@ class Cache:
             node.dirty = True
             node.dirty_since = time.time()
             self.dirty_nodes.add(node)
+        if node.jstate != J_DIRTY and self.journal is not None and node.nlink:
+            self._journal_state(node, J_DIRTY)
         if node.ino in self.lru:
             with self.lock:
                 self.lru.pop(node.ino, None)
@@ -638,6 +665,8 @@ class Cache:
             self.lru.pop(node.ino, None)
         node.dirty = False
         self.dirty_nodes.discard(node)
+        if node.jstate != J_NONE:
+            self._journal_state(node, J_NONE)
         if node.lookups <= 0:
             self.nodes.pop(node.ino, None)
 
@@ -656,6 +685,8 @@ class Cache:
                 node.spill.handed = True   # the op owns it now; reads still use it
         node.dirty = False
         self.dirty_nodes.discard(node)
+        if node.jstate != J_NONE:
+            self._journal_state(node, J_NONE, record=False)   # the publish record says it
         self._enqueue("publish", node, parent=node.parent, name=node.name, snap=snap)
 
     def snapshot_open_files(self) -> int:
@@ -674,17 +705,92 @@ class Cache:
                         op.state = "void"
         node.dirty = False
         self.dirty_nodes.discard(node)
+        if node.jstate != J_NONE:
+            self._journal_state(node, J_NONE)
 
-    def _enqueue(self, kind: str, node: Node, path: str | None = None, **kw) -> None:
+    # -- the journal (see journal.py) ----------------------------------------------------
+    def record_close(self, node: Node) -> None:
+        """The last writer of ``node`` called close(): journal its content now.
+
+        FUSE answers close() at FLUSH and sends RELEASE (where the snapshot is taken) without
+        waiting, so a daemon killed in between must still find the content that close()
+        acknowledged. The blocks are held until the snapshot or the next change.
+        """
+        if self.journal is None or not node.dirty or not node.nlink or not node.is_reg \
+                or node.jstate == J_FLUSHED:
+            return
+        with self.lock:
+            blocks = list(node.blocks or ())
+            self.pool.incref(blocks)
+        self._journal_state(node, J_FLUSHED, blocks=blocks)
+
+    def _journal_state(self, node: Node, state: int, blocks: list[int] | None = None,
+                       record: bool = True) -> None:
+        """Move ``node`` to journal state ``state``, writing the record that says so."""
+        assert self.flusher is not None
+        with self.lock:
+            if node.jstate == J_FLUSHED:
+                self.flushed_pending -= 1
+                self.pool.decref(node.jblocks or [])
+                node.jblocks = None
+            node.jstate = state
+            if state == J_FLUSHED:
+                self.flushed_pending += 1
+                node.jblocks = blocks
+        if not record:
+            return
+        if state == J_DIRTY:
+            rec: tuple = (0, "dirty", node.ino, self.mpath(node))
+        elif state == J_FLUSHED:
+            rec = (0, "flushed", node.ino, self.mpath(node)) + self._content_fields(node, blocks or [])
+        else:
+            rec = (0, "clean", node.ino)
+        self.flusher.journal_append(rec)
+
+    def _content_fields(self, node: Node | Snapshot, blocks: list[int]) -> tuple:
+        if isinstance(node, Snapshot):
+            times, xattrs = node.times, node.xattrs
+        else:
+            times, xattrs = (node.atime, node.mtime), dict(node.xattrs or {})
+        sp = node.spill
+        return (node.size, node.mode, node.uid, node.gid, times, xattrs, pack_blocks(blocks),
+                sp.tmpname if sp is not None else b"")
+
+    def _record(self, op: Op, kw: dict) -> tuple:
+        node = op.node
+        head = (op.seq, op.kind, node.ino)
+        kind = op.kind
+        if kind == "publish":
+            snap = op.snap
+            assert snap is not None
+            return head + (self.mpath(node),) + self._content_fields(snap, snap.blocks)
+        if kind == "mkdir":
+            return head + (self.mpath(node), node.mode, node.uid, node.gid)
+        if kind == "symlink":
+            return head + (self.mpath(node), node.target, node.uid, node.gid)
+        if kind in ("unlink", "rmdir"):
+            return head + (kw["mpath"],)
+        if kind == "rename":
+            return head + (kw["src_path"], self.mpath(node))
+        if kind == "setattr":
+            return head + (self.mpath(node),) + tuple(op.attrs)
+        if kind == "xattr":
+            return head + (self.mpath(node),) + tuple(op.attrs)
+        raise AssertionError(f"unknown op {kind}")
+
+    def _enqueue(self, kind: str, node: Node, mpath: bytes | None = None, src_path: bytes | None = None,
+                 **kw) -> None:
         from .flusher import Op
         self.seq += 1
-        op = Op(self.seq, kind, node, path=path or self.path(node), **kw)
+        where = mpath if kind in ("unlink", "rmdir") else self.mpath(node)
+        op = Op(self.seq, kind, node, path=os.fsdecode(where) if where else self.path(node), **kw)
         node.last_seq = self.seq
         for d in (kw.get("parent"), kw.get("src")):
             if d is not None:
                 d.last_seq = self.seq
         assert self.flusher is not None
-        self.flusher.submit(op)
+        rec = self._record(op, {"mpath": mpath, "src_path": src_path}) if self.journal is not None else None
+        self.flusher.submit(op, rec)
 
     # -- state, for xattrs and status ----------------------------------------------------
     def state_of(self, node: Node) -> str:

@@ -43,6 +43,7 @@ class MountInfo:
     fsync_backing: bool
     flush_workers: int
     cache_full_timeout: float
+    recovery: dict | None = None   # what this daemon recovered from a dead one (recovery.py)
     pid: int = dataclasses.field(default_factory=os.getpid)
     started: float = dataclasses.field(default_factory=time.time)
 
@@ -106,6 +107,8 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         "oldest_dirty_age_s": None if oldest is None else round(now - oldest, 1),
         "errors": errors,
         "flusher_alive": fl.thread.is_alive(),
+        "journal_error": fl.journal_error,
+        "recovery": info.recovery,
     }
 
 

@@ -78,6 +78,7 @@ def run(opts: Options, notify: Callable[[str], None]) -> int:
     import pyfuse3
     import trio
 
+    from . import journal, recovery
     from .backing import Backing
     from .cache import Cache
     from .control import MountInfo
@@ -103,14 +104,43 @@ def run(opts: Options, notify: Callable[[str], None]) -> int:
             last[0] = time.monotonic()
             notify(f"progress allocating cache {format_size(done)} / {format_size(total)}")
 
-    pool = Pool(pool_path, opts.cache_size, opts.block_size, progress=progress, mlock=opts.mlock)
+    left = journal.read_leftover(opts.cache_dir)
+    replay, dirty = recovery.plan(left) if left else ([], [])
+    cache_size, block_size = opts.cache_size, opts.block_size
+    if replay or dirty:
+        assert left is not None
+        log.warning("recovering: a previous daemon died with %d changes not persisted (%d files "
+                    "open for writing); replaying its journal from %s", len(replay), len(dirty),
+                    opts.cache_dir)
+        if (left.pool_size, left.block_size) != (Pool.size_for(cache_size, block_size), block_size):
+            log.warning("recovering with the previous cache size %s and block size %s; the "
+                        "options given apply from the next mount",
+                        format_size(left.pool_size), format_size(left.block_size))
+            cache_size, block_size = left.pool_size, left.block_size
+        journal.start_recovery(opts.cache_dir)
+        notify(f"progress recovering {len(replay)} changes left by a dead daemon")
+    pool = Pool(pool_path, cache_size, block_size, progress=progress, mlock=opts.mlock)
+    pool.claim(recovery.claimed_blocks(replay))
     backing = Backing(opts.backing)
     cache = Cache(backing, pool)
     flusher = Flusher(cache, backing, opts.flush_workers)
     cache.flusher = flusher
-    flusher.start()
+    base = left.last_seq if left else 0
+    cache.seq = flusher.applied_seq = cache.stale_seq = base
+    cache.journal = journal.Journal(opts.cache_dir, pool.block_size, pool.size, applied=base)
     info = MountInfo(opts.mountpoint, opts.backing, opts.cache_dir, opts.log_file, opts.fsync_backing,
                      opts.flush_workers, opts.cache_full_timeout)
+    if replay or dirty:
+        assert left is not None
+        report = recovery.recover(cache, left, replay, dirty, progress=lambda i, n: notify(
+            f"progress recovering: {i} of {n} changes replayed"))
+        journal.finish_recovery(opts.cache_dir)
+        info.recovery = report.as_dict()
+        log.warning("recovered: %d files and %d operations queued for persisting again, %d "
+                    "already done, %d open files lost, %d kept aside in %s", report.files,
+                    report.replayed_ops, report.skipped, len(report.lost_open_files),
+                    len(report.kept_aside), opts.backing)
+    flusher.start()
     ops = Operations(cache, info)
     fuse_opts = set(pyfuse3.default_options)
     fuse_opts |= {"fsname=acpfs", "subtype=acpfs", "default_permissions"}
@@ -145,6 +175,7 @@ def run(opts: Options, notify: Callable[[str], None]) -> int:
             log.warning("%d files were still open for writing at unmount; persisting what was "
                         "written to them", n)
         drained = drain(flusher)
+    cache.journal.close()
     pool.close()
     if drained:
         backing.remove_spill_dir()

@@ -94,14 +94,16 @@ class Flusher:
         self.persisted_bytes = 0
         self.uploading = 0
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
-        self.on_applied = None  # optional callback(seq) from the sequencer thread
+        self.journal_error: str | None = None
 
     def start(self) -> None:
         self.thread.start()
 
     # -- called from the FUSE thread ----------------------------------------------------
-    def submit(self, op: Op) -> None:
+    def submit(self, op: Op, record: tuple | None = None) -> None:
         with self.cond:
+            if record is not None:
+                self._journal(record)
             self.queue.append(op)
             if op.kind == "publish":
                 op.node.ops.append(op)
@@ -110,6 +112,26 @@ class Flusher:
                 if sp is not None:
                     op.dfd, op.tmpname = sp.dfd, sp.tmpname
             self.cond.notify_all()
+
+    def journal_append(self, record: tuple) -> None:
+        with self.cond:
+            self._journal(record)
+
+    def _journal(self, record: tuple) -> None:
+        """Append to the journal (hold cond). A journal that cannot be written means a crash
+        would lose acknowledged data: say so loudly, and keep serving."""
+        journal = self.cache.journal
+        if journal is None:
+            return
+        try:
+            journal.append(record)
+            self.journal_error = None
+        except OSError as e:
+            if self.journal_error is None:
+                log.error("cannot write the journal %s (%s): changes are still persisted, but a "
+                          "daemon crash now would lose the ones not yet in the backing",
+                          journal.path, e)
+            self.journal_error = str(e)
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> bool:
         """Stop the sequencer; with ``drain``, after the queue is empty. True if drained."""
@@ -156,6 +178,12 @@ class Flusher:
                 with self.cond:
                     self.queue.popleft()
                     self.applied_seq = op.seq
+                    journal = self.cache.journal
+                    if journal is not None:
+                        # before _finish drops the block references (journal.py, invariants)
+                        journal.applied(op.seq)
+                        if not self.queue and not self.cache.flushed_pending:
+                            journal.reset()
                     self._finish(op)
                     self.cond.notify_all()
         except Aborted:

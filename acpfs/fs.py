@@ -614,8 +614,14 @@ class Operations(pyfuse3.Operations):
             log.exception("internal error in write")
             raise pyfuse3.FUSEError(errno.EIO) from None
 
+    @fuse_errors
     async def flush(self, fh):
-        pass
+        # close() returns when FLUSH is answered; RELEASE follows without being waited for.
+        # So the content that close() acknowledges is journaled here (Cache.record_close).
+        h = self.handles.get(fh)
+        if h is not None and h.writable and h.node.writers == 1:
+            await self.settle(h.node)
+            self.cache.record_close(h.node)
 
     @fuse_errors
     async def release(self, fh):

@@ -79,6 +79,11 @@ class Pool:
                         os.strerror(ctypes.get_errno()))
         del buf
 
+    @staticmethod
+    def size_for(size: int, block_size: int) -> int:
+        """The size of a pool asked to be ``size`` bytes (whole blocks)."""
+        return size // block_size * block_size
+
     @property
     def used_blocks(self) -> int:
         return self.nblocks - len(self.free)
@@ -93,6 +98,16 @@ class Pool:
         if used > self.peak_used:
             self.peak_used = used
         return b
+
+    def claim(self, blocks: list[int]) -> None:
+        """At recovery, before any alloc: take one reference per listed block (repeats count),
+        whose content a dead daemon's journal still needs."""
+        for b in blocks:
+            if not 0 <= b < self.nblocks:
+                raise ValueError(f"journal names block {b}, outside the pool of {self.nblocks}")
+            self.refcount[b] += 1
+        self.free = [b for b in range(self.nblocks - 1, -1, -1) if self.refcount[b] == 0]
+        self.peak_used = self.used_blocks
 
     def incref(self, blocks: list[int]) -> None:
         for b in blocks:

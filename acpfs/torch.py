@@ -75,6 +75,10 @@ Limits (read before relying on the fallback):
   same name (e.g. ``latest``). Per-step file names are not affected. The same holds if a
   future acpfs replays a dead daemon's unfinished work on the next mount.
 - A mount whose daemon is dead shows nothing; ``load`` reads what reached the backing.
+  Files acknowledged through the mount but not yet persisted are lost with a killed daemon
+  (the fallback warning lists those this process saved). A pointer saved by fallback after
+  that (``latest``) may then name a checkpoint that is not in the backing: write pointers
+  after ``wait_persisted`` of their checkpoint, or check the checkpoint when resuming.
 
 Nothing here imports ``torch_npu``; ``torch.save``/``torch.load`` handle NPU tensors
 themselves where ``torch_npu`` is installed (``map_location`` as usual).
@@ -401,20 +405,41 @@ def _write_atomic(obj: Any, final: str, kwargs: dict[str, Any], tag: str) -> Non
     _fsync_dir(d)
 
 
-def _warn_once(t: _Target, reason: str) -> None:
+def _lost(t: _Target) -> list[str]:
+    """Files this process saved through the mount of ``t`` whose version is not in the backing."""
+    with _lock:
+        mine = [(p, v) for p, v in _saved.items()
+                if v[0] == "mount" and p.startswith(t.mountpoint.rstrip("/") + "/")]
+    out = []
+    for p, (_, size, mtime_ns) in mine:
+        try:
+            st = os.stat(t.backing_of(p))
+        except OSError:
+            out.append(p)
+            continue
+        if st.st_size != size or st.st_mtime_ns // 1000 != mtime_ns // 1000:
+            out.append(p)
+    return out
+
+
+def _warn_once(t: _Target, reason: str, dead: bool = False) -> None:
     """One warning per mount point, until a save through it works again."""
     with _lock:
         if t.mountpoint in _warned:
             return
         _warned.add(t.mountpoint or "")
+    lost = _lost(t) if dead else []
     log.warning("acpfs.torch: %s: %s; saving directly to the backing directory %s from now on "
-                "(atomic and fsynced, without the write-back cache)", t.mountpoint, reason,
-                t.backing_root())
+                "(atomic and fsynced, without the write-back cache)%s", t.mountpoint, reason,
+                t.backing_root(),
+                f". LOST with the daemon ({len(lost)} files saved through the mount but not in the "
+                f"backing): " + ", ".join(lost[:10]) + (" ..." if len(lost) > 10 else "") if lost else "")
 
 
-def _save_direct(obj: Any, t: _Target, kwargs: dict[str, Any], reason: str, start: float) -> Saved:
+def _save_direct(obj: Any, t: _Target, kwargs: dict[str, Any], reason: str, start: float,
+                 dead: bool = False) -> Saved:
     dest = t.backing_path()
-    _warn_once(t, reason)
+    _warn_once(t, reason, dead)
     _write_atomic(obj, dest, kwargs, "fallback")
     with _lock:
         _saved[t.path] = ("backing", 0, 0)
@@ -524,7 +549,7 @@ def save(obj: Any, path: str | os.PathLike, *, timeout: float | None = None,
         reason = f"the daemon is gone ({os.strerror(err.errno) if err.errno else err})"
         with _lock:
             _fallen[t.key] = reason
-        return _save_direct(obj, t, torch_save_kwargs, reason, start)
+        return _save_direct(obj, t, torch_save_kwargs, reason, start, dead=True)
     assert err is not None
     raise err
 

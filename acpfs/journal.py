@@ -1,0 +1,161 @@
+"""The journal: what a daemon killed with SIGKILL leaves for the next one.
+
+Two files next to the pool in the cache directory (tmpfs by default, so they outlive the
+process but not the machine):
+
+    journal   a header, then one record per change made through the mount, appended in
+              mount order before the request that made the change is answered
+    applied   the seq of the last operation the flusher applied to the backing (8 bytes)
+
+File contents are not copied into the journal: a record names the pool blocks that hold
+them, and those blocks are immutable while a record needs them (snapshots hold references,
+see ``cache.Snapshot``). So recovery needs the pool file, the journal and the applied
+counter, and finds all three in the cache directory.
+
+Records (``marshal``-encoded tuples, each framed by its length and a CRC32; a torn record
+at the end is ignored, it was never acknowledged):
+
+    (seq, kind, ino, path, ...)   an operation queued for the flusher (kinds as in flusher.Op)
+    (0, "flushed", ino, path, ...)  a file's last writer called close(): its content then
+    (0, "dirty", ino, path)        a file got unsaved changes (it is open for writing)
+    (0, "clean", ino)              the file's "flushed"/"dirty" record no longer matters
+
+Invariants:
+- A record is written before the FUSE request that caused it is answered; ``Flusher.cond``
+  (= ``Cache.lock``) serializes appends, so the file holds them in seq order.
+- ``applied`` is written before the op's block references are dropped, so every block named
+  by a record with seq > applied still holds the bytes the record describes.
+- The journal is cut back to its header only while nothing is pending (no queued op, no
+  unresolved "flushed" record), so what it drops is all in the backing already.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import marshal
+import os
+import struct
+import zlib
+from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"ACPFSJ01"
+HEADER = struct.Struct("<8sQQ")     # magic, block size, pool size
+FRAME = struct.Struct("<II")        # payload length, crc32 of the payload
+JOURNAL = "journal"
+RECOVERING = "journal.recovering"   # the journal a recovery is replaying
+APPLIED = "applied"
+
+
+def pack_blocks(blocks: list[int]) -> bytes:
+    return array.array("i", blocks).tobytes()
+
+
+def unpack_blocks(data: bytes) -> list[int]:
+    a = array.array("i")
+    a.frombytes(data)
+    return a.tolist()
+
+
+class Journal:
+    """The journal of a running daemon (appends; the caller holds ``Cache.lock``)."""
+
+    def __init__(self, cache_dir: str, block_size: int, pool_size: int, applied: int = 0) -> None:
+        self.path = os.path.join(cache_dir, JOURNAL)
+        self.header = HEADER.pack(MAGIC, block_size, pool_size)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                          0o600)
+        os.write(self.fd, self.header)
+        self.size = len(self.header)
+        self.applied_fd = os.open(os.path.join(cache_dir, APPLIED),
+                                  os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        self.applied(applied)
+
+    def append(self, record: tuple) -> None:
+        payload = marshal.dumps(record)
+        data = FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+        n = os.write(self.fd, data)
+        if n != len(data):
+            raise OSError(f"short write to the journal ({n} of {len(data)} bytes)")
+        self.size += n
+
+    def applied(self, seq: int) -> None:
+        os.pwrite(self.applied_fd, seq.to_bytes(8, "little"), 0)
+
+    def reset(self) -> None:
+        """Everything recorded is in the backing: drop it (hold Cache.lock)."""
+        if self.size > len(self.header):
+            os.ftruncate(self.fd, len(self.header))
+            os.lseek(self.fd, len(self.header), os.SEEK_SET)
+            self.size = len(self.header)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.close(self.applied_fd)
+
+
+class Leftover:
+    """What a dead daemon left in a cache directory."""
+
+    def __init__(self, block_size: int, pool_size: int, records: list[tuple], applied: int,
+                 torn: int) -> None:
+        self.block_size = block_size
+        self.pool_size = pool_size
+        self.records = records
+        self.applied = applied
+        self.torn = torn           # bytes of a record cut short at the end (never acknowledged)
+
+    @property
+    def last_seq(self) -> int:
+        return max([r[0] for r in self.records] + [self.applied])
+
+
+def _frames(data: bytes, start: int) -> Iterator[tuple[int, Any]]:
+    pos = start
+    while pos + FRAME.size <= len(data):
+        n, crc = FRAME.unpack_from(data, pos)
+        payload = data[pos + FRAME.size:pos + FRAME.size + n]
+        if len(payload) < n or zlib.crc32(payload) != crc:
+            return
+        yield pos + FRAME.size + n, marshal.loads(payload)
+        pos += FRAME.size + n
+
+
+def read_leftover(cache_dir: str) -> Leftover | None:
+    """The journal of a dead daemon (one being recovered first), or None if there is none."""
+    for name in (RECOVERING, JOURNAL):
+        path = os.path.join(cache_dir, name)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            continue
+        if len(data) < HEADER.size:
+            return None
+        magic, block_size, pool_size = HEADER.unpack_from(data)
+        if magic != MAGIC:
+            raise ValueError(f"{path} is not an acpfs journal (or from an incompatible version)")
+        records, end = [], HEADER.size
+        for end, rec in _frames(data, HEADER.size):
+            records.append(rec)
+        try:
+            with open(os.path.join(cache_dir, APPLIED), "rb") as f:
+                applied = int.from_bytes(f.read(8) or b"\0", "little")
+        except FileNotFoundError:
+            applied = 0
+        return Leftover(block_size, pool_size, records, applied, len(data) - end)
+    return None
+
+
+def start_recovery(cache_dir: str) -> None:
+    """Keep the dead daemon's journal aside while a new one is written (a crash during the
+    recovery then recovers from the same journal again)."""
+    src, dst = os.path.join(cache_dir, JOURNAL), os.path.join(cache_dir, RECOVERING)
+    if not os.path.exists(dst):
+        os.rename(src, dst)
+
+
+def finish_recovery(cache_dir: str) -> None:
+    os.unlink(os.path.join(cache_dir, RECOVERING))

@@ -85,7 +85,7 @@ LOOP = textwrap.dedent("""
     with open(log, "a") as out:
         for step in range(steps):
             t0 = time.monotonic()
-            s = at.save(state(step), f"{mnt}/step_{step:03d}/model.pt")
+            s = at.save(state(step, n=2048), f"{mnt}/step_{step:03d}/model.pt")  # 2 MiB
             l = at.save({"step": step}, f"{mnt}/latest.pt")
             durable = None
             if step % 3 == 0:
@@ -133,15 +133,51 @@ def test_training_loop_survives_a_killed_daemon(make_mount, tmp_path):
     for r in rows:
         f = m.back / f"step_{r['step']:03d}" / "model.pt"
         if r["route"] == "backing" or r["durable"]:
-            assert_same(torch.load(f, weights_only=True), state(r["step"]), str(f))
+            assert_same(torch.load(f, weights_only=True), state(r["step"], n=2048), str(f))
         if r["route"] == "backing" and r["durable"] is not None:
             assert r["durable"] is True
     assert any(r["durable"] for r in rows[:first]), "no step was made durable before the kill"
     assert torch.load(m.back / "latest.pt") == {"step": steps - 1}
     assert [f for f in temp_files(m.back) if "fallback" in f] == []
+    # this process, on the stale mount: load and wait_persisted answer from the backing
     assert is_mounted(m.mnt)          # stale until cleaned up
+    last = f"step_{steps - 1:03d}"
+    assert_same(at.load(m.mnt / last / "model.pt", mmap=True), state(steps - 1, n=2048), "stale load")
+    assert at.wait_persisted(m.mnt / last, timeout=10) is True
+    with pytest.raises(at.NotPersisted, match="daemon of .* is gone"):
+        at.wait_persisted(m.mnt / "never-saved.pt", timeout=10)
     r = acpfs("umount", str(m.mnt), check=False)
     assert r.returncode == 0 and not is_mounted(m.mnt), r.stderr
+
+
+def test_files_lost_with_a_killed_daemon_are_reported(make_mount, caplog):
+    """A checkpoint acknowledged through the mount but not yet persisted when the daemon is
+    killed is lost: the fallback warning names it and wait_persisted raises NotPersisted."""
+    m = make_mount()
+    os.listdir(m.mnt)                              # the mount has read the backing root
+    (m.back / "step_1").write_text("in the way")   # so the flusher cannot mkdir step_1
+    assert at.save(state(1), m.mnt / "step_1" / "model.pt").route == "mount"
+    assert at.save(state(0), m.mnt / "ok.pt").route == "mount"   # queued behind it
+    deadline = time.time() + 30
+    while not m.status()["errors"]:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    with pytest.raises(TimeoutError):
+        at.wait_persisted(m.mnt / "step_1", timeout=0.5)
+    os.kill(m.pid, signal.SIGKILL)
+    with caplog.at_level(logging.WARNING, logger="acpfs.torch"):
+        s = at.save({"latest": 2}, m.mnt / "latest.pt")
+        assert at.save(state(2), m.mnt / "step_2" / "model.pt").route == "backing"
+    assert s.route == "backing" and "daemon is gone" in s.reason
+    warnings = [r.getMessage() for r in caplog.records if r.name == "acpfs.torch"]
+    assert len(warnings) == 1 and "LOST" in warnings[0], warnings
+    assert "step_1/model.pt" in warnings[0] and "ok.pt" in warnings[0], warnings
+    with pytest.raises(at.NotPersisted):
+        at.wait_persisted(m.mnt / "step_1/model.pt", timeout=5)
+    assert at.wait_persisted(m.mnt / "step_2", timeout=5) is True
+    assert_same(at.load(m.mnt / "step_2/model.pt"), state(2), "fallback")
+    with pytest.raises(NotADirectoryError):            # a real error is not hidden by the fallback
+        at.save(state(1), m.mnt / "step_1" / "model.pt")
 
 
 def test_unmounted_mount_point_falls_back_to_the_recorded_backing(make_mount, tmp_path, caplog):

@@ -17,7 +17,7 @@ API
 ``save(obj, path, *, timeout=None, **torch_save_kwargs) -> Saved``
     ``torch.save(obj, ...)`` through the mount: the bytes go to ``.NAME.acpfs-save-PID-RAND``
     next to ``path`` on the mount and are renamed over ``path`` once complete (so a save that
-    is abandoned, see below, never replaces ``path`` later). Missing parent directories are
+    is abandoned while still writing, see below, never replaces ``path`` later). Missing parent directories are
     created (on the mount, or in the backing when falling back). Falls back to writing directly
     to the backing directory when
 
@@ -26,6 +26,8 @@ API
       acpfs daemon, kept after it exits) or ``configure()`` names its backing, or
     - the save does not complete within ``timeout`` seconds (argument, else
       ``configure(timeout=...)``, else ``ACPFS_SAVE_TIMEOUT``, else 600): the daemon **hangs**.
+      The timeout covers the whole save: set it above what a save may take when the cache is
+      full and writers run at the backing's speed, or a slow save is written twice.
 
     The fallback write is atomic: ``.NAME.acpfs-fallback-PID-RAND`` in the same backing
     directory (parents created), fsynced, renamed over the final name, directory fsynced.
@@ -304,8 +306,8 @@ def _resolve(path: str | os.PathLike) -> _Target:
             continue
         cur = cand
         b = _recorded_backing(cur)
-        if b is not None:
-            hit = (cur, b)
+        if b is not None and (cur in _overrides or not os.path.ismount(cur)):
+            hit = (cur, b)           # a recorded mount point, now a bare directory
     if hit and (cur == hit[0] or cur.startswith(hit[0] + "/")):
         rel = os.path.relpath(cur, hit[0])
         return _Target(cur, "unmounted", hit[0], None, "" if rel == "." else rel, hit[1])
@@ -694,12 +696,16 @@ def preload(paths: Iterable[str | os.PathLike]) -> Preloaded:
     for p in paths:
         t = _resolve(p)
         if t.kind == "mounted" and _probe(t.mountpoint) == "live":
+            if not os.path.lexists(t.path):
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), t.path)
             live.append(t.path)
     if not live:
         return Preloaded()
     try:
         files, nbytes, left_out = cli.preload(live, quiet=True)
-    except (cli.Failure, config.UsageError) as e:
+    except config.UsageError as e:
+        raise ValueError(f"acpfs preload: {e}") from None
+    except cli.Failure as e:
         raise OSError(errno.EIO, f"acpfs preload failed: {e}") from None
     return Preloaded(files, nbytes, list(left_out))
 

@@ -74,8 +74,10 @@ Limits (read before relying on the fallback):
   finishes its temporary file and removes it instead of renaming it over ``path``.
 - If the daemon only hung (it was not killed), files it had already acknowledged but not yet
   persisted are still persisted when it resumes, possibly over a newer fallback version of the
-  same name (e.g. ``latest``). Per-step file names are not affected. The same holds if a
-  future acpfs replays a dead daemon's unfinished work on the next mount.
+  same name (e.g. ``latest``). Per-step file names are not affected. The same happens today
+  when a new ``acpfs mount`` recovers a killed daemon's journal: its acknowledged but
+  unpersisted files land over newer fallback versions of the same names
+  (``tests/test_torch_api.py::test_remount_after_a_kill_does_not_roll_back_a_fallback_save``).
 - A mount whose daemon is dead shows nothing; ``load`` reads what reached the backing.
   Files acknowledged through the mount but not yet persisted are lost with a killed daemon
   (the fallback warning lists those this process saved). A pointer saved by fallback after

@@ -162,7 +162,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
     from .daemon import Options
     if not os.path.isdir(a.backing):
         raise UsageError(f"backing directory {a.backing} does not exist or is not a directory")
-    if not os.path.isdir(a.mountpoint):
+    if not os.path.isdir(a.mountpoint) and not is_stale(a.mountpoint):
         raise UsageError(f"mount point {a.mountpoint} does not exist or is not a directory")
     backing = os.path.realpath(a.backing)
     mountpoint = os.path.realpath(a.mountpoint)
@@ -214,7 +214,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
         os.makedirs(os.path.dirname(cache_dir), mode=0o700, exist_ok=True)
         cache_size = parse_size(cache_size_text, "cache size") if cache_size_text \
             else default_cache_size(os.path.dirname(cache_dir))
-        check_cache_fits(cache_size, os.path.dirname(cache_dir))
+        check_cache_fits(cache_size, os.path.dirname(cache_dir), cache_dir)
         if cache_size < block_size * 16:
             raise UsageError(f"cache size {cache_size_text} is too small: at least {format_size(block_size * 16)}")
         log_file = a.log_file or env("log_file") or default_log_file(mountpoint)
@@ -231,13 +231,17 @@ def cmd_mount(a: argparse.Namespace) -> int:
         lock.close()
 
 
-def check_cache_fits(size: int, where: str) -> None:
+def check_cache_fits(size: int, where: str, cache_dir: str) -> None:
     from .config import total_ram
     ram = total_ram()
     if size > ram * 0.9:
         raise UsageError(f"cache size {format_size(size)} is more than 90% of RAM ({format_size(ram)})")
     st = os.statvfs(where)
     free = st.f_bavail * st.f_frsize
+    try:   # a pool left by a previous daemon is reused (and holds what it left to recover)
+        free += os.stat(os.path.join(cache_dir, "pool")).st_blocks * 512
+    except OSError:
+        pass
     if size > free:
         raise UsageError(f"cache size {format_size(size)} does not fit in {where} "
                          f"({format_size(free)} free)")

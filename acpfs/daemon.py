@@ -140,6 +140,7 @@ def run(opts: Options, notify: Callable[[str], None]) -> int:
                     "already done, %d open files lost, %d kept aside in %s", report.files,
                     report.replayed_ops, report.skipped, len(report.lost_open_files),
                     len(report.kept_aside), opts.backing)
+    journal.forget_direct_writes(opts.cache_dir)   # replayed around, or nothing to replay
     flusher.start()
     ops = Operations(cache, info)
     fuse_opts = set(pyfuse3.default_options)

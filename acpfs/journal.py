@@ -47,6 +47,7 @@ FRAME = struct.Struct("<II")        # payload length, crc32 of the payload
 JOURNAL = "journal"
 RECOVERING = "journal.recovering"   # the journal a recovery is replaying
 APPLIED = "applied"
+DIRECT = "direct-writes"            # paths saved straight to the backing while no daemon ran
 
 
 def pack_blocks(blocks: list[int]) -> bytes:
@@ -100,12 +101,13 @@ class Leftover:
     """What a dead daemon left in a cache directory."""
 
     def __init__(self, block_size: int, pool_size: int, records: list[tuple], applied: int,
-                 torn: int) -> None:
+                 torn: int, direct: set[bytes] | None = None) -> None:
         self.block_size = block_size
         self.pool_size = pool_size
         self.records = records
         self.applied = applied
         self.torn = torn           # bytes of a record cut short at the end (never acknowledged)
+        self.direct = direct or set()   # paths saved straight to the backing meanwhile
 
     @property
     def last_seq(self) -> int:
@@ -145,7 +147,8 @@ def read_leftover(cache_dir: str) -> Leftover | None:
                 applied = int.from_bytes(f.read(8) or b"\0", "little")
         except FileNotFoundError:
             applied = 0
-        return Leftover(block_size, pool_size, records, applied, len(data) - end)
+        return Leftover(block_size, pool_size, records, applied, len(data) - end,
+                        read_direct_writes(cache_dir))
     return None
 
 
@@ -159,3 +162,38 @@ def start_recovery(cache_dir: str) -> None:
 
 def finish_recovery(cache_dir: str) -> None:
     os.unlink(os.path.join(cache_dir, RECOVERING))
+
+
+def record_direct_write(cache_dir: str, path: str) -> None:
+    """``acpfs.torch`` saved ``path`` (relative to the mount) straight to the backing while
+    the daemon was dead or hung: a later recovery must not replay older content over it."""
+    import json
+    fd = os.open(os.path.join(cache_dir, DIRECT), os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                 | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, (json.dumps(path) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_direct_writes(cache_dir: str) -> set[bytes]:
+    import json
+    try:
+        with open(os.path.join(cache_dir, DIRECT), "rb") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return set()
+    out = set()
+    for line in lines:
+        try:
+            out.add(os.fsencode(json.loads(line)))
+        except ValueError:
+            continue   # a line cut short by a crash
+    return out
+
+
+def forget_direct_writes(cache_dir: str) -> None:
+    try:
+        os.unlink(os.path.join(cache_dir, DIRECT))
+    except FileNotFoundError:
+        pass

@@ -14,6 +14,11 @@ Which records are replayed:
   its source gone or its target present and is skipped, which is also what it would do);
 - a "flushed" record that is the last word on its file: its close() was acknowledged but
   the dead daemon never queued it; it is published like a snapshot;
+- never over a newer file: a path that ``acpfs.torch`` saved straight to the backing while
+  the daemon was dead (listed in the cache directory's ``direct-writes``) is newer than
+  anything the journal holds for it; records that would replace, rename over or delete it
+  are skipped, and logged. (Files changed in the backing by other means while no daemon
+  runs may be overwritten by the replay: docs/faults.md.)
 - a "dirty" record that is the last word on its file: the file was open for writing at the
   crash. Its unsaved content is never published over the backing version. If it was being
   written through (a staging file in the backing), that file is kept aside in
@@ -92,10 +97,15 @@ def claimed_blocks(records: list[tuple]) -> list[int]:
 
 
 class Replayer:
-    def __init__(self, cache: Cache, report: Recovered) -> None:
+    def __init__(self, cache: Cache, report: Recovered, direct: set[bytes]) -> None:
         self.cache = cache
         self.report = report
+        self.direct = direct              # paths saved straight to the backing meanwhile
         self.spills: set[bytes] = set()   # staging files taken over by replayed files
+
+    def newer(self, *paths: bytes | None) -> bool:
+        """Was one of ``paths`` saved straight to the backing after the daemon died?"""
+        return any(p in self.direct for p in paths if p is not None)
 
     def _loaded(self, node: Node) -> Node:
         if node.children is None:
@@ -120,9 +130,10 @@ class Replayer:
         self._loaded(node)
         return node, name, node.children.get(name)  # type: ignore[union-attr]
 
-    def skip(self, rec: tuple, why: str) -> None:
+    def skip(self, rec: tuple, why: str, level: int = logging.INFO) -> None:
         self.report.skipped += 1
-        log.info("recovery: %s %s: skipped (%s)", rec[1], rec[3] if len(rec) > 3 else rec[2], why)
+        log.log(level, "recovery: %s %s: skipped (%s)", rec[1],
+                os.fsdecode(rec[3]) if len(rec) > 3 and isinstance(rec[3], bytes) else rec[2], why)
 
     def apply(self, rec: tuple) -> None:
         kind = rec[1]
@@ -134,9 +145,12 @@ class Replayer:
         if kind == "rename":
             src_path, dst_path = rec[3], rec[4]
             p1, n1, node = self.resolve(src_path)
-            p2, n2, _ = self.resolve(dst_path)
+            p2, n2, target = self.resolve(dst_path)
             if node is None or p1 is None or p2 is None:
                 self.skip(rec, "source gone: applied before the crash, or never saved")
+                return
+            if self.newer(src_path, dst_path):
+                self.skip(rec, "saved straight to the backing after the daemon died", logging.WARNING)
                 return
             try:
                 cache.rename(p1, n1, p2, n2)
@@ -156,20 +170,23 @@ class Replayer:
             if node is None or parent is None or node.is_dir != (kind == "rmdir"):
                 self.skip(rec, "already gone")
                 return
+            if self.newer(rec[3]):
+                self.skip(rec, "saved straight to the backing after the daemon died", logging.WARNING)
+                return
             try:
                 (cache.rmdir if kind == "rmdir" else cache.unlink)(parent, name)
             except OSError as e:
                 self.skip(rec, e.strerror or str(e))
         elif kind == "setattr":
-            if node is None:
-                self.skip(rec, "gone")
+            if node is None or self.newer(rec[3]):
+                self.skip(rec, "gone, or saved straight to the backing after the daemon died")
                 return
             mode, uid, gid, times = rec[4:8]
             cache.setattr(node, mode=mode, uid=uid, gid=gid,
                           atime=times[0] if times else None, mtime=times[1] if times else None)
         elif kind == "xattr":
-            if node is None or node.is_link:
-                self.skip(rec, "gone")
+            if node is None or node.is_link or self.newer(rec[3]):
+                self.skip(rec, "gone, or saved straight to the backing after the daemon died")
                 return
             if node.xattrs is None:
                 node.xattrs = retry(lambda: self._read_xattrs(node), f"reading xattrs of {rec[3]!r}")
@@ -204,6 +221,15 @@ class Replayer:
             self.skip(rec, "its directory is gone" if parent is None else
                       "its staging file is gone: published before the crash" if node is None or node.is_reg
                       else "replaced by a directory")
+            return
+        if self.newer(path):
+            with cache.lock:
+                cache.pool.decref(blocks)
+            if spill is not None:
+                spill.close()
+                self.spills.discard(spill_name)
+            self.skip(rec, "saved straight to the backing after the daemon died: that newer "
+                      "version stays", logging.WARNING)
             return
         if node is None:
             node = cache.create(parent, name, mode, uid, gid)
@@ -298,7 +324,7 @@ def recover(cache: Cache, left: Leftover, replay: list[tuple], dirty: list[tuple
             progress=None) -> Recovered:
     """Replay ``replay`` (from ``plan``) into ``cache``; the flusher must not run yet."""
     report = Recovered(started=time.time())
-    r = Replayer(cache, report)
+    r = Replayer(cache, report, left.direct)
     t = time.monotonic()
     for i, rec in enumerate(replay):
         try:

@@ -74,15 +74,17 @@ Limits (read before relying on the fallback):
   finishes its temporary file and removes it instead of renaming it over ``path``.
 - If the daemon only hung (it was not killed), files it had already acknowledged but not yet
   persisted are still persisted when it resumes, possibly over a newer fallback version of the
-  same name (e.g. ``latest``). Per-step file names are not affected. The same happens today
-  when a new ``acpfs mount`` recovers a killed daemon's journal: its acknowledged but
-  unpersisted files land over newer fallback versions of the same names
+  same name (e.g. ``latest``). Per-step file names are not affected. A killed daemon is
+  different: every fallback save is listed in the mount's cache directory, and the next
+  ``acpfs mount``, which recovers the dead daemon's journal, never replays an older version
+  over such a path
   (``tests/test_torch_api.py::test_remount_after_a_kill_does_not_roll_back_a_fallback_save``).
 - A mount whose daemon is dead shows nothing; ``load`` reads what reached the backing.
-  Files acknowledged through the mount but not yet persisted are lost with a killed daemon
-  (the fallback warning lists those this process saved). A pointer saved by fallback after
-  that (``latest``) may then name a checkpoint that is not in the backing: write pointers
-  after ``wait_persisted`` of their checkpoint, or check the checkpoint when resuming.
+  Files acknowledged through the mount but not yet persisted reach the backing only when
+  the next ``acpfs mount`` recovers them (the fallback warning lists those this process
+  saved). Until then a pointer saved by fallback (``latest``) may name a checkpoint that is
+  not in the backing yet: write pointers after ``wait_persisted`` of their checkpoint, or
+  check the checkpoint when resuming.
 
 Nothing here imports ``torch_npu``; ``torch.save``/``torch.load`` handle NPU tensors
 themselves where ``torch_npu`` is installed (``map_location`` as usual).
@@ -104,7 +106,7 @@ from typing import Any, Callable, Iterable, Literal
 
 import torch
 
-from . import config
+from . import config, journal
 
 __all__ = ["save", "load", "wait_persisted", "preload", "configure", "Saved", "Preloaded",
            "NotPersisted"]
@@ -445,9 +447,25 @@ def _save_direct(obj: Any, t: _Target, kwargs: dict[str, Any], reason: str, star
     dest = t.backing_path()
     _warn_once(t, reason, dead)
     _write_atomic(obj, dest, kwargs, "fallback")
+    _tell_recovery(t)
     with _lock:
         _saved[t.path] = ("backing", 0, 0)
     return Saved(t.path, "backing", dest, time.monotonic() - start, reason)
+
+
+def _tell_recovery(t: _Target) -> None:
+    """List the path in the cache directory of the mount, so that a recovery of the dead
+    daemon does not replay an older version over this one (``acpfs.recovery``)."""
+    if t.mountpoint is None:
+        return
+    rec = config.read_mount_record(t.mountpoint)
+    if not rec or not rec.get("cache_dir") or not os.path.isdir(rec["cache_dir"]):
+        return
+    try:
+        journal.record_direct_write(rec["cache_dir"], os.path.relpath(t.path, t.mountpoint))
+    except OSError as e:
+        log.warning("acpfs.torch: cannot note %s in %s (%s): a recovery of the dead daemon may put "
+                    "an older version over it", t.path, rec["cache_dir"], e)
 
 
 class _MountWrite:

@@ -424,6 +424,9 @@ def test_hung_backing_does_not_block_cached_work(make_mount, faults, tmp_path):
         "status xattr": lambda: m.status()["flusher_alive"] or 1 / 0,
         "acpfs status --json": lambda: json.loads(acpfs("status", str(m.mnt), "--json",
                                                         timeout=30).stdout)["pid"],
+        "acpfs sync --timeout 1 (times out)": lambda: (lambda r: r.returncode == 1
+                                                       and "timed out" in r.stderr or 1 / 0)(
+            acpfs("sync", str(m.mnt), "--timeout", "1", check=False, timeout=30)),
     }
     # expected to wait for the backing (they need it), probed only to be documented
     waiting = {

@@ -161,6 +161,7 @@ def run(opts: Options, notify: Callable[[str], None]) -> int:
                         pyfuse3.terminate()
                         return
             nursery.start_soon(on_signals)
+            ops.nursery = nursery
             await pyfuse3.main(min_tasks=4, max_tasks=64)
             nursery.cancel_scope.cancel()
 

@@ -16,6 +16,7 @@ import errno
 import functools
 import json
 import logging
+import math
 import os
 import stat as statmod
 import time
@@ -32,6 +33,7 @@ from .pool import PoolFull
 log = logging.getLogger(__name__)
 
 ATTR_TIMEOUT = 5.0
+STATFS_WAIT = 2.0  # seconds statfs waits for the backing before answering from memory
 BLKSIZE = 1 << 20  # what stat reports: programs size their buffers by it
 
 
@@ -78,6 +80,9 @@ class Operations(pyfuse3.Operations):
         self._spilling: dict[int, trio.Event] = {}
         self._spill_failed: dict[int, float] = {}
         self._full_since = 0.0
+        self._statfs: os.statvfs_result | None = cache.backing.statvfs()   # the backing answers at mount
+        self._statfs_call: trio.Event | None = None
+        self.nursery: trio.Nursery | None = None   # for background work; set by the daemon
 
     # -- helpers -------------------------------------------------------------------------
     def attrs(self, node: Node) -> pyfuse3.EntryAttributes:
@@ -220,8 +225,10 @@ class Operations(pyfuse3.Operations):
                 victim = self.cache.spill_candidate(exclude=self._spill_failed)
                 if victim is None and node is not None and self._may_spill(node):
                     victim = node   # e.g. one write larger than the free cache
-                if victim is not None:
-                    await self.spill(victim)
+                if victim is not None and victim.ino not in self._spilling:
+                    # in the background: on a hung backing this writer still gets its ENOSPC
+                    self.nursery.start_soon(self._spill_bg, victim)
+                    await trio.sleep(0)   # let it register in _spilling
             try:
                 result = fn()
                 self._full_since = 0.0
@@ -280,11 +287,18 @@ class Operations(pyfuse3.Operations):
                 and node.ino not in self._spill_failed
                 and node.ino not in self._spilling)
 
-    async def settle(self, node: Node) -> None:
-        """Wait until no spill file is being built for ``node``."""
+    async def settle(self, node: Node, deadline: float = math.inf) -> None:
+        """Wait until no spill file is being built for ``node``; ENOSPC at ``deadline``
+        (trio clock) when the backing does not finish it in time."""
         ev = self._spilling.get(node.ino)
         while ev is not None:
-            await ev.wait()
+            with trio.move_on_at(deadline):
+                await ev.wait()
+            if not ev.is_set():
+                log.error("writing %s through to the backing takes more than %.0fs (is the "
+                          "backing hanging? see 'acpfs status'): returning ENOSPC",
+                          self.cache.path(node), self.info.cache_full_timeout)
+                raise OSError(errno.ENOSPC, "cache full and the backing is not answering")
             ev = self._spilling.get(node.ino)
 
     async def spill(self, node: Node) -> bool:
@@ -319,6 +333,12 @@ class Operations(pyfuse3.Operations):
         log.info("cache full: writing %s through to the backing from now on (%d MiB were cached)",
                  cache.path(node), size >> 20)
         return True
+
+    async def _spill_bg(self, node: Node) -> None:
+        try:
+            await self.spill(node)
+        except Exception:
+            log.exception("internal error writing %s through to the backing", self.cache.path(node))
 
     async def spill_copy_up(self, node: Node) -> None:
         """Open a file larger than half the cache for writing: copy it into a spill file."""
@@ -592,8 +612,9 @@ class Operations(pyfuse3.Operations):
             except PoolFull:
                 pass
         try:
+            deadline = trio.current_time() + self.info.cache_full_timeout
             while True:
-                await self.settle(node)
+                await self.settle(node, deadline)
                 sp = node.spill
                 if sp is not None:
                     n = await trio.to_thread.run_sync(os.pwrite, sp.fd, buf, off)
@@ -601,7 +622,8 @@ class Operations(pyfuse3.Operations):
                     return n
                 # None: the node started being written through while we waited; go around
                 if len(buf) > self.cache.pool.size // 2 and self._may_spill(node):
-                    await self.spill(node)   # this write alone nearly fills the cache
+                    self.nursery.start_soon(self._spill_bg, node)   # this write alone nearly fills the cache
+                    await trio.sleep(0)
                     continue
                 n = await self.with_space(
                     lambda: None if node.spill is not None or node.ino in self._spilling
@@ -618,9 +640,10 @@ class Operations(pyfuse3.Operations):
     async def flush(self, fh):
         # close() returns when FLUSH is answered; RELEASE follows without being waited for.
         # So the content that close() acknowledges is journaled here (Cache.record_close).
+        # No waiting for a spill being built: the blocks stay valid until it is complete,
+        # and the record holds them.
         h = self.handles.get(fh)
         if h is not None and h.writable and h.node.writers == 1:
-            await self.settle(h.node)
             self.cache.record_close(h.node)
 
     @fuse_errors
@@ -649,12 +672,32 @@ class Operations(pyfuse3.Operations):
 
     @fuse_errors
     async def statfs(self, ctx):
-        st = await trio.to_thread.run_sync(self.cache.backing.statvfs)
+        # The backing's numbers, asked at most once at a time and waited for at most
+        # STATFS_WAIT seconds: on a hung backing the last answer is given (statvfs is how
+        # 'acpfs status' tells a live mount from a stale one, so it must not hang).
+        if self._statfs_call is None:
+            self._statfs_call = trio.Event()
+            self.nursery.start_soon(self._refresh_statfs, self._statfs_call)
+        with trio.move_on_after(STATFS_WAIT):
+            await self._statfs_call.wait()
+        st = self._statfs
+        if st is None:
+            raise OSError(errno.EIO, "the backing directory is not answering")
         out = pyfuse3.StatvfsData()
         for key in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree",
                     "f_favail", "f_namemax"):
             setattr(out, key, getattr(st, key))
         return out
+
+    async def _refresh_statfs(self, done: trio.Event) -> None:
+        try:
+            self._statfs = await trio.to_thread.run_sync(self.cache.backing.statvfs,
+                                                         abandon_on_cancel=True)
+        except OSError as e:
+            log.warning("statvfs of the backing failed: %s", e)
+        finally:
+            self._statfs_call = None
+            done.set()
 
     # -- extended attributes -------------------------------------------------------------
     @fuse_errors

@@ -66,7 +66,7 @@ class Node:
     __slots__ = ("ino", "mode", "uid", "gid", "size", "atime", "mtime", "ctime", "parent", "name",
                  "children", "target", "blocks", "bparent", "bname", "bstale", "writers", "opens",
                  "nlink", "lookups", "dirty", "dirty_since", "ops", "last_seq", "xattrs", "spill", "bgen",
-                 "jstate", "jblocks")
+                 "jstate", "jblocks", "truncated")
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, parent: Node | None, name: bytes) -> None:
         self.ino = ino
@@ -97,6 +97,7 @@ class Node:
         self.bgen = 0                                    # count of versions published (reader fds)
         self.jstate = J_NONE                             # its last journal record (J_*)
         self.jblocks: list[int] | None = None            # blocks held for a "flushed" record
+        self.truncated = False                           # shrunk since its last snapshot
 
     @property
     def is_dir(self) -> bool:
@@ -573,6 +574,7 @@ class Cache:
                     self.pool.mem[b * bs + tail:(b + 1) * bs] = 0
         node.size = size
         node.mtime = node.ctime = now_ns()
+        node.truncated = True
         self._mark_dirty(node)
         if node.writers == 0 and node.nlink:
             self.snapshot(node)
@@ -684,6 +686,7 @@ class Cache:
             if node.spill is not None:
                 node.spill.handed = True   # the op owns it now; reads still use it
         node.dirty = False
+        node.truncated = False
         self.dirty_nodes.discard(node)
         if node.jstate != J_NONE:
             self._journal_state(node, J_NONE, record=False)   # the publish record says it

@@ -43,6 +43,7 @@ class MountInfo:
     fsync_backing: bool
     flush_workers: int
     cache_full_timeout: float
+    persist_open_after: float
     recovery: dict | None = None   # what this daemon recovered from a dead one (recovery.py)
     pid: int = dataclasses.field(default_factory=os.getpid)
     started: float = dataclasses.field(default_factory=time.time)
@@ -96,7 +97,8 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         "uptime_s": round(now - info.started, 1),
         "options": {"fsync": "backing" if info.fsync_backing else "memory",
                     "flush_workers": info.flush_workers,
-                    "cache_full_timeout_s": info.cache_full_timeout},
+                    "cache_full_timeout_s": info.cache_full_timeout,
+                    "persist_open_after_s": info.persist_open_after},
         "cache": {"used_bytes": used, "limit_bytes": pool.size, "peak_used_bytes": peak,
                   "block_size": pool.block_size, "cached_files": cached_files},
         "dirty": {"files": len(cache.dirty_nodes), "bytes": dirty_bytes},

@@ -36,6 +36,7 @@ class Options:
     log_file: str
     allow_other: bool
     cache_full_timeout: float
+    persist_open_after: float
     block_size: int
     mlock: bool
     foreground: bool
@@ -129,7 +130,7 @@ def run(opts: Options, notify: Callable[[str], None]) -> int:
     cache.seq = flusher.applied_seq = cache.stale_seq = base
     cache.journal = journal.Journal(opts.cache_dir, pool.block_size, pool.size, applied=base)
     info = MountInfo(opts.mountpoint, opts.backing, opts.cache_dir, opts.log_file, opts.fsync_backing,
-                     opts.flush_workers, opts.cache_full_timeout)
+                     opts.flush_workers, opts.cache_full_timeout, opts.persist_open_after)
     if replay or dirty:
         assert left is not None
         report = recovery.recover(cache, left, replay, dirty, progress=lambda i, n: notify(
@@ -162,6 +163,7 @@ def run(opts: Options, notify: Callable[[str], None]) -> int:
                         return
             nursery.start_soon(on_signals)
             ops.nursery = nursery
+            nursery.start_soon(ops.persist_open_files)
             await pyfuse3.main(min_tasks=4, max_tasks=64)
             nursery.cancel_scope.cancel()
 

@@ -56,11 +56,12 @@ def fuse_errors(fn: Callable) -> Callable:
 
 
 class Handle:
-    __slots__ = ("node", "writable", "bfd", "bgen")
+    __slots__ = ("node", "writable", "append", "bfd", "bgen")
 
-    def __init__(self, node: Node, writable: bool) -> None:
+    def __init__(self, node: Node, writable: bool, append: bool = False) -> None:
         self.node = node
         self.writable = writable
+        self.append = append   # opened with O_APPEND
         self.bfd = -1    # backing copy, for files not in the cache
         self.bgen = 0    # Node.bgen when bfd was opened
 
@@ -334,6 +335,65 @@ class Operations(pyfuse3.Operations):
                  cache.path(node), size >> 20)
         return True
 
+    async def persist_open_files(self) -> None:
+        """Files open for writing for a long time (logs, event files) do not stay in RAM only.
+
+        After ``persist_open_after`` seconds of unsaved changes, a file that is only appended
+        to (every writer opened it with O_APPEND, and it was not truncated since its last
+        version) is published as it is: the backing's version is always a prefix of the
+        file. Any other file is written through to a staging file in the backing (fsynced
+        again every period), which is published only at its last close: a partial file
+        never replaces a complete one. A daemon crash keeps that staged content aside
+        (recovery.py).
+        """
+        age = self.info.persist_open_after
+        if age <= 0:
+            return
+        synced: dict[int, float] = {}
+        while True:
+            await trio.sleep(min(5.0, max(0.2, age / 4)))
+            now = time.time()
+            for node in list(self.cache.dirty_nodes):
+                if not (node.writers and node.nlink and node.is_reg) or now - node.dirty_since < age:
+                    continue
+                if self._appended_only(node) and node.ino not in self._spilling:
+                    await self.settle(node)
+                    if node.dirty and node.writers:
+                        log.info("%s has been open with unsaved appends for %.0fs: persisting "
+                                 "what it holds so far", self.cache.path(node), now - node.dirty_since)
+                        self.cache.snapshot(node)
+                elif node.spill is None and self._may_spill(node):
+                    log.info("%s has been open with unsaved changes for %.0fs: staging its "
+                             "content in the backing (published at its last close)",
+                             self.cache.path(node), now - node.dirty_since)
+                    self.nursery.start_soon(self._spill_bg, node)
+                elif node.spill is not None and not node.spill.handed \
+                        and now - synced.get(node.ino, 0.0) >= age:
+                    synced[node.ino] = now
+                    self.nursery.start_soon(self._sync_spill, node.spill)
+
+    def _appended_only(self, node: Node) -> bool:
+        if node.truncated:
+            return False
+        writers = [h for h in self.handles.values() if h.node is node and h.writable]
+        return bool(writers) and all(h.append for h in writers)
+
+    async def _sync_spill(self, sp: Spill) -> None:
+        lock = self.cache.lock
+        with lock:
+            if sp.closing or sp.fd < 0:
+                return
+            sp.readers += 1    # keeps the descriptor open while we use it
+        try:
+            await trio.to_thread.run_sync(os.fsync, sp.fd, abandon_on_cancel=False)
+        except OSError as e:
+            log.warning("fsync of a staged file failed: %s", e)
+        finally:
+            with lock:
+                sp.readers -= 1
+                if sp.closing and not sp.readers:
+                    sp.close()
+
     async def _spill_bg(self, node: Node) -> None:
         try:
             await self.spill(node)
@@ -544,7 +604,7 @@ class Operations(pyfuse3.Operations):
                     await trio.to_thread.run_sync(os.ftruncate, sp.fd, 0)
                     node.size = 0
                     self.cache.mark_written(node, 0)
-        h = Handle(node, writable)
+        h = Handle(node, writable, bool(flags & os.O_APPEND))
         if not writable and node.blocks is None and node.spill is None and node.is_reg:
             # Open the backing copy now, so that the reader keeps the version it opened
             # even if the file is renamed over, deleted or republished meanwhile.
@@ -565,7 +625,7 @@ class Operations(pyfuse3.Operations):
         self.cache.open(node, True, False)
         node.lookups += 1
         fh = self._new_fh()
-        self.handles[fh] = Handle(node, True)
+        self.handles[fh] = Handle(node, True, bool(flags & os.O_APPEND))
         return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False), self.attrs(node)
 
     async def read(self, fh, off, size):

@@ -1,0 +1,80 @@
+"""Files held open for writing for a long time (training logs, event files) do not live only
+in RAM: after --persist-open-after seconds, appended-only files are published as they are,
+and any other file is staged in the backing without replacing its complete version."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from conftest import acpfs
+
+AGE = "1"
+
+
+def wait_for(pred, timeout: float = 20.0) -> None:
+    deadline = time.time() + timeout
+    while not pred():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_an_appended_log_is_published_while_open(make_mount):
+    m = make_mount(extra=("--persist-open-after", AGE))
+    log = open(m.mnt / "train.log", "a")
+    log.write("step 1 loss 2.0\n")
+    log.flush()
+    wait_for(lambda: (m.back / "train.log").exists())
+    assert (m.back / "train.log").read_text() == "step 1 loss 2.0\n"
+    log.write("step 2 loss 1.5\n")
+    log.flush()
+    wait_for(lambda: (m.back / "train.log").read_text().count("\n") == 2)
+    assert (m.back / "train.log").read_text() == "step 1 loss 2.0\nstep 2 loss 1.5\n"
+    assert m.state("train.log") in ("persisted", "flushing")
+    log.write("step 3 loss 1.2\n")
+    log.close()
+    m.sync()
+    assert (m.back / "train.log").read_text().splitlines()[-1] == "step 3 loss 1.2"
+
+
+def test_a_file_rewritten_in_place_is_staged_never_published_while_open(make_mount):
+    m = make_mount(extra=("--persist-open-after", AGE))
+    (m.mnt / "model.bin").write_bytes(b"complete" * 1000)
+    m.sync()
+    f = open(m.mnt / "model.bin", "r+b")    # no O_APPEND: a partial version must not land
+    f.write(b"PARTIAL!")
+    f.flush()
+    staging = m.back / ".acpfs-tmp-spill"
+    wait_for(lambda: staging.exists() and any(p.stat().st_size == 8000 for p in staging.iterdir()))
+    time.sleep(1.5)
+    assert (m.back / "model.bin").read_bytes() == b"complete" * 1000
+    # the daemon dies with the file open: the staged content is kept aside, the old version stays
+    os.kill(m.pid, signal.SIGKILL)
+    try:
+        f.close()
+    except OSError:
+        pass
+    acpfs(*m.args())
+    m.pid = m.status()["pid"]
+    rec = m.status()["recovery"]
+    assert len(rec["kept_aside"]) == 1
+    assert (m.back / rec["kept_aside"][0]).read_bytes() == b"PARTIAL!" + b"complete" * 999
+    assert (m.back / "model.bin").read_bytes() == b"complete" * 1000
+
+
+def test_a_log_truncated_then_appended_is_not_published_as_a_prefix(make_mount):
+    m = make_mount(extra=("--persist-open-after", AGE))
+    (m.mnt / "events").write_bytes(b"old complete run\n")
+    m.sync()
+    f = open(m.mnt / "events", "a")
+    f.truncate(0)                           # the old content goes: a prefix rule no longer holds
+    f.write("new run\n")
+    f.flush()
+    staging = m.back / ".acpfs-tmp-spill"
+    wait_for(lambda: staging.exists() and any(staging.iterdir()))
+    assert (m.back / "events").read_bytes() == b"old complete run\n"
+    f.close()
+    m.sync()
+    assert (m.back / "events").read_bytes() == b"new run\n"
+    assert not staging.exists()

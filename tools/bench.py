@@ -43,9 +43,9 @@ WORKLOADS = ["torch", "safetensors", "dcp", "dd", "writers4", "small", "close_fl
 METRICS = {
     "torch_save": ("torch", "GB/s", True, "torch.save of the state dict"),
     "torch_load": ("torch", "GB/s", True, "torch.load of the file just written (cached)"),
-    "torch_load_mmap": ("torch", "GB/s", True, "torch.load(mmap=True) + read every tensor"),
+    "torch_load_mmap": ("torch", "GB/s", True, "torch.load(mmap=True) + touch every page"),
     "st_save": ("safetensors", "GB/s", True, "safetensors save_file"),
-    "st_load": ("safetensors", "GB/s", True, "safetensors load_file (cached)"),
+    "st_load": ("safetensors", "GB/s", True, "safetensors load_file + touch every page (cached)"),
     "dcp_save": ("dcp", "GB/s", True, "dcp.save, FileSystemWriter, no_dist"),
     "dcp_load": ("dcp", "GB/s", True, "dcp.load, FileSystemReader, no_dist"),
     "dd_1m": ("dd", "GB/s", True, "dd bs=1M of the checkpoint size"),
@@ -368,6 +368,10 @@ class Bench:
                 "cpu": self._cpu_model(),
             },
         }
+        with contextlib.suppress(Exception):
+            head = run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]).stdout.strip()
+            dirty = run(["git", "-C", str(REPO), "status", "--porcelain", "acpfs"]).stdout.strip()
+            self.meta["acpfs_commit"] = head + (" + uncommitted changes in acpfs/" if dirty else "")
         with contextlib.suppress(Exception):
             import torch
             self.meta["machine"]["torch"] = torch.__version__
@@ -736,7 +740,8 @@ class Bench:
                  f"median of {a.reps} repetitions after 1 warm-up",
                  f"machine: {self.meta['machine']['nproc']} CPUs ({self.meta['machine']['cpu']}), "
                  f"{self.meta['machine']['mem_total_gib']} GiB RAM, kernel {self.meta['machine']['kernel']}, "
-                 f"backing {a.backing_dir} on {self.meta['machine']['backing_fs']}", ""]
+                 f"backing {a.backing_dir} on {self.meta['machine']['backing_fs']}; "
+                 f"acpfs {self.meta.get('acpfs_commit', '?')}", ""]
         hdr = ["metric", "unit"] + [TARGET_LABEL[n] for n in names] + ["acpfs/shm", "acpfs/disk", "acpfs/rclone", "target"]
         lines.append("| " + " | ".join(hdr) + " |")
         lines.append("|" + "|".join("---" for _ in hdr) + "|")

@@ -32,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import array
+import errno
 import logging
 import marshal
 import os
@@ -77,9 +78,18 @@ class Journal:
     def append(self, record: tuple) -> None:
         payload = marshal.dumps(record)
         data = FRAME.pack(len(payload), zlib.crc32(payload)) + payload
-        n = os.write(self.fd, data)
+        try:
+            n = os.write(self.fd, data)
+        except OSError:
+            n = -1
+            raise
+        finally:
+            if n != len(data):   # never leave a torn record that later ones would follow
+                os.ftruncate(self.fd, self.size)
+                os.lseek(self.fd, self.size, os.SEEK_SET)
         if n != len(data):
-            raise OSError(f"short write to the journal ({n} of {len(data)} bytes)")
+            raise OSError(errno.ENOSPC, f"No space left on device (journal record cut short at "
+                          f"{n} of {len(data)} bytes)")
         self.size += n
 
     def applied(self, seq: int) -> None:

@@ -37,3 +37,14 @@ def test_readme_names_the_test_command_that_ci_runs():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     assert "./tools/test" in readme and "./tools/test" in ci
+
+
+def test_faults_table_rows_cite_existing_tests():
+    text = (ROOT / "docs" / "faults.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| **")]
+    assert len(rows) >= 12
+    for row in rows:
+        cited = re.findall(r"`(test_\w+\.py)::(test_\w+)`", row)
+        assert cited, f"row {row[:60]!r} cites no test"
+        for fname, func in cited:
+            assert func in functions_in(ROOT / "tests" / fname), f"{fname}::{func} does not exist"

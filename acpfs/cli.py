@@ -397,6 +397,17 @@ def render_status(d: dict[str, Any]) -> str:
     ]
     if d["oldest_dirty_age_s"] is not None:
         lines.append(f"  oldest unsaved change: {_age(d['oldest_dirty_age_s'])} ago")
+    rec = d.get("recovery")
+    if rec:
+        lines.append(f"  recovered  {rec['files']} files and {rec['replayed_ops']} operations from a "
+                     f"dead daemon ({_age(max(0.0, time.time() - rec['started']))} ago)")
+        for path in rec["lost_open_files"][:10]:
+            lines.append(f"  LOST       {path}: open for writing at the crash; unsaved changes dropped")
+        for path in rec["kept_aside"][:10]:
+            lines.append(f"  KEPT ASIDE {path} (in the backing): content of a file open at the crash")
+    if d.get("journal_error"):
+        lines.append(f"  ERROR      the crash journal cannot be written ({d['journal_error']}): a "
+                     f"daemon crash now would lose what is pending")
     if not d.get("flusher_alive", True):
         lines.append(f"  ERROR      the flusher has stopped: nothing more is persisted; see {d['log_file']}")
     if d["errors"]:

@@ -140,6 +140,8 @@ def test_file_open_at_the_crash_keeps_the_old_version(make_mount):
     assert (m.back / "ckpt.bin").read_bytes() == b"good" * 1000
     assert not (m.back / "new.bin").exists()
     assert (m.mnt / "ckpt.bin").read_bytes() == b"good" * 1000
+    text = acpfs("status", str(m.mnt)).stdout
+    assert "recovered" in text and "LOST       ckpt.bin" in text
     log = m.log.read_text()
     assert "ckpt.bin was open for writing when the daemon died" in log
     assert "ERROR" in log

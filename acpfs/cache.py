@@ -185,7 +185,7 @@ class Cache:
         self.lru: collections.OrderedDict[int, Node] = collections.OrderedDict()
         self.flusher: Flusher | None = None   # attached by the daemon
         self.journal: Journal | None = None   # attached by the daemon; None in unit tests
-        self.flushed_pending = 0              # nodes in J_FLUSHED (the journal cannot be cut)
+        self.jnodes: set[Node] = set()        # nodes whose jstate is not J_NONE
         self.stale_seq = 0                    # temp files with seqs up to this are a dead daemon's
 
     # -- positions -----------------------------------------------------------------------
@@ -733,22 +733,34 @@ class Cache:
         assert self.flusher is not None
         with self.lock:
             if node.jstate == J_FLUSHED:
-                self.flushed_pending -= 1
                 self.pool.decref(node.jblocks or [])
                 node.jblocks = None
             node.jstate = state
             if state == J_FLUSHED:
-                self.flushed_pending += 1
                 node.jblocks = blocks
-        if not record:
-            return
-        if state == J_DIRTY:
-            rec: tuple = (0, "dirty", node.ino, self.mpath(node))
-        elif state == J_FLUSHED:
-            rec = (0, "flushed", node.ino, self.mpath(node)) + self._content_fields(node, blocks or [])
-        else:
-            rec = (0, "clean", node.ino)
-        self.flusher.journal_append(rec)
+            if state == J_NONE:
+                self.jnodes.discard(node)
+            else:
+                self.jnodes.add(node)
+        if record:
+            self.flusher.journal_append(self._state_record(node))
+
+    def _state_record(self, node: Node) -> tuple:
+        if node.jstate == J_DIRTY:
+            return (0, "dirty", node.ino, self.mpath(node))
+        if node.jstate == J_FLUSHED:
+            return (0, "flushed", node.ino, self.mpath(node)) + self._content_fields(node, node.jblocks or [])
+        return (0, "clean", node.ino)
+
+    def live_file_records(self) -> list[tuple]:
+        """The records a cut-back journal must hold again (FUSE thread, under lock)."""
+        return [self._state_record(n) for n in self.jnodes]
+
+    def note_change(self, node: Node) -> None:
+        """Before bytes of a written-through file change: a "flushed" record naming its
+        staging file must not outlive the bytes it describes."""
+        if node.jstate != J_DIRTY:
+            self._mark_dirty(node)
 
     def _content_fields(self, node: Node | Snapshot, blocks: list[int]) -> tuple:
         if isinstance(node, Snapshot):

@@ -128,19 +128,22 @@ def run(opts: Options, notify: Callable[[str], None]) -> int:
     cache.flusher = flusher
     base = left.last_seq if left else 0
     cache.seq = flusher.applied_seq = cache.stale_seq = base
-    cache.journal = journal.Journal(opts.cache_dir, pool.block_size, pool.size, applied=base)
+    # the dead daemon's applied counter stays until its journal is replayed (a crash during
+    # the replay must find both as they were)
+    cache.journal = journal.Journal(opts.cache_dir, pool.block_size, pool.size)
     info = MountInfo(opts.mountpoint, opts.backing, opts.cache_dir, opts.log_file, opts.fsync_backing,
                      opts.flush_workers, opts.cache_full_timeout, opts.persist_open_after)
     if replay or dirty:
         assert left is not None
         report = recovery.recover(cache, left, replay, dirty, progress=lambda i, n: notify(
             f"progress recovering: {i} of {n} changes replayed"))
-        journal.finish_recovery(opts.cache_dir)
         info.recovery = report.as_dict()
         log.warning("recovered: %d files and %d operations queued for persisting again, %d "
                     "already done, %d open files lost, %d kept aside in %s", report.files,
                     report.replayed_ops, report.skipped, len(report.lost_open_files),
                     len(report.kept_aside), opts.backing)
+    journal.finish_recovery(opts.cache_dir)        # the new journal holds all that is pending
+    cache.journal.applied(base)
     journal.forget_direct_writes(opts.cache_dir)   # replayed around, or nothing to replay
     flusher.start()
     ops = Operations(cache, info)

@@ -124,6 +124,11 @@ class Flusher:
         if journal is None:
             return
         try:
+            if journal.reset_wanted and not self.queue:
+                journal.reset()
+                for rec in self.cache.live_file_records():
+                    journal.append(rec)
+            journal.reset_wanted = False
             journal.append(record)
             self.journal_error = None
         except OSError as e:
@@ -182,8 +187,8 @@ class Flusher:
                     if journal is not None:
                         # before _finish drops the block references (journal.py, invariants)
                         journal.applied(op.seq)
-                        if not self.queue and not self.cache.flushed_pending:
-                            journal.reset()
+                        if not self.queue:
+                            journal.reset_wanted = True   # done by the next append
                     self._finish(op)
                     self.cond.notify_all()
         except Aborted:

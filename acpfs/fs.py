@@ -483,6 +483,7 @@ class Operations(pyfuse3.Operations):
                 await self.settle(node)
                 sp = node.spill
                 if sp is not None and not sp.handed:
+                    self.cache.note_change(node)
                     await trio.to_thread.run_sync(os.ftruncate, sp.fd, size)
                     node.size = size
                     cache.mark_written(node, size)
@@ -601,6 +602,7 @@ class Operations(pyfuse3.Operations):
                 await self.settle(node)
                 sp = node.spill
                 if sp is not None and not sp.handed:
+                    self.cache.note_change(node)
                     await trio.to_thread.run_sync(os.ftruncate, sp.fd, 0)
                     node.size = 0
                     self.cache.mark_written(node, 0)
@@ -677,6 +679,7 @@ class Operations(pyfuse3.Operations):
                 await self.settle(node, deadline)
                 sp = node.spill
                 if sp is not None:
+                    self.cache.note_change(node)
                     n = await trio.to_thread.run_sync(os.pwrite, sp.fd, buf, off)
                     self.cache.mark_written(node, off + n)
                     return n

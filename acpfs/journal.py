@@ -25,8 +25,9 @@ Invariants:
   (= ``Cache.lock``) serializes appends, so the file holds them in seq order.
 - ``applied`` is written before the op's block references are dropped, so every block named
   by a record with seq > applied still holds the bytes the record describes.
-- The journal is cut back to its header only while nothing is pending (no queued op, no
-  unresolved "flushed" record), so what it drops is all in the backing already.
+- The journal is cut back to its header only when no op is queued (all are in the backing),
+  and right away the "dirty"/"flushed" records of files still in those states are written
+  again (``Flusher._journal``), on the FUSE thread, which owns the paths.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def unpack_blocks(data: bytes) -> list[int]:
 class Journal:
     """The journal of a running daemon (appends; the caller holds ``Cache.lock``)."""
 
-    def __init__(self, cache_dir: str, block_size: int, pool_size: int, applied: int = 0) -> None:
+    def __init__(self, cache_dir: str, block_size: int, pool_size: int) -> None:
         self.path = os.path.join(cache_dir, JOURNAL)
         self.header = HEADER.pack(MAGIC, block_size, pool_size)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
@@ -73,7 +74,7 @@ class Journal:
         self.size = len(self.header)
         self.applied_fd = os.open(os.path.join(cache_dir, APPLIED),
                                   os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        self.applied(applied)
+        self.reset_wanted = False   # set by the flusher when idle; done on the next append
 
     def append(self, record: tuple) -> None:
         payload = marshal.dumps(record)
@@ -171,7 +172,11 @@ def start_recovery(cache_dir: str) -> None:
 
 
 def finish_recovery(cache_dir: str) -> None:
-    os.unlink(os.path.join(cache_dir, RECOVERING))
+    """The replayed journal is not needed any more (nor one a failed start left behind)."""
+    try:
+        os.unlink(os.path.join(cache_dir, RECOVERING))
+    except FileNotFoundError:
+        pass
 
 
 def record_direct_write(cache_dir: str, path: str) -> None:

@@ -69,21 +69,38 @@ class Recovered:
 
 
 def plan(left: Leftover) -> tuple[list[tuple], list[tuple]]:
-    """(records to replay in order, "dirty" records of files open at the crash)."""
+    """(records to replay in order, "dirty" records of files open at the crash).
+
+    A "flushed" or "dirty" record names the file's path when it was written; renames of the
+    file or of a directory above it that are already in the backing (seq <= applied) are
+    not replayed, so the path is carried through them here.
+    """
     last: dict[int, int] = {}
     for i, r in enumerate(left.records):
         if r[0] == 0 or r[1] == "publish":
             last[r[2]] = i
-    replay, open_at_crash = [], []
+    replay: list[tuple] = []
+    open_at_crash: list[tuple] = []
+    moved: list[list] = []    # records (as lists) whose path follows applied renames
     for i, r in enumerate(left.records):
         seq, kind = r[0], r[1]
         if seq > left.applied:
             replay.append(r)
-        elif kind == "flushed" and last[r[2]] == i:
-            replay.append(r)
-        elif kind == "dirty" and last[r[2]] == i:
-            open_at_crash.append(r)
-    return replay, open_at_crash
+        elif kind == "rename":
+            src, dst = r[3], r[4]
+            for rec in moved:
+                p = rec[3]
+                if p is None or src is None or dst is None:
+                    continue
+                if p == src:
+                    rec[3] = dst
+                elif p.startswith(src + b"/"):
+                    rec[3] = dst + p[len(src):]
+        elif kind in ("flushed", "dirty") and last[r[2]] == i:
+            rec = list(r)
+            moved.append(rec)
+            (replay if kind == "flushed" else open_at_crash).append(rec)  # type: ignore[arg-type]
+    return [tuple(r) for r in replay], [tuple(r) for r in open_at_crash]
 
 
 def claimed_blocks(records: list[tuple]) -> list[int]:
@@ -152,6 +169,8 @@ class Replayer:
             if self.newer(src_path, dst_path):
                 self.skip(rec, "saved straight to the backing after the daemon died", logging.WARNING)
                 return
+            if target is not None and target.is_dir:
+                self._loaded(target)
             try:
                 cache.rename(p1, n1, p2, n2)
             except OSError as e:
@@ -170,6 +189,8 @@ class Replayer:
             if node is None or parent is None or node.is_dir != (kind == "rmdir"):
                 self.skip(rec, "already gone")
                 return
+            if node.is_dir:
+                self._loaded(node)
             if self.newer(rec[3]):
                 self.skip(rec, "saved straight to the backing after the daemon died", logging.WARNING)
                 return
@@ -332,7 +353,10 @@ def recover(cache: Cache, left: Leftover, replay: list[tuple], dirty: list[tuple
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise
-            r.skip(rec, str(e))
+            r.skip(rec, str(e), logging.ERROR)
+        except Exception as e:   # a bug: one record must not stop the rest from being recovered
+            log.exception("recovery: cannot replay %s", rec[:4])
+            r.skip(rec, f"internal error: {e!r}", logging.ERROR)
         if progress and time.monotonic() - t > 0.5:
             t = time.monotonic()
             progress(i + 1, len(replay))

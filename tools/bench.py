@@ -234,8 +234,12 @@ class Rclone(Target):
             raise RuntimeError("rclone mount did not come up in 30s")
         log(f"rclone mounted at {self.root} (pid {self.pid})")
 
-    def settle(self, path: str, timeout: float = 1800) -> None:
-        """Until every file under path (on the mount) has its full size in the backing."""
+    def settle(self, path: str, timeout: float = 1800, stall: float = 30) -> None:
+        """Until every file under path (on the mount) has its full size in the backing.
+
+        Gives up when nothing in the backing grew for `stall` seconds: rclone can lose a
+        file (seen with DCP's write-then-rename of .metadata) and would never upload it.
+        """
         deadline = time.monotonic() + timeout
         want = {}
         if os.path.isdir(path):
@@ -245,14 +249,22 @@ class Rclone(Target):
                     want[self.backing_of(p)] = os.stat(p).st_size
         elif os.path.exists(path):
             want[self.backing_of(path)] = os.stat(path).st_size
+        last, last_change = -1, time.monotonic()
         while want and time.monotonic() < deadline:
+            have = 0
             for p, size in list(want.items()):
                 with contextlib.suppress(FileNotFoundError):
-                    if os.stat(p).st_size == size:
+                    st = os.stat(p).st_size
+                    have += st
+                    if st == size:
                         del want[p]
+            if have != last:
+                last, last_change = have, time.monotonic()
+            elif time.monotonic() - last_change > stall:
+                break
             time.sleep(0.01)
         if want:
-            raise TimeoutError(f"rclone did not upload {len(want)} files in {timeout}s")
+            raise TimeoutError(f"rclone never uploaded {', '.join(os.path.relpath(p, self.backing) for p in want)}")
         time.sleep(0.2)  # let rclone set times and drop its open handles
 
     def remove(self, path: str) -> None:
@@ -640,7 +652,14 @@ class Bench:
                 for rep in range(a.reps + 1):
                     log(f"{wl}: repetition {rep}{' (warm-up)' if rep == 0 else ''}")
                     for t in self.targets.values():
-                        fn(t, rep)
+                        try:
+                            fn(t, rep)
+                        except Exception as e:
+                            self.note(f"{wl} on {TARGET_LABEL[t.name]}, repetition {rep}, failed: "
+                                      f"{type(e).__name__}: {e}")
+                            self.extra.setdefault("failures", []).append(
+                                {"workload": wl, "target": t.name, "rep": rep, "error": str(e)})
+                            self.cleanup(t)
                         self.save()
             for t in self.targets.values():
                 self.sample_rss(t, "end")
@@ -670,6 +689,15 @@ class Bench:
         print(f"\nresults: {self.out}/results.json, {self.out}/table.md" +
               (f", {self.out}/chart.png" if (self.out / "chart.png").exists() else ""))
         return 0
+
+    def cleanup(self, t: Target) -> None:
+        """After a failed measurement: empty the target's directory for the next one."""
+        for name in os.listdir(t.root):
+            with contextlib.suppress(Exception):
+                t.remove(os.path.join(t.root, name))
+        if isinstance(t, Rclone):
+            for name in os.listdir(t.backing):
+                rm_tree(os.path.join(t.backing, name))
 
     def daemon_metrics(self) -> None:
         for name, r in self.rss_max.items():
@@ -790,6 +818,7 @@ class Bench:
         fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
         colors = {"shm": "#888888", "disk": "#d62728", "acpfs": "#1f77b4", "rclone": "#ff7f0e"}
         for ax, metric in zip(axes.flat, metrics):
+            unit, higher = METRICS[metric][1], METRICS[metric][2]
             xs, ys, lo, hi, cs = [], [], [], [], []
             for n in names:
                 v = med.get((metric, n))
@@ -800,7 +829,8 @@ class Bench:
                     hi.append(v["max"] - v["median"])
                     cs.append(colors[n])
             ax.bar(xs, ys, yerr=[lo, hi], color=cs, capsize=3)
-            unit, higher = METRICS[metric][1], METRICS[metric][2]
+            if unit == "files/s" and ys and min(ys) > 0:
+                ax.set_yscale("log")
             ax.set_title(f"{metric} ({unit}, {'higher' if higher else 'lower'} is better)", fontsize=9)
             ax.tick_params(axis="x", labelsize=8)
         for ax in list(axes.flat)[len(metrics):]:
@@ -862,6 +892,9 @@ def main() -> int:
     except ImportError:
         print("bench: matplotlib is missing, no chart will be drawn: .venv/bin/pip install matplotlib",
               file=sys.stderr)
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_term)   # unmount in the finally blocks, as on Ctrl-C
     return Bench(a).main()
 
 

@@ -485,6 +485,11 @@ class Cache:
                 return bytes(end - off)
             base = b * bs - i * bs
             return view[base + off:base + end]
+        j = (end - 1) // bs
+        if j < len(blocks) and blocks[i] >= 0 and blocks[j] - blocks[i] == j - i \
+                and all(blocks[k + 1] == blocks[k] + 1 for k in range(i, j)):
+            base = blocks[i] * bs - i * bs     # contiguous in the pool: one view, no copy
+            return view[base + off:base + end]
         parts = []
         pos = off
         while pos < end:
@@ -529,20 +534,26 @@ class Cache:
                     need += 1
             if need:
                 self._reserve(need)
-            pos = off
-            s = 0
             for i in range(first, last + 1):
-                boff = pos - i * bs
-                take = min(bs - boff, n - s)
                 b = blocks[i]
                 if b < 0:
-                    b = blocks[i] = self._new_block(zero=take < bs)
+                    blocks[i] = self._new_block(zero=off > i * bs or end < (i + 1) * bs)
                 elif rc[b] > 1:
-                    b = blocks[i] = self._cow(b)
-                base = b * bs + boff
+                    blocks[i] = self._cow(b)
+            # copy in runs of consecutive blocks: one slice copy for a contiguous write
+            pos = off
+            s = 0
+            i = first
+            while i <= last:
+                j = i
+                while j < last and blocks[j + 1] == blocks[j] + 1:
+                    j += 1
+                take = min((j + 1) * bs, end) - pos
+                base = blocks[i] * bs + (pos - i * bs)
                 view[base:base + take] = src[s:s + take]
                 s += take
                 pos += take
+                i = j + 1
         if end > node.size:
             node.size = end
         node.mtime = node.ctime = now_ns()

@@ -167,6 +167,11 @@ def run(opts: Options, notify: Callable[[str], None]) -> int:
             nursery.start_soon(on_signals)
             ops.nursery = nursery
             nursery.start_soon(ops.persist_open_files)
+
+            async def read_ahead() -> None:
+                await trio.sleep(1.0)   # after the kernel's INIT, which sets its own value
+                set_read_ahead(opts.mountpoint)
+            nursery.start_soon(read_ahead)
             await pyfuse3.main(min_tasks=4, max_tasks=64)
             nursery.cancel_scope.cancel()
 
@@ -194,6 +199,31 @@ def run(opts: Options, notify: Callable[[str], None]) -> int:
         log.error("exiting with changes NOT persisted; the cache is kept in %s", opts.cache_dir)
     os.close(lock_fd)
     return 0 if drained else 1
+
+
+READ_AHEAD_KB = 1024   # measured: torch.load of a cached 1 GiB file 1.18 -> 1.43 GB/s (128 -> 1024)
+
+
+def set_read_ahead(mountpoint: str) -> None:
+    """Larger read-ahead for the mount's backing device info (the kernel's default is 128 KiB).
+
+    The device number comes from /proc/self/mountinfo: a stat of the mount point would ask
+    this very daemon, which does not serve requests yet.
+    """
+    dev = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4 and fields[4].replace("\\040", " ") == mountpoint:
+                dev = fields[2]
+    if dev is None:
+        return
+    path = f"/sys/class/bdi/{dev}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(READ_AHEAD_KB))
+    except OSError as e:   # not root: the default stays
+        log.debug("cannot set %s: %s", path, e)
 
 
 def drain(flusher) -> bool:

@@ -26,6 +26,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 64 * 1024
+VECTOR_MIN = 32   # block lists longer than this are counted with numpy, not a Python loop
 
 
 class PoolFull(Exception):
@@ -110,18 +111,34 @@ class Pool:
         self.peak_used = self.used_blocks
 
     def incref(self, blocks: list[int]) -> None:
+        if len(blocks) > VECTOR_MIN:
+            arr = np.asarray(blocks, dtype=np.int64)
+            np.add.at(self.refcount, arr[arr >= 0], 1)
+            return
         for b in blocks:
             if b >= 0:
                 self.refcount[b] += 1
 
     def decref(self, blocks: list[int]) -> None:
+        """Drop one reference per listed block; freed blocks go back so that the next
+        allocations take them in ascending order (contiguous runs copy and upload in one go)."""
         rc = self.refcount
-        free = self.free
+        if len(blocks) > VECTOR_MIN:
+            arr = np.asarray(blocks, dtype=np.int64)
+            arr = arr[arr >= 0]
+            np.subtract.at(rc, arr, 1)
+            freed = np.unique(arr[rc[arr] == 0])
+            self.free.extend(freed[::-1].tolist())
+            return
+        freed_small = []
         for b in blocks:
             if b >= 0:
                 rc[b] -= 1
                 if rc[b] == 0:
-                    free.append(b)
+                    freed_small.append(b)
+        if freed_small:
+            freed_small.sort(reverse=True)
+            self.free.extend(freed_small)
 
     def close(self) -> None:
         self.view.release()

@@ -25,6 +25,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from . import fastwrite
+
 if TYPE_CHECKING:
     from .cache import Cache, Node
 
@@ -111,6 +113,7 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         "flusher_alive": fl.thread.is_alive(),
         "journal_error": fl.journal_error,
         "recovery": info.recovery,
+        "fast_write": fastwrite.state(),
     }
 
 

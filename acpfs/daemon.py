@@ -76,6 +76,7 @@ def lock_backing(backing: str, mountpoint: str) -> int:
 
 def run(opts: Options, notify: Callable[[str], None]) -> int:
     """Mount and serve until unmounted; ``notify`` gets progress lines, then 'ready'."""
+    from . import fastwrite  # before pyfuse3: it interposes fuse_session_new
     import pyfuse3
     import trio
 
@@ -152,6 +153,7 @@ def run(opts: Options, notify: Callable[[str], None]) -> int:
     if opts.allow_other:
         fuse_opts.add("allow_other")
     pyfuse3.init(ops, opts.mountpoint, fuse_opts)
+    fastwrite.install(ops.write_now)
     log.info("mounted %s over %s", opts.mountpoint, opts.backing)
     notify("ready")
 

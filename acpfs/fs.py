@@ -22,10 +22,12 @@ import stat as statmod
 import time
 from typing import Any, Callable
 
-import pyfuse3
-import trio
+from . import fastwrite  # noqa: F401  before pyfuse3: it interposes fuse_session_new
 
-from . import control
+import pyfuse3  # noqa: E402
+import trio  # noqa: E402
+
+from . import control  # noqa: E402
 from .backing import TEMP_PREFIX, iter_extents
 from .cache import Cache, Node, Spill
 from .pool import PoolFull
@@ -665,6 +667,23 @@ class Operations(pyfuse3.Operations):
         if h.bfd >= 0:
             os.close(h.bfd)
         h.bfd, h.bgen = fd, gen
+
+    def write_now(self, fh: int, off: int, data: memoryview) -> int | None:
+        """WRITE straight from libfuse's buffer (acpfs/_fastwrite.c): bytes written, -errno,
+        or None to take the async path (``write``), which waits for space or a spill.
+        ``data`` is valid only during this call; ``Cache.write`` copies it into the pool."""
+        try:
+            node = self.handles[fh].node
+            if node.spill is not None or node.ino in self._spilling:
+                return None
+            return self.cache.write(node, off, data)
+        except PoolFull:
+            return None
+        except OSError as e:
+            return -(e.errno or errno.EIO)
+        except Exception:
+            log.exception("internal error in write")
+            return -errno.EIO
 
     async def write(self, fh, off, buf):
         node = self.handles[fh].node

@@ -32,7 +32,8 @@ def is_mounted(path: Path) -> bool:
 class Mount:
     """One acpfs mount over its own backing directory, with its own cache directory."""
 
-    def __init__(self, root: Path, cache_size: str = "256M", extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, root: Path, cache_size: str = "256M", extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.root = root
         self.mnt = root / "mnt"
         self.back = root / "back"
@@ -40,6 +41,7 @@ class Mount:
         self.log = root / "acpfs.log"
         self.cache_size = cache_size
         self.extra = extra
+        self.env = env   # extra environment of the daemon
         self.mnt.mkdir(exist_ok=True)
         self.back.mkdir(exist_ok=True)
         self.pid: int | None = None
@@ -50,7 +52,7 @@ class Mount:
                 "--log-level", "debug", *self.extra]
 
     def mount(self) -> "Mount":
-        acpfs(*self.args())
+        acpfs(*self.args(), env={**os.environ, **self.env} if self.env else None)
         self.pid = self.status()["pid"]
         return self
 

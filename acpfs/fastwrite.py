@@ -1,0 +1,103 @@
+"""How the daemon copies WRITE requests into the pool: the fast path (loading
+acpfs._fastwrite before pyfuse3, and its state) and non-temporal copies.
+
+pyfuse3 hands each WRITE to Python as a fresh ``bytes`` copy of libfuse's buffer; the C
+extension (acpfs/_fastwrite.c) lets ``fs.Operations.write_now`` copy straight from that
+buffer into the pool instead. It works by defining ``fuse_session_new`` in a library loaded
+RTLD_GLOBAL, so it must be loaded before pyfuse3 is: ``acpfs.fs`` imports this module first.
+
+Everything degrades to pyfuse3's own path (and says so in the log and in ``status``) when
+the extension is not built, pyfuse3 was imported before it, or the hook was not reached.
+
+Copies into the pool are large (up to 1 MiB per WRITE) and not read again soon, so the
+daemon copies with non-temporal stores: glibc's memcpy uses them from NT_THRESHOLD up (its
+default, ~3/8 of the L3 cache, is far above a request). glibc reads GLIBC_TUNABLES only when
+a process starts, and the daemon is forked from the ``mount`` command, so that command runs
+itself again with the tunable set (``reexec_for_copies``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from types import ModuleType
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
+
+NT_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+NT_THRESHOLD = 256 << 10
+
+
+def _load() -> tuple[Optional[ModuleType], str]:
+    if os.environ.get("ACPFS_NO_FAST_WRITE"):
+        return None, "disabled by ACPFS_NO_FAST_WRITE"
+    if "pyfuse3" in sys.modules:
+        return None, "pyfuse3 was imported before acpfs.fastwrite"
+    flags = sys.getdlopenflags()
+    sys.setdlopenflags(flags | os.RTLD_GLOBAL)
+    try:
+        from acpfs import _fastwrite
+    except ImportError as e:
+        return None, f"acpfs._fastwrite is not built ({e})"
+    finally:
+        sys.setdlopenflags(flags)
+    return _fastwrite, ""
+
+
+_ext, _why_not = _load()
+
+
+def install(handler: Callable[[int, int, memoryview], Optional[int]]) -> bool:
+    """After pyfuse3.init: route WRITEs through ``handler``; False (and why, logged) if unavailable."""
+    global _why_not
+    if _ext is None:
+        log.info("fast write path off: %s; writes take pyfuse3's path", _why_not)
+        return False
+    if not _ext.stats()["sessions_hooked"]:
+        _why_not = "pyfuse3's FUSE session was not created through the hook"
+        log.warning("fast write path off: %s; writes take pyfuse3's path", _why_not)
+        return False
+    _ext.set_handler(handler)
+    return True
+
+
+def uninstall() -> None:
+    if _ext is not None:
+        _ext.set_handler(None)
+
+
+def reexec_for_copies(argv: list[str]) -> None:
+    """Run ``acpfs ARGV`` again with NT_TUNABLE in GLIBC_TUNABLES, unless it is there (a value
+    the user set is kept) or this is not x86-64 (the tunable is x86's)."""
+    import platform
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if nt_threshold() is not None or platform.machine() != "x86_64":
+        return
+    env = dict(os.environ)
+    env["GLIBC_TUNABLES"] = ":".join(filter(None, [tunables, f"{NT_TUNABLE}={NT_THRESHOLD}"]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "acpfs", *argv], env)
+
+
+def nt_threshold() -> int | None:
+    """The non-temporal copy threshold this process was started with, if one was set."""
+    for item in os.environ.get("GLIBC_TUNABLES", "").split(":"):
+        name, _, value = item.partition("=")
+        if name == NT_TUNABLE:
+            try:
+                return int(value, 0)
+            except ValueError:
+                return None
+    return None
+
+
+def state() -> dict:
+    """For ``acpfs status``: whether the fast path is on, how many WRITEs took each path, and
+    the non-temporal copy threshold."""
+    nt = {"non_temporal_threshold": nt_threshold()}
+    if _ext is None or not _ext.stats()["sessions_hooked"]:
+        return {"on": False, "why_not": _why_not, **nt}
+    return {"on": True, **{k: v for k, v in _ext.stats().items() if k != "sessions_hooked"}, **nt}

@@ -1,0 +1,95 @@
+"""The fast WRITE path (acpfs/_fastwrite.c + fastwrite.py) and the daemon's copy settings.
+
+Every other test writes through the fast path too; these check what is particular to it:
+that it is really taken, that it writes exactly what pyfuse3's path writes (same random
+pwrite sequence through both), that requests it cannot serve (full cache, write-through)
+are passed on, and that it can be switched off. See docs/design.md, "What limits writes".
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import subprocess
+
+import pytest
+
+from acpfs import fastwrite
+
+
+def random_pwrites(path, seed: int, size: int = 24 << 20, count: int = 300) -> bytes:
+    """Apply random writes (unaligned, overlapping, past the end, 1 B to 3 MiB) to a new
+    file; return the content they should leave."""
+    rnd = random.Random(seed)
+    model = bytearray()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for i in range(count):
+            n = rnd.choice([1, 7, 4096, 65535, 65536, 65537, 1 << 20, 3 << 20, rnd.randrange(1, 200_000)])
+            off = rnd.randrange(0, size)
+            data = rnd.randbytes(n)
+            assert os.pwrite(fd, data, off) == n
+            if len(model) < off + n:
+                model.extend(bytes(off + n - len(model)))
+            model[off:off + n] = data
+    finally:
+        os.close(fd)
+    return bytes(model)
+
+
+def test_fast_path_is_taken_and_exact(mnt):
+    want = random_pwrites(mnt.mnt / "f", seed=1)
+    assert (mnt.mnt / "f").read_bytes() == want
+    st = mnt.status()["fast_write"]
+    if fastwrite._ext is None:
+        pytest.skip(f"acpfs._fastwrite is not built: {st}")
+    assert st["on"] is True
+    assert st["fast_writes"] >= 300 and st["passed_on"] == 0
+    mnt.sync()
+    assert (mnt.back / "f").read_bytes() == want
+
+
+def test_switched_off_writes_the_same(make_mount):
+    m = make_mount("off", env={"ACPFS_NO_FAST_WRITE": "1"})
+    st = m.status()["fast_write"]
+    assert st == {"on": False, "why_not": "disabled by ACPFS_NO_FAST_WRITE",
+                  "non_temporal_threshold": (256 << 10) if platform.machine() == "x86_64" else None}
+    assert "fast write path off: disabled by ACPFS_NO_FAST_WRITE" in m.log.read_text()
+    want = random_pwrites(m.mnt / "f", seed=1)
+    assert (m.mnt / "f").read_bytes() == want
+    m.sync()
+    assert (m.back / "f").read_bytes() == want
+
+
+def test_full_cache_is_passed_on(make_mount):
+    """A 96 MiB file through a 32 MiB cache: the writes that find the cache full, or the file
+    being written through, go to pyfuse3's async path, which waits for space or spills."""
+    if fastwrite._ext is None:
+        pytest.skip("acpfs._fastwrite is not built")
+    m = make_mount("full", cache_size="32M")
+    src = m.root / "src"
+    src.write_bytes(random.Random(2).randbytes(96 << 20))
+    subprocess.run(["dd", f"if={src}", f"of={m.mnt / 'big'}", "bs=1M"], check=True, capture_output=True)
+    st = m.status()["fast_write"]
+    assert st["passed_on"] > 0 and st["fast_writes"] > 0
+    m.sync()
+    assert (m.back / "big").read_bytes() == src.read_bytes()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86-64 glibc tunable")
+def test_daemon_copies_with_non_temporal_stores(make_mount):
+    def threshold(m) -> int | None:
+        return m.status()["fast_write"]["non_temporal_threshold"]
+    assert threshold(make_mount("nt")) == 256 << 10
+    # the user's other tunables are kept, and so is their own threshold
+    m2 = make_mount("nt2", env={"GLIBC_TUNABLES": "glibc.malloc.perturb=0"})
+    assert threshold(m2) == 256 << 10
+    m3 = make_mount("nt3", env={"GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=0x100000"})
+    assert threshold(m3) == 1 << 20
+    # what glibc made of it: its own report of the tunables of a process started alike
+    ld = "/lib64/ld-linux-x86-64.so.2"
+    if os.path.exists(ld):
+        out = subprocess.run([ld, "--list-tunables"], capture_output=True, text=True, env={
+            "GLIBC_TUNABLES": "glibc.malloc.perturb=0:glibc.cpu.x86_non_temporal_threshold=262144"}).stdout
+        assert "glibc.cpu.x86_non_temporal_threshold: 0x40000" in out

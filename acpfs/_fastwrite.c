@@ -31,10 +31,15 @@
 
 #define FUSE_USE_VERSION 32
 #include <fuse_lowlevel.h>
+#ifdef fuse_session_new
+#undef fuse_session_new   /* libfuse >= 3.17 makes it a macro over a versioned function */
+#endif
 
+/* dlvsym and RTLD_NEXT need _GNU_SOURCE, which Python.h defines */
 #include <dlfcn.h>
 #include <errno.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -46,26 +51,75 @@ typedef void (*write_buf_fn)(fuse_req_t, fuse_ino_t, struct fuse_bufvec *, off_t
 static write_buf_fn next_write_buf;     /* pyfuse3's handler */
 static PyObject *handler;               /* set_handler(); NULL: every request goes to pyfuse3 */
 static int sessions_hooked;             /* sessions created through the wrapper */
-static unsigned long long fast_writes, passed_on;
+static unsigned long long fast_writes, passed_on, failed, from_pipe;
 static char *scratch;                   /* for requests that arrive in a pipe (splice) */
 static size_t scratch_size;
 
-/* Call the handler with a view of len bytes at mem. Returns the handler's result, or NULL
- * with no exception set for "pass it on", or NULL with an exception set. */
-static PyObject *offer(struct fuse_file_info *fi, off_t off, char *mem, size_t len)
+/* The object the handler's memoryview is made from: it counts the buffers exported from
+ * it, so that after the call a view or slice still alive is detected (slices of a
+ * memoryview keep the export open even after the view itself is released). */
+typedef struct {
+    PyObject_HEAD
+    char *mem;
+    Py_ssize_t len;
+    int exports;
+} Slot;
+
+static int slot_getbuffer(PyObject *self, Py_buffer *view, int flags)
 {
-    PyObject *view = PyMemoryView_FromMemory(mem, (Py_ssize_t)len, PyBUF_READ);
-    if (view == NULL)
+    Slot *s = (Slot *)self;
+    if (PyBuffer_FillInfo(view, self, s->mem, s->len, 1, flags) < 0)
+        return -1;
+    s->exports++;
+    return 0;
+}
+
+static void slot_releasebuffer(PyObject *self, Py_buffer *view)
+{
+    ((Slot *)self)->exports--;
+}
+
+static PyBufferProcs slot_as_buffer = {slot_getbuffer, slot_releasebuffer};
+
+static PyTypeObject SlotType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "acpfs._fastwrite.Slot",
+    .tp_basicsize = sizeof(Slot),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_as_buffer = &slot_as_buffer,
+    .tp_doc = "libfuse's buffer for the duration of one WRITE",
+};
+
+/* Call the handler with a read-only view of len bytes at mem. Returns its result (a new
+ * reference), or NULL with an exception set. */
+static PyObject *offer(PyObject *fn, struct fuse_file_info *fi, off_t off, char *mem, size_t len)
+{
+    Slot *slot = PyObject_New(Slot, &SlotType);
+    if (slot == NULL)
         return NULL;
-    PyObject *res = PyObject_CallFunction(handler, "KLO", (unsigned long long)fi->fh,
-                                          (long long)off, view);
-    PyObject *rel = PyObject_CallMethod(view, "release", NULL);
-    if (rel == NULL) {
-        /* still exported: someone kept a buffer of it; the memory is about to be reused */
-        PyErr_WriteUnraisable(handler);
+    slot->mem = mem;
+    slot->len = (Py_ssize_t)len;
+    slot->exports = 0;
+    PyObject *view = PyMemoryView_FromObject((PyObject *)slot);
+    if (view == NULL) {
+        Py_DECREF(slot);
+        return NULL;
     }
+    PyObject *res = PyObject_CallFunction(fn, "KLO", (unsigned long long)fi->fh, (long long)off,
+                                          view);
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *rel = PyObject_CallMethod(view, "release", NULL);
     Py_XDECREF(rel);
+    PyErr_Clear();   /* a failed release shows as exports left, below */
     Py_DECREF(view);
+    if (slot->exports != 0) {
+        /* Python code kept a view or slice of memory that libfuse reuses for the next
+         * request: whatever it does with it later would read another request's bytes. */
+        Py_FatalError("acpfs._fastwrite: the WRITE handler kept a view of libfuse's buffer");
+    }
+    Py_DECREF(slot);
+    PyErr_Restore(type, value, tb);
     return res;
 }
 
@@ -102,16 +156,21 @@ static void fast_write_buf(fuse_req_t req, fuse_ino_t ino, struct fuse_bufvec *b
         membuf.buf[0].size = len;
         mem = scratch;
         copied = 1;
+        from_pipe++;
     }
 
-    PyObject *res = offer(fi, off, mem, len);
+    PyObject *fn = handler;
+    Py_INCREF(fn);   /* set_handler() may run during the call */
+    PyObject *res = offer(fn, fi, off, mem, len);
     if (res == NULL) {
-        PyErr_WriteUnraisable(handler);
+        PyErr_WriteUnraisable(fn);
+        Py_DECREF(fn);
         fuse_reply_err(req, EIO);
         return;
     }
     if (res == Py_None) {
         Py_DECREF(res);
+        Py_DECREF(fn);
         passed_on++;
         next_write_buf(req, ino, copied ? &membuf : bufv, off, fi);
         return;
@@ -119,24 +178,36 @@ static void fast_write_buf(fuse_req_t req, fuse_ino_t ino, struct fuse_bufvec *b
     long long n = PyLong_AsLongLong(res);
     Py_DECREF(res);
     if (n == -1 && PyErr_Occurred()) {
-        PyErr_WriteUnraisable(handler);
-        fuse_reply_err(req, EIO);
-        return;
+        PyErr_WriteUnraisable(fn);
+        n = -EIO;
+    } else if (n > (long long)len || n < -4095) {
+        PyErr_Format(PyExc_ValueError, "WRITE handler returned %lld for a %zu-byte request", n, len);
+        PyErr_WriteUnraisable(fn);
+        n = -EIO;
     }
-    fast_writes++;
-    if (n >= 0)
+    Py_DECREF(fn);
+    if (n >= 0) {
+        fast_writes++;
         fuse_reply_write(req, (size_t)n);
-    else
+    } else {
+        failed++;
         fuse_reply_err(req, (int)-n);
+    }
 }
 
 /* The interposed libfuse entry point; see the top of this file. */
 struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_lowlevel_ops *op,
                                       size_t op_size, void *userdata)
 {
-    session_new_fn real = (session_new_fn)dlsym(RTLD_NEXT, "fuse_session_new");
+    static session_new_fn real;
     if (real == NULL)
+        real = (session_new_fn)dlvsym(RTLD_NEXT, "fuse_session_new", "FUSE_3.0");
+    if (real == NULL)
+        real = (session_new_fn)dlsym(RTLD_NEXT, "fuse_session_new");
+    if (real == NULL) {
+        fprintf(stderr, "acpfs._fastwrite: libfuse's fuse_session_new not found: %s\n", dlerror());
         return NULL;
+    }
     size_t need = offsetof(struct fuse_lowlevel_ops, write_buf) + sizeof(op->write_buf);
     if (op == NULL || op_size < need || op->write_buf == NULL
         || (next_write_buf != NULL && op->write_buf != next_write_buf))
@@ -172,16 +243,18 @@ static PyObject *set_handler(PyObject *self, PyObject *arg)
 
 static PyObject *stats(PyObject *self, PyObject *unused)
 {
-    return Py_BuildValue("{s:i,s:K,s:K}", "sessions_hooked", sessions_hooked, "fast_writes",
-                         fast_writes, "passed_on", passed_on);
+    return Py_BuildValue("{s:i,s:K,s:K,s:K,s:K}", "sessions_hooked", sessions_hooked,
+                         "fast_writes", fast_writes, "passed_on", passed_on, "failed", failed,
+                         "from_pipe", from_pipe);
 }
 
 static PyMethodDef methods[] = {
     {"set_handler", set_handler, METH_O,
      "Set the callable offered each WRITE as (fh, off, memoryview) -> int | None; None unsets."},
     {"stats", stats, METH_NOARGS,
-     "{'sessions_hooked': sessions created through the hook, 'fast_writes': WRITEs answered by "
-     "the handler, 'passed_on': WRITEs it passed on to pyfuse3}"},
+     "{'sessions_hooked': sessions created through the hook, 'fast_writes': WRITEs written by "
+     "the handler, 'passed_on': WRITEs it passed on to pyfuse3, 'failed': WRITEs answered with "
+     "an error, 'from_pipe': WRITEs that arrived in libfuse's splice pipe}"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -193,5 +266,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__fastwrite(void)
 {
+    if (PyType_Ready(&SlotType) < 0)
+        return NULL;
     return PyModule_Create(&module);
 }

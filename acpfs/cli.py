@@ -175,9 +175,9 @@ def cmd_mount(a: argparse.Namespace) -> int:
         if backing == m or backing.startswith(m.rstrip("/") + "/"):
             raise UsageError(f"backing directory {backing} is on the acpfs mount {m}")
 
-    if a.argv is not None:
+    if a.from_command_line:
         from .fastwrite import reexec_for_copies
-        reexec_for_copies(a.argv)
+        reexec_for_copies()
     cache_size_text = a.cache_size or env("cache_size")
     cache_dir = os.path.abspath(a.cache_dir or env("cache_dir") or default_cache_dir(backing))
     fsync = a.fsync or env("fsync") or "memory"
@@ -656,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         a = parser.parse_args(argv)
-        a.argv = sys.argv[1:] if argv is None else None   # for fastwrite.reexec_for_copies
+        a.from_command_line = argv is None   # only then may mount run itself again
         if not getattr(a, "fn", None):
             parser.print_help(sys.stderr)
             return 2

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 NT_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
 NT_THRESHOLD = 256 << 10
+REEXEC_MARK = "ACPFS_REEXECUTED"   # set in the rerun: never run again twice
 
 
 def _load() -> tuple[Optional[ModuleType], str]:
@@ -68,27 +69,37 @@ def uninstall() -> None:
         _ext.set_handler(None)
 
 
-def reexec_for_copies(argv: list[str]) -> None:
-    """Run ``acpfs ARGV`` again with NT_TUNABLE in GLIBC_TUNABLES, unless it is there (a value
-    the user set is kept) or this is not x86-64 (the tunable is x86's)."""
+def reexec_for_copies() -> None:
+    """Run this command again, as it was started, with NT_TUNABLE added to GLIBC_TUNABLES;
+    not if the tunable is named there already (a value the user set is kept), on other
+    machines than x86-64 (the tunable is x86's), or if this process is such a rerun."""
     import platform
     tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if nt_threshold() is not None or platform.machine() != "x86_64":
+    named = any(item.partition("=")[0] == NT_TUNABLE for item in tunables.split(":"))
+    if named or os.environ.get(REEXEC_MARK) or platform.machine() != "x86_64":
         return
     env = dict(os.environ)
     env["GLIBC_TUNABLES"] = ":".join(filter(None, [tunables, f"{NT_TUNABLE}={NT_THRESHOLD}"]))
+    env[REEXEC_MARK] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "acpfs", *argv], env)
+    try:
+        os.execve(sys.executable, sys.orig_argv, env)
+    except OSError as e:
+        log.warning("cannot run %s again with %s (%s); copies stay temporal", sys.executable,
+                    NT_TUNABLE, e)
 
 
 def nt_threshold() -> int | None:
-    """The non-temporal copy threshold this process was started with, if one was set."""
+    """The non-temporal copy threshold in this process's GLIBC_TUNABLES (read as glibc
+    does: 0x hex, 0 octal, else decimal), if one was set."""
     for item in os.environ.get("GLIBC_TUNABLES", "").split(":"):
         name, _, value = item.partition("=")
         if name == NT_TUNABLE:
             try:
-                return int(value, 0)
+                if value[:2].lower() == "0x":
+                    return int(value[2:], 16)
+                return int(value, 8) if value.startswith("0") and len(value) > 1 else int(value)
             except ValueError:
                 return None
     return None

@@ -686,13 +686,13 @@ class Operations(pyfuse3.Operations):
             return -errno.EIO
 
     async def write(self, fh, off, buf):
-        node = self.handles[fh].node
-        if node.spill is None and node.ino not in self._spilling:
-            try:
-                return self.cache.write(node, off, buf)
-            except PoolFull:
-                pass
         try:
+            node = self.handles[fh].node
+            if node.spill is None and node.ino not in self._spilling:
+                try:
+                    return self.cache.write(node, off, buf)
+                except PoolFull:
+                    pass
             deadline = trio.current_time() + self.info.cache_full_timeout
             while True:
                 await self.settle(node, deadline)

@@ -15,7 +15,6 @@ import subprocess
 
 import pytest
 
-from acpfs import fastwrite
 
 
 def random_pwrites(path, seed: int, size: int = 24 << 20, count: int = 300) -> bytes:
@@ -42,10 +41,8 @@ def test_fast_path_is_taken_and_exact(mnt):
     want = random_pwrites(mnt.mnt / "f", seed=1)
     assert (mnt.mnt / "f").read_bytes() == want
     st = mnt.status()["fast_write"]
-    if fastwrite._ext is None:
-        pytest.skip(f"acpfs._fastwrite is not built: {st}")
-    assert st["on"] is True
-    assert st["fast_writes"] >= 300 and st["passed_on"] == 0
+    assert st["on"] is True, st   # ./tools/setup builds the extension
+    assert st["fast_writes"] >= 300 and st["passed_on"] == 0 and st["failed"] == 0
     mnt.sync()
     assert (mnt.back / "f").read_bytes() == want
 
@@ -65,14 +62,13 @@ def test_switched_off_writes_the_same(make_mount):
 def test_full_cache_is_passed_on(make_mount):
     """A 96 MiB file through a 32 MiB cache: the writes that find the cache full, or the file
     being written through, go to pyfuse3's async path, which waits for space or spills."""
-    if fastwrite._ext is None:
-        pytest.skip("acpfs._fastwrite is not built")
     m = make_mount("full", cache_size="32M")
     src = m.root / "src"
     src.write_bytes(random.Random(2).randbytes(96 << 20))
     subprocess.run(["dd", f"if={src}", f"of={m.mnt / 'big'}", "bs=1M"], check=True, capture_output=True)
     st = m.status()["fast_write"]
-    assert st["passed_on"] > 0 and st["fast_writes"] > 0
+    assert st["on"] is True, st
+    assert st["passed_on"] > 0 and st["fast_writes"] > 0 and st["failed"] == 0
     m.sync()
     assert (m.back / "big").read_bytes() == src.read_bytes()
 
@@ -87,9 +83,8 @@ def test_daemon_copies_with_non_temporal_stores(make_mount):
     assert threshold(m2) == 256 << 10
     m3 = make_mount("nt3", env={"GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=0x100000"})
     assert threshold(m3) == 1 << 20
-    # what glibc made of it: its own report of the tunables of a process started alike
-    ld = "/lib64/ld-linux-x86-64.so.2"
-    if os.path.exists(ld):
-        out = subprocess.run([ld, "--list-tunables"], capture_output=True, text=True, env={
-            "GLIBC_TUNABLES": "glibc.malloc.perturb=0:glibc.cpu.x86_non_temporal_threshold=262144"}).stdout
-        assert "glibc.cpu.x86_non_temporal_threshold: 0x40000" in out
+    # read as glibc reads it (octal here), and never a loop of reruns when it is not a number
+    m4 = make_mount("nt4", env={"GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=0400000"})
+    assert threshold(m4) == 0o400000
+    m5 = make_mount("nt5", env={"GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=lots"})
+    assert threshold(m5) is None

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -209,24 +210,27 @@ def test_a_journal_that_cannot_be_written_is_reported_and_changes_still_persist(
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5M", "tmpfs", str(cache_fs)], check=True)
     try:
         m = make_mount(cache_size="4M", mount=False)
+        shutil.rmtree(m.cache_dir.parent)   # the cache goes on the small tmpfs instead
         m.cache_dir = cache_fs / "cache"
         subprocess.run(["mount", "--bind", str(m.back), str(m.back)], check=True)
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(m.back)], check=True)
         try:
-            m.mount()
-            (m.mnt / "f").write_bytes(b"data")
-            target = "t" * 4000
-            for i in range(400):   # ~1.6 MB of journal records; about 1 MB is free
-                os.symlink(target, m.mnt / f"link{i}")
-            st = m.status()
-            assert st["journal_error"] and "No space left" in st["journal_error"]
-            assert "cannot write the journal" in m.log.read_text()
+            try:
+                subprocess.run(["mount", "-o", "remount,bind,ro", str(m.back)], check=True)
+                m.mount()
+                (m.mnt / "f").write_bytes(b"data")
+                target = "t" * 4000
+                for i in range(400):   # ~1.6 MB of journal records; about 1 MB is free
+                    os.symlink(target, m.mnt / f"link{i}")
+                st = m.status()
+                assert st["journal_error"] and "No space left" in st["journal_error"]
+                assert "cannot write the journal" in m.log.read_text()
+            finally:
+                subprocess.run(["mount", "-o", "remount,bind,rw", str(m.back)], check=True)
+            m.sync()
+            assert (m.back / "f").read_bytes() == b"data"
+            assert all(os.readlink(m.back / f"link{i}") == target for i in range(400))
+            m.umount()
         finally:
-            subprocess.run(["mount", "-o", "remount,bind,rw", str(m.back)], check=True)
-        m.sync()
-        assert (m.back / "f").read_bytes() == b"data"
-        assert all(os.readlink(m.back / f"link{i}") == target for i in range(400))
-        m.umount()
-        subprocess.run(["umount", "-l", str(m.back)], check=True)
+            subprocess.run(["umount", "-l", str(m.back)], check=False)
     finally:
         subprocess.run(["umount", "-l", str(cache_fs)], check=False)

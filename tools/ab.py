@@ -102,6 +102,9 @@ def main() -> int:
             print(f"{w:10s}" + "".join(
                 f"{med[name]:8.2f}" + (f" {med[name] / med['shm']:4.2f}x" if name != "shm" else " " * 6)
                 for name in targets))
+        print("samples (warm-up first):")
+        for key in sorted(res):
+            print(f"  {key:18s} " + " ".join(f"{x:.2f}" for x in res[key]))
         return 0
     finally:
         for mnt in mounted:

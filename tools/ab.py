@@ -7,7 +7,8 @@ e.g. ``fast=- slow=ACPFS_NO_FAST_WRITE=1``. Every repetition runs torch.save, to
 and ``dd bs=1M`` against /dev/shm and then each mount, interleaved; after each write the
 mount is synced (untimed) so that a background upload never overlaps the next
 measurement. The first repetition is a warm-up; the table gives medians and each
-variant's ratio to /dev/shm. This is how the speed decisions in docs/design.md were
+variant's ratio to /dev/shm. Backings go under /tmp (a disk here) unless --backing-dir
+says otherwise (/dev/shm takes the disk out of the measurement). This is how the speed decisions in docs/design.md were
 measured; tools/bench is the full benchmark.
 """
 
@@ -45,6 +46,8 @@ def main() -> int:
     ap.add_argument("variants", nargs="+", help="NAME=VAR=VALUE[,VAR=VALUE] or NAME=-")
     ap.add_argument("--size-mb", type=int, default=1024, help="state dict size (default 1024)")
     ap.add_argument("--reps", type=int, default=7, help="repetitions incl. warm-up (default 7)")
+    ap.add_argument("--backing-dir", default=None,
+                    help="where the mounts' backing directories go (default: under /tmp)")
     a = ap.parse_args()
     variants = [parse_variant(v) for v in a.variants]
     if a.reps < 2:
@@ -52,13 +55,14 @@ def main() -> int:
     import torch
 
     work = tempfile.mkdtemp(prefix="acpfs-ab-")
+    backs = tempfile.mkdtemp(prefix="acpfs-ab-", dir=a.backing_dir) if a.backing_dir else work
     shm = tempfile.mkdtemp(prefix="acpfs-ab-", dir="/dev/shm")
     cache_size = f"{a.size_mb * 3}M"
     targets = {"shm": shm}
     mounted = []
     try:
         for name, env in variants:
-            mnt, back = os.path.join(work, name), os.path.join(work, f"{name}-backing")
+            mnt, back = os.path.join(work, name), os.path.join(backs, f"{name}-backing")
             os.makedirs(mnt)
             os.makedirs(back)
             subprocess.run([*ACPFS, "mount", mnt, "--backing", back, "--cache-size", cache_size,
@@ -111,6 +115,7 @@ def main() -> int:
             subprocess.run([*ACPFS, "umount", mnt], capture_output=True)
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(backs, ignore_errors=True)
 
 
 if __name__ == "__main__":

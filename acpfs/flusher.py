@@ -182,7 +182,6 @@ class Flusher:
                     log.debug("%s %s: %s (seq %d)", op.kind, op.path, op.state, op.seq)
                 with self.cond:
                     self.queue.popleft()
-                    self.applied_seq = op.seq
                     journal = self.cache.journal
                     if journal is not None:
                         # before _finish drops the block references (journal.py, invariants)
@@ -190,6 +189,12 @@ class Flusher:
                         if not self.queue:
                             journal.reset_wanted = True   # done by the next append
                     self._finish(op)
+                    # Invariant: applied_seq moves only after _finish. Waiters read it without
+                    # the lock (FS.wait_seq, from the trio thread) and then rely on the op's
+                    # bookkeeping being done: a published spill detached from its node, the
+                    # node evictable. Set before _finish, a writer opening the file in that
+                    # window kept the handed spill, which _finish then took away.
+                    self.applied_seq = op.seq
                     self.cond.notify_all()
         except Aborted:
             log.warning("flusher stopped without draining: %d operations left", len(self.queue))

@@ -89,6 +89,23 @@ class Mount:
                     pass
         shutil.rmtree(self.cache_dir.parent, ignore_errors=True)
 
+    def print_log_problems(self, limit: int = 60) -> None:
+        """Print the daemon's warnings and errors (with tracebacks). pytest shows a test's
+        captured output only when it fails, so a CI failure comes with the daemon's side."""
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return
+        keep, in_problem = [], False
+        for line in lines:
+            if line[:4].isdigit():    # a new record: "2026-11-21 06:49:44,847 LEVEL ..."
+                in_problem = line.split(" ", 3)[2:3] in (["WARNING"], ["ERROR"], ["CRITICAL"])
+            if in_problem:
+                keep.append(line)
+        if keep:
+            print(f"--- {self.log}: {len(keep)} warning/error lines, the last {limit}:")
+            print("\n".join(keep[-limit:]))
+
 
 @pytest.fixture
 def make_mount(tmp_path):
@@ -104,6 +121,7 @@ def make_mount(tmp_path):
     yield make
     for m in mounts:
         m.cleanup()
+        m.print_log_problems()
 
 
 @pytest.fixture

@@ -106,3 +106,25 @@ def test_rename_of_unsaved_file_keeps_old_bytes_until_new_ones_land(core):
     cache.release(new, True)
     drain(flusher, cache.seq)
     assert (back / "latest").read_bytes() == b"new"
+
+
+def test_applied_seq_moves_only_after_the_op_is_finished(core):
+    """FS.wait_seq reads applied_seq without the lock and then relies on the op's bookkeeping
+    (a published spill detached from its node, block references dropped): whoever sees an op
+    applied must see it finished. (Set before _finish, a writer opening a file in that window
+    kept a spill that _finish then took away, and its next write failed with EIO.)"""
+    cache, flusher, back = core
+    seen: list[tuple[int, int]] = []
+    finish = flusher._finish
+
+    def watched(op):
+        seen.append((op.seq, flusher.applied_seq))
+        finish(op)
+    flusher._finish = watched
+    for i in range(5):
+        cache.release(write_file(cache, b"f%d" % i, b"x" * BS), True)
+    cache.mkdir(cache.root, b"d", 0o755, 0, 0)
+    drain(flusher, cache.seq)
+    assert len(seen) == 6
+    assert all(applied < seq for seq, applied in seen), seen
+    assert flusher.applied_seq == cache.seq

@@ -343,7 +343,7 @@ class Operations(pyfuse3.Operations):
         After ``persist_open_after`` seconds of unsaved changes, a file that is only appended
         to (every writer opened it with O_APPEND, and it was not truncated since its last
         version) is published as it is: the backing's version is always a prefix of the
-        file. Any other file is written through to a staging file in the backing (fsynced
+        file. Any other file, and any file already written through, is written through to a staging file in the backing (fsynced
         again every period), which is published only at its last close: a partial file
         never replaces a complete one. A daemon crash keeps that staged content aside
         (recovery.py).
@@ -358,21 +358,25 @@ class Operations(pyfuse3.Operations):
             for node in list(self.cache.dirty_nodes):
                 if not (node.writers and node.nlink and node.is_reg) or now - node.dirty_since < age:
                     continue
-                if self._appended_only(node) and node.ino not in self._spilling:
+                sp = node.spill
+                if sp is not None:
+                    # Written through (also an appended-only file, when the cache was full):
+                    # it stays staged until its last close. Publishing it now would hand the
+                    # staging file to the flusher while the writer still writes into it.
+                    if not sp.handed and now - synced.get(node.ino, 0.0) >= age:
+                        synced[node.ino] = now
+                        self.nursery.start_soon(self._sync_spill, sp)
+                elif self._appended_only(node) and node.ino not in self._spilling:
                     await self.settle(node)
-                    if node.dirty and node.writers:
+                    if node.dirty and node.writers and node.spill is None:
                         log.info("%s has been open with unsaved appends for %.0fs: persisting "
                                  "what it holds so far", self.cache.path(node), now - node.dirty_since)
                         self.cache.snapshot(node)
-                elif node.spill is None and self._may_spill(node):
+                elif self._may_spill(node):
                     log.info("%s has been open with unsaved changes for %.0fs: staging its "
                              "content in the backing (published at its last close)",
                              self.cache.path(node), now - node.dirty_since)
                     self.nursery.start_soon(self._spill_bg, node)
-                elif node.spill is not None and not node.spill.handed \
-                        and now - synced.get(node.ino, 0.0) >= age:
-                    synced[node.ino] = now
-                    self.nursery.start_soon(self._sync_spill, node.spill)
 
     def _appended_only(self, node: Node) -> bool:
         if node.truncated:

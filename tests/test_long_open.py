@@ -78,3 +78,29 @@ def test_a_log_truncated_then_appended_is_not_published_as_a_prefix(make_mount):
     m.sync()
     assert (m.back / "events").read_bytes() == b"new run\n"
     assert not staging.exists()
+
+
+def test_a_log_written_through_stays_writable_and_staged_until_closed(make_mount):
+    """An appended-only log that the cache could not hold is written through to a staging
+    file. Publishing it while open would hand that file to the flusher under the writer:
+    it stays staged (fsynced every period), every later append succeeds, and its last close
+    publishes all of it."""
+    m = make_mount(cache_size="1M", extra=("--block-size", "4K", "--persist-open-after", AGE))
+    (m.mnt / "run.log").write_bytes(b"first run\n")
+    m.sync()
+    fd = os.open(m.mnt / "run.log", os.O_WRONLY | os.O_APPEND)
+    try:
+        expect = bytearray(b"first run\n")
+        for i in range(4):
+            chunk = bytes([65 + i]) * 1_500_000    # more than the cache: written through
+            assert os.write(fd, chunk) == len(chunk)
+            expect += chunk
+            time.sleep(1.6)                        # past --persist-open-after, more than once
+        staging = m.back / ".acpfs-tmp-spill"
+        assert [p.stat().st_size for p in staging.iterdir()] == [len(expect)]
+        assert (m.back / "run.log").read_bytes() == b"first run\n"   # never a partial version
+    finally:
+        os.close(fd)
+    m.sync()
+    assert (m.back / "run.log").read_bytes() == expect
+    assert m.status()["errors"] == []

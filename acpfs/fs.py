@@ -12,6 +12,7 @@ logging, no allocation beyond what pyfuse3 hands over, and no backing I/O for ca
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -20,7 +21,7 @@ import math
 import os
 import stat as statmod
 import time
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from . import fastwrite  # noqa: F401  before pyfuse3: it interposes fuse_session_new
 
@@ -33,6 +34,7 @@ from .cache import Cache, Node, Spill
 from .pool import PoolFull
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ATTR_TIMEOUT = 5.0
 STATFS_WAIT = 2.0  # seconds statfs waits for the backing before answering from memory
@@ -55,6 +57,10 @@ def fuse_errors(fn: Callable) -> Callable:
             log.exception("internal error in %s", fn.__name__)
             raise pyfuse3.FUSEError(errno.EIO) from None
     return wrapper
+
+
+class SpillClosed(Exception):
+    """The spill was published or discarded (closed) before it could be used."""
 
 
 class Handle:
@@ -80,6 +86,8 @@ class Operations(pyfuse3.Operations):
         self.dirs: dict[int, list[tuple[bytes, Node]]] = {}
         self._next_fh = 1
         self._locks: dict[int, trio.Lock] = {}
+        # Nodes whose staging file is being built or changed (``_hold``): every request that
+        # changes such a node, and the last writer's release, waits (``settle``).
         self._spilling: dict[int, trio.Event] = {}
         self._spill_failed: dict[int, float] = {}
         self._full_since = 0.0
@@ -148,27 +156,32 @@ class Operations(pyfuse3.Operations):
         A file whose last version is a spill still being published is waited for; a file
         larger than half the cache is copied into a spill file in the backing instead.
         """
-        await self.settle(node)
-        if node.blocks is not None:
-            return
-        if node.spill is not None:
-            if not node.spill.handed:
+        while True:
+            await self.settle(node)
+            if node.blocks is not None:
                 return
-            await self.wait_seq(node.last_seq)
-        if node.blocks is not None or node.spill is not None:
-            return
+            sp = node.spill
+            if sp is None:
+                break
+            if not sp.handed:
+                return
+            await self.wait_seq(node.last_seq)   # then look again: others ran meanwhile
+        # Nothing is staging the node, and no await since settle: spill_copy_up may stage it.
         if node.size > self.cache.pool.size // 2:
             await self.spill_copy_up(node)
             return
         async with self._lock(node):
-            if node.blocks is None:
+            if node.blocks is None and node.spill is None:
                 blocks = await self.with_space(lambda: self.cache.copy_up_blocks(node))
                 try:
                     await trio.to_thread.run_sync(self.cache.read_backing_into, node, blocks)
                 except BaseException:
                     self.cache.release_blocks(blocks)
                     raise
-                self.cache.attach_blocks(node, blocks)
+                if node.blocks is None and node.spill is None:
+                    self.cache.attach_blocks(node, blocks)
+                else:   # staged meanwhile (its size changed): that copy wins
+                    self.cache.release_blocks(blocks)
         self._locks.pop(node.ino, None)
 
     async def preload(self, node: Node) -> bytes:
@@ -252,7 +265,6 @@ class Operations(pyfuse3.Operations):
         nothing replaced its content meanwhile. Returns None if staging failed.
         """
         cache = self.cache
-        ev = self._spilling[node.ino] = trio.Event()
         tmp = TEMP_PREFIX + f"{node.ino}-w{time.monotonic_ns()}".encode()
         blocks_before = node.blocks
 
@@ -268,7 +280,7 @@ class Operations(pyfuse3.Operations):
                 raise
             return dfd, fd
 
-        try:
+        async with self._hold(node):
             try:
                 dfd, fd = await trio.to_thread.run_sync(run)
             except OSError as e:
@@ -281,9 +293,40 @@ class Operations(pyfuse3.Operations):
                 return None
             node.spill = sp
             return sp
+
+    @contextlib.asynccontextmanager
+    async def _hold(self, node: Node) -> AsyncIterator[None]:
+        """Hold the node's slot in ``_spilling`` while its staging file is built or changed.
+
+        Every request that changes the node, and its last writer's release (which hands the
+        staging file to the flusher), waits in ``settle`` until the slot is given back.
+        Invariant: one holder at a time. A caller takes the slot with no await since it
+        last found the slot free (``settle``, or a check of ``_spilling``).
+        """
+        assert node.ino not in self._spilling, "staging slot taken twice"
+        ev = self._spilling[node.ino] = trio.Event()
+        try:
+            yield
         finally:
             del self._spilling[node.ino]
             ev.set()
+
+    async def _on_spill(self, sp: Spill, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(sp.fd, *args)`` in a worker thread, with the spill pinned (``readers``) so that
+        a publish or discard meanwhile closes its descriptor only afterwards. Raises
+        SpillClosed if it is closed already."""
+        lock = self.cache.lock
+        with lock:
+            if sp.closing or sp.fd < 0:
+                raise SpillClosed()
+            sp.readers += 1
+        try:
+            return await trio.to_thread.run_sync(fn, sp.fd, *args)
+        finally:
+            with lock:
+                sp.readers -= 1
+                if sp.closing and not sp.readers:
+                    sp.close()
 
     def _may_spill(self, node: Node) -> bool:
         return (node.writers > 0 and node.spill is None and node.blocks is not None
@@ -312,7 +355,7 @@ class Operations(pyfuse3.Operations):
         the flusher, which fsyncs it and renames it over the final name, in order.
         """
         cache = self.cache
-        if node.ino in self._spilling or node.ino in self._spill_failed:
+        if not self._may_spill(node):   # its last writer may have closed it since it was picked
             return False
         with cache.lock:
             blocks = list(node.blocks or ())
@@ -385,20 +428,12 @@ class Operations(pyfuse3.Operations):
         return bool(writers) and all(h.append for h in writers)
 
     async def _sync_spill(self, sp: Spill) -> None:
-        lock = self.cache.lock
-        with lock:
-            if sp.closing or sp.fd < 0:
-                return
-            sp.readers += 1    # keeps the descriptor open while we use it
         try:
-            await trio.to_thread.run_sync(os.fsync, sp.fd, abandon_on_cancel=False)
+            await self._on_spill(sp, os.fsync)
+        except SpillClosed:
+            pass
         except OSError as e:
             log.warning("fsync of a staged file failed: %s", e)
-        finally:
-            with lock:
-                sp.readers -= 1
-                if sp.closing and not sp.readers:
-                    sp.close()
 
     async def _spill_bg(self, node: Node) -> None:
         try:
@@ -427,18 +462,10 @@ class Operations(pyfuse3.Operations):
 
     async def _spill_read(self, sp: Spill, off: int, size: int) -> bytes | None:
         """Read from a spill file; None if it was closed (published) meanwhile."""
-        lock = self.cache.lock
-        with lock:
-            if sp.closing or sp.fd < 0:
-                return None
-            sp.readers += 1
         try:
-            return await trio.to_thread.run_sync(os.pread, sp.fd, size, off)
-        finally:
-            with lock:
-                sp.readers -= 1
-                if sp.closing and not sp.readers:
-                    sp.close()
+            return await self._on_spill(sp, os.pread, size, off)
+        except SpillClosed:
+            return None
 
     async def wait_seq(self, seq: int) -> None:
         fl = self.cache.flusher
@@ -480,26 +507,39 @@ class Operations(pyfuse3.Operations):
                 raise OSError(errno.EINVAL, "not a regular file")
             size = attr.st_size
             await self.xattrs_loaded(node)
-            await self.settle(node)
-            if node.spill is not None and node.spill.handed:
-                await self.wait_seq(node.last_seq)   # its last version is still being published
-            if size:
-                await self.cached(node)
+            # Each pass looks at the node afresh: other requests, the flusher and eviction
+            # run at every await.
             while True:
                 await self.settle(node)
                 sp = node.spill
-                if sp is not None and not sp.handed:
-                    self.cache.note_change(node)
-                    await trio.to_thread.run_sync(os.ftruncate, sp.fd, size)
-                    node.size = size
-                    cache.mark_written(node, size)
-                    if node.writers == 0 and node.nlink:
-                        cache.snapshot(node)
+                if sp is not None and sp.handed:
+                    await self.wait_seq(node.last_seq)   # its last version is being published
+                    continue
+                if sp is None and node.blocks is None and size:
+                    if not node.nlink and not node.opens:
+                        node.size = size   # deleted and dropped meanwhile: nothing to keep
+                        break
+                    await self.cached(node)   # (again, if it was evicted while we waited)
+                    continue
+                if sp is not None:
+                    # The slot keeps the last writer's release (which would hand the staging
+                    # file to the flusher) and every write waiting until the file is cut.
+                    async with self._hold(node):
+                        cache.note_change(node)
+                        try:
+                            await self._on_spill(sp, os.ftruncate, size)
+                        except SpillClosed:
+                            continue   # discarded (the file was deleted): look again
+                        node.size = size
+                        cache.mark_written(node, size)
+                        if node.writers == 0 and node.nlink:
+                            cache.snapshot(node)
                     break
-                # False: the node started being written through while we waited; go around
+                # False: the node was staged or evicted while we waited for space; go around
                 if await self.with_space(
                         lambda: False if node.spill is not None or node.ino in self._spilling
-                        else cache.truncate(node, size) or True, node):
+                        or (size and node.blocks is None) else cache.truncate(node, size) or True,
+                        node):
                     break
         if fields.update_mode or fields.update_uid or fields.update_gid or fields.update_atime \
                 or fields.update_mtime:
@@ -608,10 +648,17 @@ class Operations(pyfuse3.Operations):
                 await self.settle(node)
                 sp = node.spill
                 if sp is not None and not sp.handed:
-                    self.cache.note_change(node)
-                    await trio.to_thread.run_sync(os.ftruncate, sp.fd, 0)
-                    node.size = 0
-                    self.cache.mark_written(node, 0)
+                    # held: the last other writer's release must not hand the file over
+                    # half cut (see setattr)
+                    async with self._hold(node):
+                        self.cache.note_change(node)
+                        try:
+                            await self._on_spill(sp, os.ftruncate, 0)
+                        except SpillClosed:
+                            pass     # discarded meanwhile: Cache.open truncates what is left
+                        else:
+                            node.size = 0
+                            self.cache.mark_written(node, 0)
         h = Handle(node, writable, bool(flags & os.O_APPEND))
         if not writable and node.blocks is None and node.spill is None and node.is_reg:
             # Open the backing copy now, so that the reader keeps the version it opened
@@ -640,8 +687,9 @@ class Operations(pyfuse3.Operations):
         try:
             h = self.handles[fh]
             node = h.node
-            if node.spill is not None:
-                data = await self._spill_read(node.spill, off, size)
+            sp = node.spill
+            if sp is not None:
+                data = await self._spill_read(sp, off, size)
                 if data is not None:
                     return data
             data = self.cache.read(node, off, size)
@@ -752,8 +800,11 @@ class Operations(pyfuse3.Operations):
             if sp is not None and not sp.handed:
                 # written through: the bytes so far become durable in the staging file;
                 # the file is renamed into place at its last close
-                await trio.to_thread.run_sync(os.fsync, sp.fd)
-                return
+                try:
+                    await self._on_spill(sp, os.fsync)
+                    return
+                except SpillClosed:
+                    pass    # published meanwhile (this handle is read-only): wait for that
             await self.wait_seq(self.cache.fsync_snapshot(node))
 
     @fuse_errors

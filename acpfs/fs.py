@@ -311,6 +311,13 @@ class Operations(pyfuse3.Operations):
             del self._spilling[node.ino]
             ev.set()
 
+    @staticmethod
+    def _spill_gone(node: Node, sp: Spill) -> None:
+        """After SpillClosed: a closed spill must have left its node, else going around
+        again would never end."""
+        if node.spill is sp:
+            raise OSError(errno.EIO, "staging file closed while still in use")
+
     async def _on_spill(self, sp: Spill, fn: Callable[..., T], *args: Any) -> T:
         """``fn(sp.fd, *args)`` in a worker thread, with the spill pinned (``readers``) so that
         a publish or discard meanwhile closes its descriptor only afterwards. Raises
@@ -529,6 +536,7 @@ class Operations(pyfuse3.Operations):
                         try:
                             await self._on_spill(sp, os.ftruncate, size)
                         except SpillClosed:
+                            self._spill_gone(node, sp)
                             continue   # discarded (the file was deleted): look again
                         node.size = size
                         cache.mark_written(node, size)
@@ -750,9 +758,16 @@ class Operations(pyfuse3.Operations):
                 await self.settle(node, deadline)
                 sp = node.spill
                 if sp is not None:
-                    self.cache.note_change(node)
-                    n = await trio.to_thread.run_sync(os.pwrite, sp.fd, buf, off)
-                    self.cache.mark_written(node, off + n)
+                    # held: a truncate of the staging file and this write never overlap (the
+                    # size kept would not match the file's)
+                    async with self._hold(node):
+                        self.cache.note_change(node)
+                        try:
+                            n = await self._on_spill(sp, os.pwrite, buf, off)
+                        except SpillClosed:
+                            self._spill_gone(node, sp)
+                            continue
+                        self.cache.mark_written(node, off + n)
                     return n
                 # None: the node started being written through while we waited; go around
                 if len(buf) > self.cache.pool.size // 2 and self._may_spill(node):

@@ -59,6 +59,16 @@ def fuse_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+class Slot:
+    """A node's staging slot, taken by ``Operations._hold``: what holds it, since when."""
+    __slots__ = ("done", "why", "since")
+
+    def __init__(self, why: str) -> None:
+        self.done = trio.Event()
+        self.why = why
+        self.since = time.monotonic()
+
+
 class SpillClosed(Exception):
     """The spill was published or discarded (closed) before it could be used."""
 
@@ -88,7 +98,7 @@ class Operations(pyfuse3.Operations):
         self._locks: dict[int, trio.Lock] = {}
         # Nodes whose staging file is being built or changed (``_hold``): every request that
         # changes such a node, and the last writer's release, waits (``settle``).
-        self._spilling: dict[int, trio.Event] = {}
+        self._spilling: dict[int, Slot] = {}
         self._spill_failed: dict[int, float] = {}
         self._full_since = 0.0
         self._statfs: os.statvfs_result | None = cache.backing.statvfs()   # the backing answers at mount
@@ -280,7 +290,7 @@ class Operations(pyfuse3.Operations):
                 raise
             return dfd, fd
 
-        async with self._hold(node):
+        async with self._hold(node, why):
             try:
                 dfd, fd = await trio.to_thread.run_sync(run)
             except OSError as e:
@@ -295,7 +305,7 @@ class Operations(pyfuse3.Operations):
             return sp
 
     @contextlib.asynccontextmanager
-    async def _hold(self, node: Node) -> AsyncIterator[None]:
+    async def _hold(self, node: Node, why: str) -> AsyncIterator[None]:
         """Hold the node's slot in ``_spilling`` while its staging file is built or changed.
 
         Every request that changes the node, and its last writer's release (which hands the
@@ -303,13 +313,14 @@ class Operations(pyfuse3.Operations):
         Invariant: one holder at a time. A caller takes the slot with no await since it
         last found the slot free (``settle``, or a check of ``_spilling``).
         """
-        assert node.ino not in self._spilling, "staging slot taken twice"
-        ev = self._spilling[node.ino] = trio.Event()
+        if node.ino in self._spilling:   # a bug: the request fails with EIO, logged
+            raise RuntimeError(f"staging slot of {self.cache.path(node)!r} taken twice")
+        slot = self._spilling[node.ino] = Slot(why)
         try:
             yield
         finally:
             del self._spilling[node.ino]
-            ev.set()
+            slot.done.set()
 
     @staticmethod
     def _spill_gone(node: Node, sp: Spill) -> None:
@@ -341,18 +352,18 @@ class Operations(pyfuse3.Operations):
                 and node.ino not in self._spilling)
 
     async def settle(self, node: Node, deadline: float = math.inf) -> None:
-        """Wait until no spill file is being built for ``node``; ENOSPC at ``deadline``
-        (trio clock) when the backing does not finish it in time."""
-        ev = self._spilling.get(node.ino)
-        while ev is not None:
+        """Wait until nobody holds the node's staging slot (``_hold``); ENOSPC at
+        ``deadline`` (trio clock) when the backing does not finish in time."""
+        slot = self._spilling.get(node.ino)
+        while slot is not None:
             with trio.move_on_at(deadline):
-                await ev.wait()
-            if not ev.is_set():
-                log.error("writing %s through to the backing takes more than %.0fs (is the "
-                          "backing hanging? see 'acpfs status'): returning ENOSPC",
-                          self.cache.path(node), self.info.cache_full_timeout)
+                await slot.done.wait()
+            if not slot.done.is_set():
+                log.error("%s: %s has taken %.0fs so far (is the backing hanging? see 'acpfs "
+                          "status'): a write waiting for it gets ENOSPC", self.cache.path(node),
+                          slot.why, time.monotonic() - slot.since)
                 raise OSError(errno.ENOSPC, "cache full and the backing is not answering")
-            ev = self._spilling.get(node.ino)
+            slot = self._spilling.get(node.ino)
 
     async def spill(self, node: Node) -> bool:
         """Write a large open file through to the backing, freeing its cached blocks.
@@ -531,7 +542,7 @@ class Operations(pyfuse3.Operations):
                 if sp is not None:
                     # The slot keeps the last writer's release (which would hand the staging
                     # file to the flusher) and every write waiting until the file is cut.
-                    async with self._hold(node):
+                    async with self._hold(node, "truncate of its staged copy"):
                         cache.note_change(node)
                         try:
                             await self._on_spill(sp, os.ftruncate, size)
@@ -658,12 +669,12 @@ class Operations(pyfuse3.Operations):
                 if sp is not None and not sp.handed:
                     # held: the last other writer's release must not hand the file over
                     # half cut (see setattr)
-                    async with self._hold(node):
+                    async with self._hold(node, "truncate of its staged copy"):
                         self.cache.note_change(node)
                         try:
                             await self._on_spill(sp, os.ftruncate, 0)
                         except SpillClosed:
-                            pass     # discarded meanwhile: Cache.open truncates what is left
+                            self._spill_gone(node, sp)   # discarded: Cache.open truncates the rest
                         else:
                             node.size = 0
                             self.cache.mark_written(node, 0)
@@ -760,7 +771,7 @@ class Operations(pyfuse3.Operations):
                 if sp is not None:
                     # held: a truncate of the staging file and this write never overlap (the
                     # size kept would not match the file's)
-                    async with self._hold(node):
+                    async with self._hold(node, "write to its staged copy"):
                         self.cache.note_change(node)
                         try:
                             n = await self._on_spill(sp, os.pwrite, buf, off)

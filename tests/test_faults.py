@@ -510,6 +510,8 @@ def test_full_cache_with_backing_down_gives_enospc(make_mount, faults, tmp_path,
             written, err = res
             assert isinstance(err, OSError) and err.errno == 28, (err, written)   # ENOSPC
             assert 0 < written < 16 * MiB
+            # the operator learns why from one ERROR line
+            assert any(" ERROR " in line and "ENOSPC" in line for line in log_lines(m))
         st = m.status()
         assert st["cache"]["peak_used_bytes"] <= 16 * MiB
         if fault == "read-only":

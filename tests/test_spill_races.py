@@ -32,12 +32,18 @@ class Mounted:
         self.src = tmp_path / "src"
         self.src.mkdir()
         self.shim = Shim(self.src, self.m.back, tmp_path / "faultfs.ctl")
-        self.m.mount()
+        try:
+            self.m.mount()
+        except BaseException:
+            self.shim.close()
+            raise
 
     def close(self) -> None:
-        self.shim.set("ok")
-        self.m.cleanup()     # drains into the repaired backing first
-        self.shim.close()
+        try:
+            self.shim.set("ok")
+            self.m.cleanup()     # drains into the repaired backing first
+        finally:
+            self.shim.close()
 
 
 @pytest.fixture
@@ -86,10 +92,12 @@ def blocked(call: Call) -> None:
 def test_truncate_by_path_while_the_last_writer_closes(rig):
     data = os.urandom(12 * MiB)
     fd = written_through(rig, data)
-    rig.shim.set("hang setattr")
-    cut = Call(lambda: os.truncate(rig.m.mnt / "big", MiB))   # cuts the staging file: hangs
-    blocked(cut)
-    os.close(fd)              # the last writer's release would hand the file over now
+    try:
+        rig.shim.set("hang setattr")
+        cut = Call(lambda: os.truncate(rig.m.mnt / "big", MiB))   # cuts the staging file: hangs
+        blocked(cut)
+    finally:
+        os.close(fd)          # the last writer's release would hand the file over now
     time.sleep(0.5)
     rig.shim.set("ok")
     cut.result()
@@ -104,10 +112,12 @@ def test_open_trunc_while_the_last_other_writer_closes(rig):
     rig.m.sync()
     data = os.urandom(12 * MiB)
     fd = written_through(rig, data)
-    rig.shim.set("hang setattr")
-    second = Call(lambda: os.open(rig.m.mnt / "big", os.O_WRONLY | os.O_TRUNC))
-    blocked(second)
-    os.close(fd)
+    try:
+        rig.shim.set("hang setattr")
+        second = Call(lambda: os.open(rig.m.mnt / "big", os.O_WRONLY | os.O_TRUNC))
+        blocked(second)
+    finally:
+        os.close(fd)
     time.sleep(0.5)
     rig.shim.set("ok")
     fd2 = second.result()
@@ -126,8 +136,9 @@ def test_open_trunc_while_the_last_other_writer_closes(rig):
 
 def test_writers_opening_a_written_through_file_as_it_is_published(rig):
     data = bytearray(os.urandom(12 * MiB))
-    os.close(written_through(rig, bytes(data)))   # its publish (a rename) is queued
+    fd = written_through(rig, bytes(data))
     rig.shim.set("hang rename")
+    os.close(fd)              # its publish (ending in a rename) is queued, and held
     time.sleep(0.3)
 
     def writer(i: int):

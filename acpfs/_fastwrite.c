@@ -25,6 +25,16 @@
  *
  * The GIL is held: libfuse calls the handler from fuse_session_process_buf, which pyfuse3
  * calls from Python without releasing the GIL (its own handlers rely on this too).
+ *
+ * Second job: shared mmap of direct_io files. The kernel (6.6+) lets a file opened with
+ * direct_io be mmapped MAP_SHARED only if the daemon's INIT reply sets
+ * FUSE_DIRECT_IO_ALLOW_MMAP; libfuse learns that flag only in 3.16, and pyfuse3 has no way
+ * to ask for it. This library also defines fuse_session_mount: after the real one it gives
+ * the session a custom I/O (fuse_session_custom_io, libfuse 3.14+) whose read notes the
+ * kernel's INIT request and whose writev adds the flag to the INIT reply when the kernel
+ * offered it. Every other request and reply passes through unchanged. direct_io_mmap()
+ * then tells acpfs that readers of cached files may get direct_io (no page-cache copy)
+ * without breaking mmap. ACPFS_NO_READ_DIRECT_IO=1 leaves the session's I/O alone.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -38,10 +48,18 @@
 /* dlvsym and RTLD_NEXT need _GNU_SOURCE, which Python.h defines */
 #include <dlfcn.h>
 #include <errno.h>
+#include <linux/fuse.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#ifndef FUSE_DIRECT_IO_ALLOW_MMAP
+#define FUSE_DIRECT_IO_ALLOW_MMAP (1ULL << 36)   /* Linux 6.6 (as FUSE_DIRECT_IO_RELAX) */
+#endif
 
 typedef struct fuse_session *(*session_new_fn)(struct fuse_args *, const struct fuse_lowlevel_ops *,
                                                size_t, void *);
@@ -195,6 +213,71 @@ static void fast_write_buf(fuse_req_t req, fuse_ino_t ino, struct fuse_bufvec *b
     }
 }
 
+/* -- the INIT exchange: FUSE_DIRECT_IO_ALLOW_MMAP ------------------------------------------ */
+typedef int (*session_mount_fn)(struct fuse_session *, const char *);
+
+static uint64_t init_unique;        /* the INIT request's id, until its reply is sent */
+static uint64_t kernel_flags;       /* what the kernel offered in INIT (flags | flags2 << 32) */
+static int direct_io_mmap;          /* the reply granted FUSE_DIRECT_IO_ALLOW_MMAP */
+static int custom_io;               /* the session's I/O is ours */
+
+static ssize_t io_read(int fd, void *buf, size_t len, void *userdata)
+{
+    ssize_t n = read(fd, buf, len);
+    if (n >= (ssize_t)(sizeof(struct fuse_in_header) + offsetof(struct fuse_init_in, flags2)
+                       + sizeof(uint32_t))) {
+        const struct fuse_in_header *in = buf;
+        if (in->opcode == FUSE_INIT) {
+            const struct fuse_init_in *arg = (const void *)(in + 1);
+            init_unique = in->unique;
+            kernel_flags = arg->flags;
+            if (arg->flags & FUSE_INIT_EXT)
+                kernel_flags |= (uint64_t)arg->flags2 << 32;
+        }
+    }
+    return n;
+}
+
+static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata)
+{
+    if (init_unique != 0 && count >= 2 && iov[0].iov_len == sizeof(struct fuse_out_header)) {
+        struct fuse_out_header *out = iov[0].iov_base;
+        if (out->unique == init_unique) {
+            init_unique = 0;
+            struct fuse_init_out *arg = iov[1].iov_base;
+            if (out->error == 0 && iov[1].iov_len >= offsetof(struct fuse_init_out, unused)
+                && (arg->flags & FUSE_INIT_EXT) && (kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP)) {
+                arg->flags2 |= (uint32_t)(FUSE_DIRECT_IO_ALLOW_MMAP >> 32);
+                direct_io_mmap = 1;
+            }
+        }
+    }
+    return writev(fd, iov, count);
+}
+
+/* Interposed like fuse_session_new: mount, then take over the session's I/O. */
+int fuse_session_mount(struct fuse_session *se, const char *mountpoint)
+{
+    static session_mount_fn real;
+    if (real == NULL)
+        real = (session_mount_fn)dlvsym(RTLD_NEXT, "fuse_session_mount", "FUSE_3.0");
+    if (real == NULL)
+        real = (session_mount_fn)dlsym(RTLD_NEXT, "fuse_session_mount");
+    if (real == NULL) {
+        fprintf(stderr, "acpfs._fastwrite: libfuse's fuse_session_mount not found: %s\n", dlerror());
+        return -1;
+    }
+    int res = real(se, mountpoint);
+    const char *off = getenv("ACPFS_NO_READ_DIRECT_IO");
+    if (res != 0 || (off != NULL && *off != '\0' && strcmp(off, "0") != 0))
+        return res;
+    static const struct fuse_custom_io io = {.writev = io_writev, .read = io_read};
+    /* the fd stays the mount's: closed once, by fuse_session_destroy */
+    if (fuse_session_custom_io(se, &io, fuse_session_fd(se)) == 0)
+        custom_io = 1;
+    return res;
+}
+
 /* The interposed libfuse entry point; see the top of this file. */
 struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_lowlevel_ops *op,
                                       size_t op_size, void *userdata)
@@ -243,18 +326,27 @@ static PyObject *set_handler(PyObject *self, PyObject *arg)
 
 static PyObject *stats(PyObject *self, PyObject *unused)
 {
-    return Py_BuildValue("{s:i,s:K,s:K,s:K,s:K}", "sessions_hooked", sessions_hooked,
+    return Py_BuildValue("{s:i,s:K,s:K,s:K,s:K,s:i,s:K}", "sessions_hooked", sessions_hooked,
                          "fast_writes", fast_writes, "passed_on", passed_on, "failed", failed,
-                         "from_pipe", from_pipe);
+                         "from_pipe", from_pipe, "custom_io", custom_io,
+                         "kernel_flags", (unsigned long long)kernel_flags);
+}
+
+static PyObject *get_direct_io_mmap(PyObject *self, PyObject *unused)
+{
+    return PyBool_FromLong(direct_io_mmap);
 }
 
 static PyMethodDef methods[] = {
     {"set_handler", set_handler, METH_O,
      "Set the callable offered each WRITE as (fh, off, memoryview) -> int | None; None unsets."},
+    {"direct_io_mmap", get_direct_io_mmap, METH_NOARGS,
+     "Whether the INIT reply granted FUSE_DIRECT_IO_ALLOW_MMAP (shared mmap of direct_io files)."},
     {"stats", stats, METH_NOARGS,
      "{'sessions_hooked': sessions created through the hook, 'fast_writes': WRITEs written by "
      "the handler, 'passed_on': WRITEs it passed on to pyfuse3, 'failed': WRITEs answered with "
-     "an error, 'from_pipe': WRITEs that arrived in libfuse's splice pipe}"},
+     "an error, 'from_pipe': WRITEs that arrived in libfuse's splice pipe, 'custom_io': the "
+     "session's I/O is ours, 'kernel_flags': the INIT flags the kernel offered}"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,6 +9,9 @@ RTLD_GLOBAL, so it must be loaded before pyfuse3 is: ``acpfs.fs`` imports this m
 Everything degrades to pyfuse3's own path (and says so in the log and in ``status``) when
 the extension is not built, pyfuse3 was imported before it, or the hook was not reached.
 
+The extension also asks the kernel for shared mmap of direct_io files (its INIT exchange):
+where granted, ``readers_direct_io`` lets readers of cached files skip the page cache.
+
 Copies into the pool are large (up to 1 MiB per WRITE) and not read again soon, so the
 daemon copies with non-temporal stores: glibc's memcpy uses them from NT_THRESHOLD up (its
 default, ~3/8 of the L3 cache, is far above a request). glibc reads GLIBC_TUNABLES only when
@@ -69,6 +72,12 @@ def uninstall() -> None:
         _ext.set_handler(None)
 
 
+def readers_direct_io() -> bool:
+    """Whether readers may get direct_io without losing shared mmap: the INIT reply granted
+    FUSE_DIRECT_IO_ALLOW_MMAP (see acpfs/_fastwrite.c; off with ACPFS_NO_READ_DIRECT_IO=1)."""
+    return _ext is not None and _ext.direct_io_mmap()
+
+
 def reexec_for_copies() -> None:
     """Run this command again, as it was started, with NT_TUNABLE added to GLIBC_TUNABLES;
     not if the tunable is named there already (a value the user set is kept), on other
@@ -108,7 +117,8 @@ def nt_threshold() -> int | None:
 def state() -> dict:
     """For ``acpfs status``: whether the fast path is on, how many WRITEs took each path, and
     the non-temporal copy threshold."""
-    nt = {"non_temporal_threshold": nt_threshold()}
+    nt = {"non_temporal_threshold": nt_threshold(), "readers_direct_io": readers_direct_io()}
     if _ext is None or not _ext.stats()["sessions_hooked"]:
         return {"on": False, "why_not": _why_not, **nt}
-    return {"on": True, **{k: v for k, v in _ext.stats().items() if k != "sessions_hooked"}, **nt}
+    hidden = ("sessions_hooked", "custom_io", "kernel_flags")
+    return {"on": True, **{k: v for k, v in _ext.stats().items() if k not in hidden}, **nt}

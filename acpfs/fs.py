@@ -23,7 +23,7 @@ import stat as statmod
 import time
 from typing import Any, AsyncIterator, Callable, TypeVar
 
-from . import fastwrite  # noqa: F401  before pyfuse3: it interposes fuse_session_new
+from . import fastwrite  # before pyfuse3: it interposes fuse_session_new and _mount
 
 import pyfuse3  # noqa: E402
 import trio  # noqa: E402
@@ -679,6 +679,11 @@ class Operations(pyfuse3.Operations):
                             node.size = 0
                             self.cache.mark_written(node, 0)
         h = Handle(node, writable, bool(flags & os.O_APPEND))
+        # Readers of a cached file skip the page cache where shared mmap survives it: each
+        # READ is then one copy from the pool into the reader's buffer (the page cache path
+        # copies twice and allocates a page per 4 KiB). Files read from the backing keep
+        # the page cache and its read-ahead.
+        direct = writable or (node.blocks is not None and fastwrite.readers_direct_io())
         if not writable and node.blocks is None and node.spill is None and node.is_reg:
             # Open the backing copy now, so that the reader keeps the version it opened
             # even if the file is renamed over, deleted or republished meanwhile.
@@ -687,8 +692,8 @@ class Operations(pyfuse3.Operations):
         fh = self._new_fh()
         self.handles[fh] = h
         # direct_io for writers: 1 MiB requests straight into the pool, no page cache cap.
-        # Readers keep the page cache (mmap works), dropped on each open.
-        return pyfuse3.FileInfo(fh=fh, direct_io=writable, keep_cache=False)
+        # Other readers keep the page cache (mmap works), dropped on each open.
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False)
 
     @fuse_errors
     async def create(self, parent_inode, name, mode, flags, ctx):

@@ -4,10 +4,13 @@ Every other test writes through the fast path too; these check what is particula
 that it is really taken, that it writes exactly what pyfuse3's path writes (same random
 pwrite sequence through both), that requests it cannot serve (full cache, write-through)
 are passed on, and that it can be switched off. See docs/design.md, "What limits writes".
+The extension's second job, readers of cached files with direct_io and shared mmap kept
+(the INIT exchange), is checked at the end.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 import random
@@ -88,3 +91,43 @@ def test_daemon_copies_with_non_temporal_stores(make_mount):
     assert threshold(m4) == 0o400000
     m5 = make_mount("nt5", env={"GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=lots"})
     assert threshold(m5) is None
+
+
+def kernel_offers_direct_io_mmap() -> bool:
+    """FUSE_DIRECT_IO_ALLOW_MMAP exists from Linux 6.6."""
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    return (major, minor) >= (6, 6)
+
+
+@pytest.mark.parametrize("off", [False, True], ids=["direct", "page-cache"])
+def test_readers_skip_the_page_cache_and_mmap_still_works(make_mount, off):
+    """Readers of a cached file get direct_io where the INIT reply could grant shared mmap
+    of direct_io files; reads, shared mappings (read-only, and writable by a writer) and
+    the persisted bytes are the same either way."""
+    m = make_mount("rd", env={"ACPFS_NO_READ_DIRECT_IO": "1"} if off else None)
+    data = bytearray(os.urandom(3 << 20) + b"tail")
+    (m.mnt / "f").write_bytes(data)
+    assert m.status()["fast_write"]["readers_direct_io"] is (kernel_offers_direct_io_mmap() and not off)
+    with open(m.mnt / "f", "rb", buffering=0) as f:
+        assert f.read() == data
+        f.seek(12345)
+        assert f.read(777_777) == data[12345:12345 + 777_777]
+    fd = os.open(m.mnt / "f", os.O_RDONLY)
+    try:
+        with mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+            assert mm[:] == data
+    finally:
+        os.close(fd)
+    fd = os.open(m.mnt / "f", os.O_RDWR)
+    try:
+        with mmap.mmap(fd, 0, mmap.MAP_SHARED) as mm:
+            mm[5:9] = b"MMAP"
+            mm.flush()
+        data[5:9] = b"MMAP"
+    except OSError as e:   # without the INIT flag a writer's (direct_io) file cannot be mapped shared
+        assert off and e.errno == 19, e   # ENODEV
+    finally:
+        os.close(fd)
+    assert (m.mnt / "f").read_bytes() == data
+    m.sync()
+    assert (m.back / "f").read_bytes() == data

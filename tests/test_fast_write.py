@@ -54,7 +54,8 @@ def test_switched_off_writes_the_same(make_mount):
     m = make_mount("off", env={"ACPFS_NO_FAST_WRITE": "1"})
     st = m.status()["fast_write"]
     assert st == {"on": False, "why_not": "disabled by ACPFS_NO_FAST_WRITE",
-                  "non_temporal_threshold": (256 << 10) if platform.machine() == "x86_64" else None}
+                  "non_temporal_threshold": (256 << 10) if platform.machine() == "x86_64" else None,
+                  "readers_direct_io": False}   # the extension is not loaded at all
     assert "fast write path off: disabled by ACPFS_NO_FAST_WRITE" in m.log.read_text()
     want = random_pwrites(m.mnt / "f", seed=1)
     assert (m.mnt / "f").read_bytes() == want

@@ -32,9 +32,14 @@
  * to ask for it. This library also defines fuse_session_mount: after the real one it gives
  * the session a custom I/O (fuse_session_custom_io, libfuse 3.14+) whose read notes the
  * kernel's INIT request and whose writev adds the flag to the INIT reply when the kernel
- * offered it. Every other request and reply passes through unchanged. direct_io_mmap()
- * then tells acpfs that readers of cached files may get direct_io (no page-cache copy)
- * without breaking mmap. ACPFS_NO_READ_DIRECT_IO=1 leaves the session's I/O alone.
+ * offered it. Every other request and reply passes through unchanged (also by splice, as
+ * libfuse would do without us). direct_io_mmap() then tells acpfs that readers of cached
+ * files may get direct_io (no page-cache copy) without breaking mmap.
+ *
+ * Only on Linux 6.9 and later: 6.6 to 6.8 shipped the flag with writable shared mappings
+ * of direct_io files broken (no page_mkwrite; fixed in stable updates of March 2024 that
+ * cannot be told apart by version here), and acpfs's writers have direct_io. There, and
+ * with ACPFS_NO_READ_DIRECT_IO=1, the session's I/O is left alone.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -54,7 +59,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/uio.h>
+#include <sys/utsname.h>
 #include <unistd.h>
 
 #ifndef FUSE_DIRECT_IO_ALLOW_MMAP
@@ -238,6 +245,28 @@ static ssize_t io_read(int fd, void *buf, size_t len, void *userdata)
     return n;
 }
 
+static ssize_t io_splice_receive(int fdin, off_t *offin, int fdout, off_t *offout, size_t len,
+                                 unsigned int flags, void *userdata)
+{
+    return splice(fdin, offin, fdout, offout, len, flags);
+}
+
+static ssize_t io_splice_send(int fdin, off_t *offin, int fdout, off_t *offout, size_t len,
+                              unsigned int flags, void *userdata)
+{
+    return splice(fdin, offin, fdout, offout, len, flags);
+}
+
+/* Linux 6.9 or later: shared writable mappings of direct_io files work there. */
+static int kernel_maps_direct_io_safely(void)
+{
+    struct utsname u;
+    int major = 0, minor = 0;
+    if (uname(&u) != 0 || sscanf(u.release, "%d.%d", &major, &minor) != 2)
+        return 0;
+    return major > 6 || (major == 6 && minor >= 9);
+}
+
 static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata)
 {
     if (init_unique != 0 && count >= 2 && iov[0].iov_len == sizeof(struct fuse_out_header)) {
@@ -267,11 +296,16 @@ int fuse_session_mount(struct fuse_session *se, const char *mountpoint)
         fprintf(stderr, "acpfs._fastwrite: libfuse's fuse_session_mount not found: %s\n", dlerror());
         return -1;
     }
+    init_unique = kernel_flags = 0;   /* a session of its own: nothing from an earlier one */
+    direct_io_mmap = custom_io = 0;
     int res = real(se, mountpoint);
     const char *off = getenv("ACPFS_NO_READ_DIRECT_IO");
-    if (res != 0 || (off != NULL && *off != '\0' && strcmp(off, "0") != 0))
+    if (res != 0 || (off != NULL && *off != '\0' && strcmp(off, "0") != 0)
+        || !kernel_maps_direct_io_safely())
         return res;
-    static const struct fuse_custom_io io = {.writev = io_writev, .read = io_read};
+    static const struct fuse_custom_io io = {.writev = io_writev, .read = io_read,
+                                             .splice_receive = io_splice_receive,
+                                             .splice_send = io_splice_send};
     /* the fd stays the mount's: closed once, by fuse_session_destroy */
     if (fuse_session_custom_io(se, &io, fuse_session_fd(se)) == 0)
         custom_io = 1;

@@ -220,6 +220,18 @@ static void fast_write_buf(fuse_req_t req, fuse_ino_t ino, struct fuse_bufvec *b
     }
 }
 
+/* libfuse's own definition of a function this library interposes; NULL (and a line on
+ * stderr) if it cannot be found. */
+static void *libfuse_symbol(const char *name)
+{
+    void *fn = dlvsym(RTLD_NEXT, name, "FUSE_3.0");
+    if (fn == NULL)
+        fn = dlsym(RTLD_NEXT, name);
+    if (fn == NULL)
+        fprintf(stderr, "acpfs._fastwrite: libfuse's %s not found: %s\n", name, dlerror());
+    return fn;
+}
+
 /* -- the INIT exchange: FUSE_DIRECT_IO_ALLOW_MMAP ------------------------------------------ */
 typedef int (*session_mount_fn)(struct fuse_session *, const char *);
 
@@ -288,14 +300,8 @@ static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata)
 int fuse_session_mount(struct fuse_session *se, const char *mountpoint)
 {
     static session_mount_fn real;
-    if (real == NULL)
-        real = (session_mount_fn)dlvsym(RTLD_NEXT, "fuse_session_mount", "FUSE_3.0");
-    if (real == NULL)
-        real = (session_mount_fn)dlsym(RTLD_NEXT, "fuse_session_mount");
-    if (real == NULL) {
-        fprintf(stderr, "acpfs._fastwrite: libfuse's fuse_session_mount not found: %s\n", dlerror());
+    if (real == NULL && (real = (session_mount_fn)libfuse_symbol("fuse_session_mount")) == NULL)
         return -1;
-    }
     init_unique = kernel_flags = 0;   /* a session of its own: nothing from an earlier one */
     direct_io_mmap = custom_io = 0;
     int res = real(se, mountpoint);
@@ -317,14 +323,8 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
                                       size_t op_size, void *userdata)
 {
     static session_new_fn real;
-    if (real == NULL)
-        real = (session_new_fn)dlvsym(RTLD_NEXT, "fuse_session_new", "FUSE_3.0");
-    if (real == NULL)
-        real = (session_new_fn)dlsym(RTLD_NEXT, "fuse_session_new");
-    if (real == NULL) {
-        fprintf(stderr, "acpfs._fastwrite: libfuse's fuse_session_new not found: %s\n", dlerror());
+    if (real == NULL && (real = (session_new_fn)libfuse_symbol("fuse_session_new")) == NULL)
         return NULL;
-    }
     size_t need = offsetof(struct fuse_lowlevel_ops, write_buf) + sizeof(op->write_buf);
     if (op == NULL || op_size < need || op->write_buf == NULL
         || (next_write_buf != NULL && op->write_buf != next_write_buf))

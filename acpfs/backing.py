@@ -10,7 +10,11 @@ Atomicity invariant (contract 3): file content reaches a final name only through
 ``write_temp`` (temporary name in the same directory, data, owner, mode, times, fsync)
 followed by ``publish`` (rename over the final name, fsync of the directory).
 
-Nothing here retries or knows about the cache; callers (``flusher``) do that.
+Boundary invariant: this is the only module that makes system calls on the backing
+directory or on descriptors opened in it (reads, writes, truncates and fsyncs of staged
+files included), so a test can wrap a ``Backing`` to fail or hang any one call
+(tests/unit/faulty.py). Nothing here retries or knows about the cache; callers
+(``flusher``, ``writethrough``, ``recovery``) do that.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 import re
 import stat as statmod
 import threading
+import time
 from typing import Iterable, Iterator
 
 log = logging.getLogger(__name__)
@@ -28,8 +33,10 @@ log = logging.getLogger(__name__)
 TEMP_PREFIX = b".acpfs-tmp-"
 # Files written through (too large for the cache) are staged here, at the backing root, so
 # that renaming or removing their directory on the mount never touches them; the final
-# rename into place is still atomic (same filesystem).
-SPILL_DIR = TEMP_PREFIX + b"spill"
+# rename into place is still atomic (same filesystem). The name is kept from the first
+# versions, so that a journal naming staged files there is still recovered.
+STAGING_DIR = TEMP_PREFIX + b"spill"
+RECOVERED_DIR = b".acpfs-recovered"   # staged content of files open at a crash, kept aside
 STALE_TEMP = re.compile(re.escape(TEMP_PREFIX) + rb"\d+-(\d+)")   # an upload's temp file
 IS_ROOT = os.geteuid() == 0
 
@@ -50,7 +57,7 @@ class Backing:
         self.root = root
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._xattr_warned = False
-        self._spill_lock = threading.Lock()
+        self._staging_lock = threading.Lock()
 
     def close(self) -> None:
         os.close(self.root_fd)
@@ -104,18 +111,18 @@ class Backing:
             os.close(fd)
 
     def create_staged(self, tmpname: bytes) -> tuple[int, int]:
-        """Create a staging file for a written-through file: (directory fd, file fd).
+        """Create the staged file of a written-through file: (directory fd, file fd).
 
-        The staging directory exists only while it holds files (``remove_spill_dir``), so
-        that an idle backing equals the mount's view; ``_spill_lock`` keeps creation and
+        The staging directory exists only while it holds files (``remove_staging_dir``), so
+        that an idle backing equals the mount's view; ``_staging_lock`` keeps creation and
         removal from crossing.
         """
-        with self._spill_lock:
+        with self._staging_lock:
             try:
-                os.mkdir(SPILL_DIR, 0o700, dir_fd=self.root_fd)
+                os.mkdir(STAGING_DIR, 0o700, dir_fd=self.root_fd)
             except FileExistsError:
                 pass
-            dfd = os.open(SPILL_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+            dfd = os.open(STAGING_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                           dir_fd=self.root_fd)
             try:
                 return dfd, self.create_temp(dfd, tmpname)
@@ -123,11 +130,16 @@ class Backing:
                 os.close(dfd)
                 raise
 
-    def remove_spill_dir(self) -> None:
+    @staticmethod
+    def staged_name(ino: int) -> bytes:
+        """A fresh name for the staged file of inode ``ino``."""
+        return TEMP_PREFIX + f"{ino}-w{time.monotonic_ns()}".encode()
+
+    def remove_staging_dir(self) -> None:
         """Remove the staging directory if it is empty."""
-        with self._spill_lock:
+        with self._staging_lock:
             try:
-                os.rmdir(SPILL_DIR, dir_fd=self.root_fd)
+                os.rmdir(STAGING_DIR, dir_fd=self.root_fd)
             except OSError:
                 pass
 
@@ -367,6 +379,75 @@ class Backing:
         os.fsync(dst_dfd)
         if dst_dfd != src_dfd:
             os.fsync(src_dfd)
+
+    # -- descriptors opened here (backing copies being read, staged files) ----------------
+    def read(self, fd: int, size: int, off: int) -> bytes:
+        return os.pread(fd, size, off)
+
+    def read_into(self, fd: int, buf: memoryview, off: int) -> int:
+        return os.preadv(fd, [buf], off)
+
+    def write(self, fd: int, data: bytes | memoryview, off: int) -> int:
+        return os.pwrite(fd, data, off)
+
+    def truncate(self, fd: int, size: int) -> None:
+        os.ftruncate(fd, size)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def close_fd(self, fd: int) -> None:
+        os.close(fd)
+
+    # -- the staging directory, as recovery finds it ---------------------------------------
+    def open_staged(self, tmpname: bytes) -> tuple[int, int] | None:
+        """Open a staged file a dead daemon left: (directory fd, file fd), None if gone."""
+        check_name(tmpname)
+        try:
+            dfd = os.open(STAGING_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          dir_fd=self.root_fd)
+        except FileNotFoundError:
+            return None
+        try:
+            return dfd, os.open(tmpname, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        except FileNotFoundError:
+            os.close(dfd)
+            return None
+        except BaseException:
+            os.close(dfd)
+            raise
+
+    def list_staged(self) -> list[bytes]:
+        """Names in the staging directory (none if it does not exist)."""
+        try:
+            dfd = os.open(STAGING_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          dir_fd=self.root_fd)
+        except FileNotFoundError:
+            return []
+        try:
+            return [os.fsencode(n) for n in os.listdir(dfd)]
+        finally:
+            os.close(dfd)
+
+    def remove_staged(self, tmpname: bytes) -> None:
+        check_name(tmpname)
+        try:
+            os.unlink(STAGING_DIR + b"/" + tmpname, dir_fd=self.root_fd)
+        except FileNotFoundError:
+            pass
+
+    def keep_aside(self, tmpname: bytes, stamp: bytes, flat_name: bytes) -> str:
+        """Move a staged file to ``.acpfs-recovered/<stamp>/<flat_name>``; returns that path."""
+        for name in (stamp, flat_name):
+            check_name(name)
+        for d in (RECOVERED_DIR, RECOVERED_DIR + b"/" + stamp):
+            try:
+                os.mkdir(d, 0o700, dir_fd=self.root_fd)
+            except FileExistsError:
+                pass
+        dst = RECOVERED_DIR + b"/" + stamp + b"/" + flat_name
+        os.rename(STAGING_DIR + b"/" + tmpname, dst, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
+        return os.fsdecode(dst)
 
     # -- helpers -----------------------------------------------------------------------
     def _chown(self, fd: int, uid: int, gid: int) -> None:

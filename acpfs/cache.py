@@ -3,18 +3,22 @@
 Owns the tree of ``Node`` objects (the mount's view: the backing tree, loaded one directory
 at a time on first use, overlaid with every change made through the mount), the content
 of cached files as block lists in the ``Pool``, eviction, and the ordered stream of
-mutations handed to the ``Flusher``. ``fs`` is a thin adapter over it; the tests of
-``test_cache`` drive it without a mount.
+mutations handed to the flusher (an ``OpSink``), with their journal records. It does no
+I/O on the backing but listing and reading through ``Backing``, and knows nothing of FUSE
+or trio: ``core`` and ``writethrough`` call it, the unit tests drive it directly.
 
 Threads: every method here runs on the FUSE (trio) thread, except what the flusher calls,
-and that goes through ``lock``. ``lock`` guards the pool's free list and reference counts,
-``Node.ops``, ``Op.state``, ``lru`` and the counters; ``bpos_lock`` guards the backing
-positions (``Node.bparent``/``bname``) and is held while a path in the backing is
-computed and used, so that the flusher never moves a directory under a reader's feet.
+and that goes through ``lock``, the one lock the cache and the flusher share (a
+``threading.Condition``: the sequencer waits on it). ``lock`` guards the pool's free list
+and reference counts, ``Node.publish_ops``, ``Op.state``, ``lru``, journal appends and the
+counters; ``position_lock`` guards the backing positions (``Node.backing_parent``/
+``backing_name``) and is held while a path in the backing is computed and used, so that
+the flusher never moves a directory under a reader's feet. docs/concurrency.md has the
+whole picture.
 
 States of a regular file (``state_of``):
     dirty      content changed since the last snapshot (open for writing, or not closed)
-    flushing   one or more snapshots are queued or being uploaded (``Node.ops``)
+    flushing   one or more snapshots are queued or being uploaded (``Node.publish_ops``)
     persisted  the backing holds the current content; the blocks may be evicted
     error      a queued operation on it is failing; the reason comes from the backing
 Transitions: write/truncate -> dirty; last close of a dirty file -> snapshot -> flushing;
@@ -38,125 +42,15 @@ import os
 import stat as statmod
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from .backing import Backing, check_name, is_temp_name
-from .journal import pack_blocks
+from .journal import CLEAN, DIRTY, FLUSHED, Journal, Record
 from .pool import Pool, PoolFull
-
-if TYPE_CHECKING:
-    from .flusher import Flusher, Op
-    from .journal import Journal
+from .types import JournalState, Node, Op, OpKind, OpSink, OpState, Snapshot, err, now_ns
 
 log = logging.getLogger(__name__)
 
 ROOT_INODE = 1
-
-# What the journal last said about a file (Node.jstate); recovery acts on the last record.
-J_NONE = 0      # nothing pending: a later crash leaves the backing version alone
-J_DIRTY = 1     # "dirty": open with unsaved changes; at a crash they are dropped (logged)
-J_FLUSHED = 2   # "flushed": its last writer closed it; at a crash this content is published
-
-
-def now_ns() -> int:
-    return time.time_ns()
-
-
-class Node:
-    __slots__ = ("ino", "mode", "uid", "gid", "size", "atime", "mtime", "ctime", "parent", "name",
-                 "children", "target", "blocks", "bparent", "bname", "bstale", "writers", "opens",
-                 "nlink", "lookups", "dirty", "dirty_since", "ops", "last_seq", "xattrs", "spill", "bgen",
-                 "jstate", "jblocks", "truncated")
-
-    def __init__(self, ino: int, mode: int, uid: int, gid: int, parent: Node | None, name: bytes) -> None:
-        self.ino = ino
-        self.mode = mode
-        self.uid = uid
-        self.gid = gid
-        self.size = 0
-        t = now_ns()
-        self.atime = self.mtime = self.ctime = t
-        self.parent = parent
-        self.name = name
-        self.children: dict[bytes, Node] | None = None   # directories: None until loaded
-        self.target = b""                                # symlinks
-        self.blocks: list[int] | None = None             # files: None = content in the backing
-        self.bparent: Node | None = None                 # position in the backing, kept by the
-        self.bname = b""                                 # flusher; bparent None = absent
-        self.bstale = False                              # present, but holds an older file's bytes
-        self.writers = 0
-        self.opens = 0
-        self.nlink = 1
-        self.lookups = 0
-        self.dirty = False
-        self.dirty_since = 0.0
-        self.ops: list[Op] = []                          # queued publish ops of this file
-        self.last_seq = 0
-        self.xattrs: dict[bytes, bytes] | None = None    # None: not read from the backing yet
-        self.spill: Spill | None = None                  # content written through to the backing
-        self.bgen = 0                                    # count of versions published (reader fds)
-        self.jstate = J_NONE                             # its last journal record (J_*)
-        self.jblocks: list[int] | None = None            # blocks held for a "flushed" record
-        self.truncated = False                           # shrunk since its last snapshot
-
-    @property
-    def is_dir(self) -> bool:
-        return statmod.S_ISDIR(self.mode)
-
-    @property
-    def is_reg(self) -> bool:
-        return statmod.S_ISREG(self.mode)
-
-    @property
-    def is_link(self) -> bool:
-        return statmod.S_ISLNK(self.mode)
-
-
-class Spill:
-    """A file too large for the cache, written through to a temporary file in the backing.
-
-    ``fd`` is -1 while the cached blocks are still being copied out (writes wait). At the
-    last close the spill is handed to the publish op (``handed``), which owns it from then
-    on: it fsyncs it and renames it over the final name in order, like any upload.
-    """
-    __slots__ = ("dfd", "tmpname", "fd", "handed", "readers", "closing")
-
-    def __init__(self) -> None:
-        self.dfd = -1
-        self.tmpname = b""
-        self.fd = -1
-        self.handed = False
-        self.readers = 0      # reads in flight (FUSE thread, under Cache.lock)
-        self.closing = False  # closed by the last reader when set while reads are in flight
-
-    def close(self) -> None:
-        """Close now, or when the last read in flight ends (hold Cache.lock)."""
-        self.closing = True
-        if self.readers:
-            return
-        for fd in (self.fd, self.dfd):
-            if fd >= 0:
-                os.close(fd)
-        self.fd = self.dfd = -1
-
-
-class Snapshot:
-    """An immutable picture of a file taken at its last close: what one upload writes."""
-    __slots__ = ("blocks", "size", "mode", "uid", "gid", "times", "xattrs", "spill")
-
-    def __init__(self, node: Node) -> None:
-        self.spill = node.spill
-        self.blocks = list(node.blocks or ())
-        self.size = node.size
-        self.mode = node.mode
-        self.uid = node.uid
-        self.gid = node.gid
-        self.times = (node.atime, node.mtime)
-        self.xattrs = dict(node.xattrs or {})
-
-
-def err(code: int, msg: str = "") -> OSError:
-    return OSError(code, msg or os.strerror(code))
 
 
 def check_not_reserved(name: bytes) -> None:
@@ -170,8 +64,8 @@ class Cache:
         self.backing = backing
         self.pool = pool
         self.bs = pool.block_size
-        self.lock = threading.Lock()
-        self.bpos_lock = threading.Lock()
+        self.lock = threading.Condition()
+        self.position_lock = threading.Lock()
         st = backing.stat_root()
         root = Node(ROOT_INODE, st.st_mode, st.st_uid, st.st_gid, None, b"")
         root.nlink = 2
@@ -183,27 +77,27 @@ class Cache:
         self.seq = 0
         self.dirty_nodes: set[Node] = set()
         self.lru: collections.OrderedDict[int, Node] = collections.OrderedDict()
-        self.flusher: Flusher | None = None   # attached by the daemon
+        self.flusher: OpSink | None = None    # attached by the daemon
         self.journal: Journal | None = None   # attached by the daemon; None in unit tests
-        self.jnodes: set[Node] = set()        # nodes whose jstate is not J_NONE
+        self.journaled: set[Node] = set()     # nodes whose journal_state is not NONE
         self.stale_seq = 0                    # temp files with seqs up to this are a dead daemon's
 
     # -- positions -----------------------------------------------------------------------
     def present(self, node: Node) -> bool:
-        return node is self.root or node.bparent is not None
+        return node is self.root or node.backing_parent is not None
 
-    def bpath(self, node: Node) -> list[bytes]:
-        """Names from the backing root to ``node``'s current place there (hold bpos_lock)."""
+    def backing_path(self, node: Node) -> list[bytes]:
+        """Names from the backing root to ``node``'s current place there (hold position_lock)."""
         comps = []
         while node is not self.root:
-            if node.bparent is None:
+            if node.backing_parent is None:
                 raise err(errno.ENOENT, "not in the backing yet")
-            comps.append(node.bname)
-            node = node.bparent
+            comps.append(node.backing_name)
+            node = node.backing_parent
         comps.reverse()
         return comps
 
-    def mpath(self, node: Node) -> bytes | None:
+    def mount_path(self, node: Node) -> bytes | None:
         """The node's path relative to the mount root (b"" for the root); None once deleted."""
         parts = []
         while node.parent is not None:
@@ -227,8 +121,8 @@ class Cache:
     # -- loading from the backing ---------------------------------------------------------
     def list_backing(self, node: Node) -> list:
         """Runs in a worker thread: the backing listing of a directory not yet loaded."""
-        with self.bpos_lock:
-            return self.backing.listdir(self.bpath(node), self.stale_seq)
+        with self.position_lock:
+            return self.backing.listdir(self.backing_path(node), self.stale_seq)
 
     def attach_listing(self, node: Node, listing: list) -> None:
         if node.children is not None:
@@ -239,7 +133,7 @@ class Cache:
             child = self._new_node(st.st_mode, st.st_uid, st.st_gid, node, name)
             child.size = st.st_size
             self._stat_times(child, st)
-            child.bparent, child.bname = node, name
+            child.backing_parent, child.backing_name = node, name
             if target is not None:
                 child.target = target
             if fmt == statmod.S_IFDIR:
@@ -295,7 +189,7 @@ class Cache:
         node.nlink = 2
         kids[name] = node
         parent.mtime = parent.ctime = node.mtime
-        self._enqueue("mkdir", node, parent=parent, name=name)
+        self._enqueue(OpKind.MKDIR, node, parent=parent, name=name)
         return node
 
     def symlink(self, parent: Node, name: bytes, target: bytes, uid: int, gid: int) -> Node:
@@ -306,16 +200,16 @@ class Cache:
         node.xattrs = {}
         kids[name] = node
         parent.mtime = parent.ctime = node.mtime
-        self._enqueue("symlink", node, parent=parent, name=name)
+        self._enqueue(OpKind.SYMLINK, node, parent=parent, name=name)
         return node
 
     def unlink(self, parent: Node, name: bytes) -> None:
         node = self.lookup(parent, name)
         if node.is_dir:
             raise err(errno.EISDIR)
-        path = self.mpath(node)
+        path = self.mount_path(node)
         self._remove(parent, name, node)
-        self._enqueue("unlink", node, parent=parent, name=name, mpath=path)
+        self._enqueue(OpKind.UNLINK, node, parent=parent, name=name, old_path=path)
 
     def rmdir(self, parent: Node, name: bytes) -> None:
         node = self.lookup(parent, name)
@@ -324,9 +218,9 @@ class Cache:
         assert node.children is not None, "directory not loaded"
         if node.children:
             raise err(errno.ENOTEMPTY)
-        path = self.mpath(node)
+        path = self.mount_path(node)
         self._remove(parent, name, node)
-        self._enqueue("rmdir", node, parent=parent, name=name, mpath=path)
+        self._enqueue(OpKind.RMDIR, node, parent=parent, name=name, old_path=path)
 
     def _remove(self, parent: Node, name: bytes, node: Node) -> None:
         del parent.children[name]  # type: ignore[union-attr]
@@ -360,13 +254,13 @@ class Cache:
                 if target.children:
                     raise err(errno.ENOTEMPTY)
             self._remove(p2, n2, target)
-        src_path = self.mpath(node)
+        src_path = self.mount_path(node)
         del p1.children[n1]  # type: ignore[union-attr]
         kids2[n2] = node
         node.parent, node.name = p2, n2
         t = now_ns()
         p1.mtime = p1.ctime = p2.mtime = p2.ctime = node.ctime = t
-        self._enqueue("rename", node, parent=p2, name=n2, replaced=target, src=p1, src_path=src_path)
+        self._enqueue(OpKind.RENAME, node, parent=p2, name=n2, replaced=target, src=p1, src_path=src_path)
 
     def setattr(self, node: Node, mode: int | None = None, uid: int | None = None,
                 gid: int | None = None, atime: int | None = None, mtime: int | None = None) -> None:
@@ -385,7 +279,7 @@ class Cache:
         if node.is_reg and node.dirty:
             return  # the coming snapshot carries the new attributes
         times = (node.atime, node.mtime) if (atime is not None or mtime is not None) else None
-        self._enqueue("setattr", node, attrs=(None if mode is None else node.mode, uid, gid, times))
+        self._enqueue(OpKind.SETATTR, node, attrs=(None if mode is None else node.mode, uid, gid, times))
 
     def set_xattr(self, node: Node, key: bytes, value: bytes | None) -> None:
         assert node.xattrs is not None, "xattrs not loaded"
@@ -398,35 +292,38 @@ class Cache:
         node.ctime = now_ns()
         if node.is_link or (node.is_reg and node.dirty):
             return
-        self._enqueue("xattr", node, attrs=(key, value))
+        self._enqueue(OpKind.XATTR, node, attrs=(key, value))
 
     # -- file content --------------------------------------------------------------------
-    def open(self, node: Node, writable: bool, trunc: bool) -> None:
-        """Account an open; the caller made sure a writable file is cached (``copy_up``)."""
+    def open(self, node: Node, writable: bool, trunc: bool, append: bool = False) -> None:
+        """Account an open; the caller made sure a writable file is cached or staged
+        (``WriteThrough.cached``)."""
         node.opens += 1
         if writable:
             node.writers += 1   # before truncating: a truncate without writers is published
-            if trunc and node.spill is not None:
-                node.spill = None if node.spill.handed else node.spill
-            if trunc and node.spill is None and (node.size or node.blocks is None):
+            node.appenders += append
+            if trunc and node.staged is not None:
+                node.staged = None if node.staged.queued else node.staged
+            if trunc and node.staged is None and (node.size or node.blocks is None):
                 self.truncate(node, 0)
-            assert node.blocks is not None or node.spill is not None
+            assert node.blocks is not None or node.staged is not None
             with self.lock:
                 self.lru.pop(node.ino, None)
 
-    def release(self, node: Node, writable: bool) -> None:
+    def release(self, node: Node, writable: bool, append: bool = False) -> None:
         node.opens -= 1
         if writable:
             node.writers -= 1
+            node.appenders -= append
             if node.writers == 0:
                 if node.dirty and node.nlink:
                     self.snapshot(node)
                 else:
-                    sp = node.spill
-                    if sp is not None and not sp.handed:   # opened for writing, never written
-                        node.spill = None
+                    sp = node.staged
+                    if sp is not None and not sp.queued:   # opened for writing, never written
+                        node.staged = None
                         assert self.flusher is not None
-                        self.flusher.discard_spill(sp)
+                        self.flusher.discard_staged(sp)
                     self.maybe_evictable(node)
         if node.opens == 0 and node.nlink == 0:
             self.drop(node)
@@ -440,22 +337,22 @@ class Cache:
 
     def read_backing_into(self, node: Node, blocks: list[int]) -> None:
         """Worker thread: fill ``blocks`` with the backing content of ``node``."""
-        with self.bpos_lock:
-            comps = self.bpath(node.bparent) if node.bparent else None
+        with self.position_lock:
+            comps = self.backing_path(node.backing_parent) if node.backing_parent else None
             if comps is None:
                 raise err(errno.ENOENT, "file has no backing copy")
-            fd = self.backing.open_file(comps, node.bname)
+            fd = self.backing.open_file(comps, node.backing_name)
         try:
             bs = self.bs
             view = self.pool.view
             size = node.size
             for i, b in enumerate(blocks):
                 want = min(bs, size - i * bs)
-                got = os.preadv(fd, [view[b * bs:b * bs + want]], i * bs)
+                got = self.backing.read_into(fd, view[b * bs:b * bs + want], i * bs)
                 if got < bs:
                     self.pool.mem[b * bs + got:(b + 1) * bs] = 0
         finally:
-            os.close(fd)
+            self.backing.close_fd(fd)
 
     def attach_blocks(self, node: Node, blocks: list[int]) -> None:
         with self.lock:
@@ -557,7 +454,7 @@ class Cache:
         if end > node.size:
             node.size = end
         node.mtime = node.ctime = now_ns()
-        if not node.dirty or node.jstate != J_DIRTY:
+        if not node.dirty or node.journal_state != JournalState.DIRTY:
             self._mark_dirty(node)
         return n
 
@@ -593,10 +490,10 @@ class Cache:
     def fsync_snapshot(self, node: Node) -> int:
         """For ``--fsync backing``: queue the current content now; returns the seq to wait for.
 
-        A file being written through (spill) is published at its last close; its fsync
-        only makes the data written so far durable in its temporary file (see fs.fsync).
+        A file being written through is published at its last close; its fsync
+        only makes the data written so far durable in its staged file (``WriteThrough.fsync``).
         """
-        if node.dirty and node.nlink and node.spill is None:
+        if node.dirty and node.nlink and node.staged is None:
             self.snapshot(node)
         return node.last_seq
 
@@ -627,28 +524,33 @@ class Cache:
                 victim.blocks = None
 
     def _evictable(self, node: Node) -> bool:
-        return (node.is_reg and node.blocks is not None and not node.dirty and not node.ops
-                and node.writers == 0 and node.nlink > 0 and node.bparent is not None
-                and not node.bstale)
+        return (node.is_reg and node.blocks is not None and not node.dirty and not node.publish_ops
+                and node.writers == 0 and node.nlink > 0 and node.backing_parent is not None
+                and not node.backing_stale)
 
     def maybe_evictable(self, node: Node) -> None:
         with self.lock:
-            if self._evictable(node):
-                self.lru[node.ino] = node
-                self.lru.move_to_end(node.ino)
+            self.note_persisted(node)
+
+    def note_persisted(self, node: Node) -> None:
+        """The node may have become evictable: its last version landed, or its last writer
+        closed it clean (hold lock; the flusher calls this after a publish)."""
+        if self._evictable(node):
+            self.lru[node.ino] = node
+            self.lru.move_to_end(node.ino)
 
     def mark_written(self, node: Node, end: int) -> None:
-        """Bookkeeping for a write that went to a spill file."""
+        """Bookkeeping for a write that went to the staged file of a written-through file."""
         if end > node.size:
             node.size = end
         node.mtime = node.ctime = now_ns()
         self._mark_dirty(node)
 
-    def spill_candidate(self, exclude=()) -> Node | None:
+    def write_through_candidate(self, exclude=()) -> Node | None:
         """The largest file open for writing whose cached blocks could go to the backing."""
         best = None
         for node in self.dirty_nodes:
-            if node.writers and node.spill is None and node.blocks and node.ino not in exclude:
+            if node.writers and node.staged is None and node.blocks and node.ino not in exclude:
                 if best is None or len(node.blocks) > len(best.blocks):  # type: ignore[arg-type]
                     best = node
         return best
@@ -658,19 +560,19 @@ class Cache:
             node.dirty = True
             node.dirty_since = time.time()
             self.dirty_nodes.add(node)
-        if node.jstate != J_DIRTY and self.journal is not None and node.nlink:
-            self._journal_state(node, J_DIRTY)
+        if node.journal_state != JournalState.DIRTY and self.journal is not None and node.nlink:
+            self._journal_state(node, JournalState.DIRTY)
         if node.ino in self.lru:
             with self.lock:
                 self.lru.pop(node.ino, None)
 
     def drop(self, node: Node) -> None:
         """Forget the content of an unlinked, closed file."""
-        sp = node.spill
+        sp = node.staged
         if sp is not None:
-            node.spill = None
-            if not sp.handed and self.flusher is not None:
-                self.flusher.discard_spill(sp)
+            node.staged = None
+            if not sp.queued and self.flusher is not None:
+                self.flusher.discard_staged(sp)
         with self.lock:
             if node.blocks:
                 self.pool.decref(node.blocks)
@@ -678,8 +580,8 @@ class Cache:
             self.lru.pop(node.ino, None)
         node.dirty = False
         self.dirty_nodes.discard(node)
-        if node.jstate != J_NONE:
-            self._journal_state(node, J_NONE)
+        if node.journal_state != JournalState.NONE:
+            self._journal_state(node, JournalState.NONE)
         if node.lookups <= 0:
             self.nodes.pop(node.ino, None)
 
@@ -694,14 +596,14 @@ class Cache:
         with self.lock:
             snap = Snapshot(node)
             self.pool.incref(snap.blocks)
-            if node.spill is not None:
-                node.spill.handed = True   # the op owns it now; reads still use it
+            if node.staged is not None:
+                node.staged.queued = True   # the op owns it now; reads still use it
         node.dirty = False
         node.truncated = False
         self.dirty_nodes.discard(node)
-        if node.jstate != J_NONE:
-            self._journal_state(node, J_NONE, record=False)   # the publish record says it
-        self._enqueue("publish", node, parent=node.parent, name=node.name, snap=snap)
+        if node.journal_state != JournalState.NONE:
+            self._journal_state(node, JournalState.NONE, record=False)   # the publish record says it
+        self._enqueue(OpKind.PUBLISH, node, parent=node.parent, name=node.name, snap=snap)
 
     def snapshot_open_files(self) -> int:
         """At shutdown: queue every file with unsaved changes, open or not. Returns the count."""
@@ -712,15 +614,15 @@ class Cache:
 
     def _cancel(self, node: Node) -> None:
         """The node left the namespace: its queued uploads are not needed any more."""
-        if node.ops:
+        if node.publish_ops:
             with self.lock:
-                for op in node.ops:
-                    if op.state in ("queued", "uploading"):
-                        op.state = "void"
+                for op in node.publish_ops:
+                    if op.state in (OpState.QUEUED, OpState.UPLOADING):
+                        op.state = OpState.VOID
         node.dirty = False
         self.dirty_nodes.discard(node)
-        if node.jstate != J_NONE:
-            self._journal_state(node, J_NONE)
+        if node.journal_state != JournalState.NONE:
+            self._journal_state(node, JournalState.NONE)
 
     # -- the journal (see journal.py) ----------------------------------------------------
     def record_close(self, node: Node) -> None:
@@ -731,102 +633,107 @@ class Cache:
         acknowledged. The blocks are held until the snapshot or the next change.
         """
         if self.journal is None or not node.dirty or not node.nlink or not node.is_reg \
-                or node.jstate == J_FLUSHED:
+                or node.journal_state == JournalState.FLUSHED:
             return
         with self.lock:
             blocks = list(node.blocks or ())
             self.pool.incref(blocks)
-        self._journal_state(node, J_FLUSHED, blocks=blocks)
+        self._journal_state(node, JournalState.FLUSHED, blocks=blocks)
 
-    def _journal_state(self, node: Node, state: int, blocks: list[int] | None = None,
+    def _journal_state(self, node: Node, state: JournalState, blocks: list[int] | None = None,
                        record: bool = True) -> None:
         """Move ``node`` to journal state ``state``, writing the record that says so."""
-        assert self.flusher is not None
         with self.lock:
-            if node.jstate == J_FLUSHED:
-                self.pool.decref(node.jblocks or [])
-                node.jblocks = None
-            node.jstate = state
-            if state == J_FLUSHED:
-                node.jblocks = blocks
-            if state == J_NONE:
-                self.jnodes.discard(node)
+            if node.journal_state == JournalState.FLUSHED:
+                self.pool.decref(node.journal_blocks or [])
+                node.journal_blocks = None
+            node.journal_state = state
+            if state == JournalState.FLUSHED:
+                node.journal_blocks = blocks
+            if state == JournalState.NONE:
+                self.journaled.discard(node)
             else:
-                self.jnodes.add(node)
-        if record:
-            self.flusher.journal_append(self._state_record(node))
+                self.journaled.add(node)
+            if record and self.journal is not None:
+                self.journal.append(self._state_record(node))
 
-    def _state_record(self, node: Node) -> tuple:
-        if node.jstate == J_DIRTY:
-            return (0, "dirty", node.ino, self.mpath(node))
-        if node.jstate == J_FLUSHED:
-            return (0, "flushed", node.ino, self.mpath(node)) + self._content_fields(node, node.jblocks or [])
-        return (0, "clean", node.ino)
+    def _state_record(self, node: Node) -> Record:
+        if node.journal_state == JournalState.DIRTY:
+            return Record(0, DIRTY, node.ino, self.mount_path(node))
+        if node.journal_state == JournalState.FLUSHED:
+            return self._content_record(0, FLUSHED, node, node.journal_blocks or [],
+                                        (node.atime, node.mtime), dict(node.xattrs or {}))
+        return Record(0, CLEAN, node.ino)
 
-    def live_file_records(self) -> list[tuple]:
+    def live_file_records(self) -> list[Record]:
         """The records a cut-back journal must hold again (FUSE thread, under lock)."""
-        return [self._state_record(n) for n in self.jnodes]
+        return [self._state_record(n) for n in self.journaled]
 
     def note_change(self, node: Node) -> None:
         """Before bytes of a written-through file change: a "flushed" record naming its
-        staging file must not outlive the bytes it describes."""
-        if node.jstate != J_DIRTY:
+        staged file must not outlive the bytes it describes."""
+        if node.journal_state != JournalState.DIRTY:
             self._mark_dirty(node)
 
-    def _content_fields(self, node: Node | Snapshot, blocks: list[int]) -> tuple:
-        if isinstance(node, Snapshot):
-            times, xattrs = node.times, node.xattrs
-        else:
-            times, xattrs = (node.atime, node.mtime), dict(node.xattrs or {})
-        sp = node.spill
-        return (node.size, node.mode, node.uid, node.gid, times, xattrs, pack_blocks(blocks),
-                sp.tmpname if sp is not None else b"")
+    def _content_record(self, seq: int, kind: str, node: Node, blocks: list[int],
+                        times: tuple[int, int], xattrs: dict[bytes, bytes],
+                        what: Node | Snapshot | None = None) -> Record:
+        """A record of a file's content: of the node itself, or of ``what`` (a snapshot)."""
+        src = what or node
+        sp = src.staged
+        return Record(seq, kind, node.ino, self.mount_path(node), size=src.size, mode=src.mode,
+                      uid=src.uid, gid=src.gid, times=times, xattrs=xattrs, blocks=blocks,
+                      staged_name=sp.name if sp is not None else b"")
 
-    def _record(self, op: Op, kw: dict) -> tuple:
-        node = op.node
-        head = (op.seq, op.kind, node.ino)
-        kind = op.kind
-        if kind == "publish":
+    def _record(self, op: Op, old_path: bytes | None, src_path: bytes | None) -> Record:
+        node, kind = op.node, op.kind
+        if kind == OpKind.PUBLISH:
             snap = op.snap
             assert snap is not None
-            return head + (self.mpath(node),) + self._content_fields(snap, snap.blocks)
-        if kind == "mkdir":
-            return head + (self.mpath(node), node.mode, node.uid, node.gid)
-        if kind == "symlink":
-            return head + (self.mpath(node), node.target, node.uid, node.gid)
-        if kind in ("unlink", "rmdir"):
-            return head + (kw["mpath"],)
-        if kind == "rename":
-            return head + (kw["src_path"], self.mpath(node))
-        if kind == "setattr":
-            return head + (self.mpath(node),) + tuple(op.attrs)
-        if kind == "xattr":
-            return head + (self.mpath(node),) + tuple(op.attrs)
+            return self._content_record(op.seq, kind, node, snap.blocks, snap.times, snap.xattrs, snap)
+        if kind == OpKind.MKDIR:
+            return Record(op.seq, kind, node.ino, self.mount_path(node), mode=node.mode,
+                          uid=node.uid, gid=node.gid)
+        if kind == OpKind.SYMLINK:
+            return Record(op.seq, kind, node.ino, self.mount_path(node), target=node.target,
+                          uid=node.uid, gid=node.gid)
+        if kind in (OpKind.UNLINK, OpKind.RMDIR):
+            return Record(op.seq, kind, node.ino, old_path)
+        if kind == OpKind.RENAME:
+            return Record(op.seq, kind, node.ino, self.mount_path(node), src_path=src_path)
+        if kind == OpKind.SETATTR:
+            mode, uid, gid, times = op.attrs
+            return Record(op.seq, kind, node.ino, self.mount_path(node), mode=mode, uid=uid,
+                          gid=gid, times=times)
+        if kind == OpKind.XATTR:
+            key, value = op.attrs
+            return Record(op.seq, kind, node.ino, self.mount_path(node), key=key, value=value)
         raise AssertionError(f"unknown op {kind}")
 
-    def _enqueue(self, kind: str, node: Node, mpath: bytes | None = None, src_path: bytes | None = None,
-                 **kw) -> None:
-        from .flusher import Op
+    def _enqueue(self, kind: OpKind, node: Node, old_path: bytes | None = None,
+                 src_path: bytes | None = None, **kw) -> None:
+        """Queue one mutation for the flusher, journaled first (``old_path``: where an unlinked
+        node was; ``src_path``: where a renamed one came from)."""
         self.seq += 1
-        where = mpath if kind in ("unlink", "rmdir") else self.mpath(node)
+        where = old_path if kind in (OpKind.UNLINK, OpKind.RMDIR) else self.mount_path(node)
         op = Op(self.seq, kind, node, path=os.fsdecode(where) if where else self.path(node), **kw)
         node.last_seq = self.seq
         for d in (kw.get("parent"), kw.get("src")):
             if d is not None:
                 d.last_seq = self.seq
         assert self.flusher is not None
-        rec = self._record(op, {"mpath": mpath, "src_path": src_path}) if self.journal is not None else None
+        rec = self._record(op, old_path, src_path) if self.journal is not None else None
         self.flusher.submit(op, rec)
 
     # -- state, for xattrs and status ----------------------------------------------------
     def state_of(self, node: Node) -> str:
         with self.lock:
-            for op in node.ops:
+            for op in node.publish_ops:
                 if op.error:
                     return f"error: {op.error}"
             if node.dirty:
                 return "dirty"
-            if node.ops:
+            if node.publish_ops:
                 return "flushing"
         assert self.flusher is not None
         fl = self.flusher

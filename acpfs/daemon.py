@@ -17,9 +17,12 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .config import format_size, write_mount_record
+
+if TYPE_CHECKING:
+    from .flusher import Flusher
 
 log = logging.getLogger("acpfs")
 
@@ -74,133 +77,180 @@ def lock_backing(backing: str, mountpoint: str) -> int:
     return fd
 
 
-def run(opts: Options, notify: Callable[[str], None]) -> int:
-    """Mount and serve until unmounted; ``notify`` gets progress lines, then 'ready'."""
-    from . import fastwrite  # before pyfuse3: it interposes fuse_session_new
-    import pyfuse3
-    import trio
+class Daemon:
+    """One daemon's life, in phases: ``build`` (the cache, the flusher, the journal),
+    ``recover`` (replay what a dead daemon left), ``serve`` (the FUSE loop), ``drain``
+    (persist everything), ``close``. ``run`` strings them together."""
 
-    from . import journal, recovery
-    from .backing import Backing
-    from .cache import Cache
-    from .control import MountInfo
-    from .flusher import Flusher
-    from .fs import Operations
-    from .pool import Pool
+    def __init__(self, opts: Options, notify: Callable[[str], None]) -> None:
+        self.opts = opts
+        self.notify = notify   # progress lines for the 'mount' command, then 'ready'
+        self.replay: list = []
+        self.dirty: list = []
+        self.left = None
+        self._last_progress = 0.0
 
-    setup_logging(opts)
-    os.umask(0o077)
-    lock_fd = lock_backing(opts.backing, opts.mountpoint)
-    write_mount_record(opts.mountpoint, {"mountpoint": opts.mountpoint, "backing": opts.backing,
-                                         "cache_dir": opts.cache_dir, "log_file": opts.log_file,
-                                         "pid": os.getpid(), "started": time.time()})
-    os.makedirs(opts.cache_dir, mode=0o700, exist_ok=True)
-    os.chmod(opts.cache_dir, 0o700)
-    pool_path = os.path.join(opts.cache_dir, "pool")
-    log.info("starting: mount %s, backing %s, cache %s in %s", opts.mountpoint, opts.backing,
-             format_size(opts.cache_size), opts.cache_dir)
-    last = [0.0]
+    def build(self) -> None:
+        """Logging, locks, the mount record, the pool, and the core wired together."""
+        from . import journal, recovery
+        from .backing import Backing
+        from .cache import Cache
+        from .control import MountInfo
+        from .core import Core
+        from .flusher import Flusher
+        from .pool import Pool
 
-    def progress(done: int, total: int) -> None:
-        if time.monotonic() - last[0] > 0.5 or done == total:
-            last[0] = time.monotonic()
-            notify(f"progress allocating cache {format_size(done)} / {format_size(total)}")
+        opts = self.opts
+        setup_logging(opts)
+        os.umask(0o077)
+        self.lock_fd = lock_backing(opts.backing, opts.mountpoint)
+        write_mount_record(opts.mountpoint, {"mountpoint": opts.mountpoint, "backing": opts.backing,
+                                             "cache_dir": opts.cache_dir, "log_file": opts.log_file,
+                                             "pid": os.getpid(), "started": time.time()})
+        os.makedirs(opts.cache_dir, mode=0o700, exist_ok=True)
+        os.chmod(opts.cache_dir, 0o700)
+        log.info("starting: mount %s, backing %s, cache %s in %s", opts.mountpoint, opts.backing,
+                 format_size(opts.cache_size), opts.cache_dir)
 
-    left = journal.read_leftover(opts.cache_dir)
-    replay, dirty = recovery.plan(left) if left else ([], [])
-    cache_size, block_size = opts.cache_size, opts.block_size
-    if replay or dirty:
-        assert left is not None
-        log.warning("recovering: a previous daemon died with %d changes not persisted (%d files "
-                    "open for writing); replaying its journal from %s", len(replay), len(dirty),
-                    opts.cache_dir)
-        if (left.pool_size, left.block_size) != (Pool.size_for(cache_size, block_size), block_size):
-            log.warning("recovering with the previous cache size %s and block size %s; the "
-                        "options given apply from the next mount",
-                        format_size(left.pool_size), format_size(left.block_size))
-            cache_size, block_size = left.pool_size, left.block_size
-        journal.start_recovery(opts.cache_dir)
-        notify(f"progress recovering {len(replay)} changes left by a dead daemon")
-    pool = Pool(pool_path, cache_size, block_size, progress=progress, mlock=opts.mlock)
-    pool.claim(recovery.claimed_blocks(replay))
-    backing = Backing(opts.backing)
-    cache = Cache(backing, pool)
-    flusher = Flusher(cache, backing, opts.flush_workers)
-    cache.flusher = flusher
-    base = left.last_seq if left else 0
-    cache.seq = flusher.applied_seq = cache.stale_seq = base
-    # the dead daemon's applied counter stays until its journal is replayed (a crash during
-    # the replay must find both as they were)
-    cache.journal = journal.Journal(opts.cache_dir, pool.block_size, pool.size)
-    info = MountInfo(opts.mountpoint, opts.backing, opts.cache_dir, opts.log_file, opts.fsync_backing,
-                     opts.flush_workers, opts.cache_full_timeout, opts.persist_open_after)
-    if replay or dirty:
-        assert left is not None
-        report = recovery.recover(cache, left, replay, dirty, progress=lambda i, n: notify(
-            f"progress recovering: {i} of {n} changes replayed"))
-        info.recovery = report.as_dict()
-        log.warning("recovered: %d files and %d operations queued for persisting again, %d "
-                    "already done, %d open files lost, %d kept aside in %s", report.files,
-                    report.replayed_ops, report.skipped, len(report.lost_open_files),
-                    len(report.kept_aside), opts.backing)
-    journal.finish_recovery(opts.cache_dir)        # the new journal holds all that is pending
-    cache.journal.applied(base)
-    journal.forget_direct_writes(opts.cache_dir)   # replayed around, or nothing to replay
-    flusher.start()
-    ops = Operations(cache, info)
-    fuse_opts = set(pyfuse3.default_options)
-    fuse_opts |= {"fsname=acpfs", "subtype=acpfs", "default_permissions"}
-    if opts.allow_other:
-        fuse_opts.add("allow_other")
-    pyfuse3.init(ops, opts.mountpoint, fuse_opts)
-    fastwrite.install(ops.write_now)
-    log.info("mounted %s over %s", opts.mountpoint, opts.backing)
-    notify("ready")
+        left = self.left = journal.read_leftover(opts.cache_dir)
+        self.replay, self.dirty = recovery.plan(left) if left else ([], [])
+        cache_size, block_size = opts.cache_size, opts.block_size
+        if self.replay or self.dirty:
+            assert left is not None
+            log.warning("recovering: a previous daemon died with %d changes not persisted (%d "
+                        "files open for writing); replaying its journal from %s", len(self.replay),
+                        len(self.dirty), opts.cache_dir)
+            if (left.pool_size, left.block_size) != (Pool.size_for(cache_size, block_size), block_size):
+                log.warning("recovering with the previous cache size %s and block size %s; the "
+                            "options given apply from the next mount",
+                            format_size(left.pool_size), format_size(left.block_size))
+                cache_size, block_size = left.pool_size, left.block_size
+            journal.start_recovery(opts.cache_dir)
+            self.notify(f"progress recovering {len(self.replay)} changes left by a dead daemon")
+        self.pool = Pool(os.path.join(opts.cache_dir, "pool"), cache_size, block_size,
+                         progress=self._allocating, mlock=opts.mlock)
+        self.pool.claim(recovery.claimed_blocks(self.replay))
+        self.backing = Backing(opts.backing)
+        cache = self.cache = Cache(self.backing, self.pool)
+        self.flusher = Flusher(cache, self.backing, opts.flush_workers)
+        cache.flusher = self.flusher
+        self.base_seq = left.last_seq if left else 0
+        cache.seq = self.flusher.applied_seq = cache.stale_seq = self.base_seq
+        # the dead daemon's applied counter stays until its journal is replayed (a crash during
+        # the replay must find both as they were)
+        cache.journal = journal.Journal(opts.cache_dir, self.pool.block_size, self.pool.size,
+                                        cache.live_file_records)
+        self.info = MountInfo(opts.mountpoint, opts.backing, opts.cache_dir, opts.log_file,
+                              opts.fsync_backing, opts.flush_workers, opts.cache_full_timeout,
+                              opts.persist_open_after)
+        self.core = Core(cache, self.info)
 
-    async def serve() -> None:
-        async with trio.open_nursery() as nursery:
-            async def on_signals() -> None:
-                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
-                    async for sig in sigs:
-                        log.warning("got %s: unmounting %s, then persisting what is left",
-                                    signal.Signals(sig).name, opts.mountpoint)
-                        pyfuse3.terminate()
-                        return
-            nursery.start_soon(on_signals)
-            ops.nursery = nursery
-            nursery.start_soon(ops.persist_open_files)
+    def _allocating(self, done: int, total: int) -> None:
+        if time.monotonic() - self._last_progress > 0.5 or done == total:
+            self._last_progress = time.monotonic()
+            self.notify(f"progress allocating cache {format_size(done)} / {format_size(total)}")
 
-            async def read_ahead() -> None:
-                await trio.sleep(1.0)   # after the kernel's INIT, which sets its own value
-                set_read_ahead(opts.mountpoint)
-            nursery.start_soon(read_ahead)
-            await pyfuse3.main(min_tasks=4, max_tasks=64)
-            nursery.cancel_scope.cancel()
+    def recover(self) -> None:
+        """Replay a dead daemon's journal into the cache, then start the flusher."""
+        from . import journal, recovery
+        opts = self.opts
+        if self.replay or self.dirty:
+            assert self.left is not None
+            report = recovery.recover(self.cache, self.left, self.replay, self.dirty,
+                                      progress=lambda i, n: self.notify(
+                                          f"progress recovering: {i} of {n} changes replayed"))
+            self.info.recovery = report.as_dict()
+            log.warning("recovered: %d files and %d operations queued for persisting again, %d "
+                        "already done, %d open files lost, %d kept aside in %s", report.files,
+                        report.replayed_ops, report.skipped, len(report.lost_open_files),
+                        len(report.kept_aside), opts.backing)
+        journal.finish_recovery(opts.cache_dir)        # the new journal holds all that is pending
+        with self.cache.lock:
+            self.cache.journal.applied(self.base_seq)  # type: ignore[union-attr]
+        journal.forget_direct_writes(opts.cache_dir)   # replayed around, or nothing to replay
+        self.flusher.start()
 
-    try:
-        trio.run(serve)
-    except BaseException:
-        log.exception("the FUSE loop failed; persisting what is cached before exiting")
-    finally:
-        pyfuse3.close(unmount=True)
-        log.info("unmounted %s", opts.mountpoint)
-        n = cache.snapshot_open_files()
+    def serve(self) -> None:
+        """Mount, answer requests until unmounted or signalled, unmount."""
+        from . import fastwrite  # before pyfuse3: it interposes fuse_session_new
+        import pyfuse3
+        import trio
+
+        from .fs import make_operations
+
+        opts = self.opts
+        ops = make_operations(self.core)
+        fuse_opts = set(pyfuse3.default_options)
+        fuse_opts |= {"fsname=acpfs", "subtype=acpfs", "default_permissions"}
+        if opts.allow_other:
+            fuse_opts.add("allow_other")
+        pyfuse3.init(ops, opts.mountpoint, fuse_opts)
+        fastwrite.install(ops.write_now)
+        log.info("mounted %s over %s", opts.mountpoint, opts.backing)
+        self.notify("ready")
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                async def on_signals() -> None:
+                    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
+                        async for sig in sigs:
+                            log.warning("got %s: unmounting %s, then persisting what is left",
+                                        signal.Signals(sig).name, opts.mountpoint)
+                            pyfuse3.terminate()
+                            return
+                nursery.start_soon(on_signals)
+                self.core.start(nursery)
+
+                async def read_ahead() -> None:
+                    await trio.sleep(1.0)   # after the kernel's INIT, which sets its own value
+                    set_read_ahead(opts.mountpoint)
+                nursery.start_soon(read_ahead)
+                await pyfuse3.main(min_tasks=4, max_tasks=64)
+                nursery.cancel_scope.cancel()
+
+        try:
+            trio.run(main)
+        except BaseException:
+            log.exception("the FUSE loop failed; persisting what is cached before exiting")
+        finally:
+            pyfuse3.close(unmount=True)
+            log.info("unmounted %s", opts.mountpoint)
+
+    def drain(self) -> bool:
+        """Queue what is still unsaved and wait until the flusher has persisted it all."""
+        n = self.cache.snapshot_open_files()
         if n:
             log.warning("%d files were still open for writing at unmount; persisting what was "
                         "written to them", n)
-        drained = drain(flusher)
-    cache.journal.close()
-    pool.close()
-    if drained:
-        backing.remove_spill_dir()
-    backing.close()
-    if drained:
-        shutil.rmtree(opts.cache_dir, ignore_errors=True)
-        log.info("all changes persisted to %s; exiting", opts.backing)
-    else:
-        log.error("exiting with changes NOT persisted; the cache is kept in %s", opts.cache_dir)
-    os.close(lock_fd)
-    return 0 if drained else 1
+        return drain(self.flusher)
+
+    def close(self, drained: bool) -> int:
+        """Release everything; the cache directory goes only when everything is persisted."""
+        opts = self.opts
+        self.cache.journal.close()  # type: ignore[union-attr]
+        self.pool.close()
+        if drained:
+            self.backing.remove_staging_dir()
+        self.backing.close()
+        if drained:
+            shutil.rmtree(opts.cache_dir, ignore_errors=True)
+            log.info("all changes persisted to %s; exiting", opts.backing)
+        else:
+            log.error("exiting with changes NOT persisted; the cache is kept in %s", opts.cache_dir)
+        os.close(self.lock_fd)
+        return 0 if drained else 1
+
+
+def run(opts: Options, notify: Callable[[str], None]) -> int:
+    """Mount and serve until unmounted; ``notify`` gets progress lines, then 'ready'."""
+    daemon = Daemon(opts, notify)
+    daemon.build()
+    daemon.recover()
+    try:
+        daemon.serve()
+    finally:
+        drained = daemon.drain()
+    return daemon.close(drained)
 
 
 READ_AHEAD_KB = 1024   # measured: torch.load of a cached 1 GiB file 1.18 -> 1.43 GB/s (128 -> 1024)
@@ -228,7 +278,7 @@ def set_read_ahead(mountpoint: str) -> None:
         log.debug("cannot set %s: %s", path, e)
 
 
-def drain(flusher) -> bool:
+def drain(flusher: Flusher) -> bool:
     """Wait for the flusher to persist everything; a second signal aborts."""
     stop = threading.Event()
 

@@ -12,34 +12,36 @@ them, and those blocks are immutable while a record needs them (snapshots hold r
 see ``cache.Snapshot``). So recovery needs the pool file, the journal and the applied
 counter, and finds all three in the cache directory.
 
-Records (``marshal``-encoded tuples, each framed by its length and a CRC32; a torn record
-at the end is ignored, it was never acknowledged):
-
-    (seq, kind, ino, path, ...)   an operation queued for the flusher (kinds as in flusher.Op)
-    (0, "flushed", ino, path, ...)  a file's last writer called close(): its content then
-    (0, "dirty", ino, path)        a file got unsaved changes (it is open for writing)
-    (0, "clean", ino)              the file's "flushed"/"dirty" record no longer matters
+Records (``Record``, encoded as ``marshal`` tuples, each framed by its length and a CRC32;
+a torn record at the end is ignored, it was never acknowledged): one per queued operation
+(``seq`` > 0, kinds as in ``types.OpKind``), and per-file state records (``seq`` 0):
+"flushed" (its last writer called close(): its content then), "dirty" (it got unsaved
+changes: it is open for writing) and "clean" (its "flushed"/"dirty" record no longer
+matters). ``LAYOUT`` gives each kind's fields in the order they are stored.
 
 Invariants:
-- A record is written before the FUSE request that caused it is answered; ``Flusher.cond``
-  (= ``Cache.lock``) serializes appends, so the file holds them in seq order.
+- A record is written before the FUSE request that caused it is answered; ``Cache.lock``
+  serializes appends, so the file holds them in seq order.
 - ``applied`` is written before the op's block references are dropped, so every block named
   by a record with seq > applied still holds the bytes the record describes.
-- The journal is cut back to its header only when no op is queued (all are in the backing),
-  and right away the "dirty"/"flushed" records of files still in those states are written
-  again (``Flusher._journal``), on the FUSE thread, which owns the paths.
+- The journal is cut back to its header only when no op is queued (all are in the backing:
+  the sequencer says so through ``applied(seq, idle=True)``), by the next append, which
+  first writes again the "dirty"/"flushed" records of files still in those states
+  (``live_records``); appends run on the FUSE thread, which owns the paths.
 """
 
 from __future__ import annotations
 
 import array
+import dataclasses
 import errno
+import json
 import logging
 import marshal
 import os
 import struct
 import zlib
-from typing import Any, Iterator
+from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,27 @@ APPLIED = "applied"
 DIRECT = "direct-writes"            # paths saved straight to the backing while no daemon ran
 
 
+FLUSHED = "flushed"
+DIRTY = "dirty"
+CLEAN = "clean"
+CONTENT = ("size", "mode", "uid", "gid", "times", "xattrs", "blocks", "staged_name")
+# Each kind's fields after (seq, kind, ino), in stored order. Unchanged since format 01.
+LAYOUT: dict[str, tuple[str, ...]] = {
+    "publish": ("path",) + CONTENT,
+    FLUSHED: ("path",) + CONTENT,
+    "mkdir": ("path", "mode", "uid", "gid"),
+    "symlink": ("path", "target", "uid", "gid"),
+    "unlink": ("path",),
+    "rmdir": ("path",),
+    "rename": ("src_path", "path"),
+    "setattr": ("path", "mode", "uid", "gid", "times"),
+    "xattr": ("path", "key", "value"),
+    DIRTY: ("path",),
+    CLEAN: (),
+}
+CONTENT_KINDS = ("publish", FLUSHED)
+
+
 def pack_blocks(blocks: list[int]) -> bytes:
     return array.array("i", blocks).tobytes()
 
@@ -62,10 +85,58 @@ def unpack_blocks(data: bytes) -> list[int]:
     return a.tolist()
 
 
-class Journal:
-    """The journal of a running daemon (appends; the caller holds ``Cache.lock``)."""
+@dataclasses.dataclass
+class Record:
+    """One journal record. ``path`` is the mount path (relative, b"" for the root; None for
+    a file deleted meanwhile); for a rename it is the destination and ``src_path`` the source.
+    Which other fields a kind uses is in ``LAYOUT``."""
+    seq: int                 # the op's seq; 0 for file-state records
+    kind: str                # an OpKind value, FLUSHED, DIRTY or CLEAN
+    ino: int
+    path: bytes | None = None
+    src_path: bytes | None = None
+    size: int = 0
+    mode: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    times: tuple[int, int] | None = None
+    xattrs: dict[bytes, bytes] = dataclasses.field(default_factory=dict)
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    staged_name: bytes = b""   # the staged file holding the content, if written through
+    target: bytes = b""
+    key: bytes = b""
+    value: bytes | None = None
 
-    def __init__(self, cache_dir: str, block_size: int, pool_size: int) -> None:
+    def encode(self) -> bytes:
+        fields = [getattr(self, f) for f in LAYOUT[self.kind]]
+        if "blocks" in LAYOUT[self.kind]:
+            fields[LAYOUT[self.kind].index("blocks")] = pack_blocks(self.blocks)
+        return marshal.dumps((self.seq, str(self.kind), self.ino, *fields))
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Record:
+        seq, kind, ino, *values = marshal.loads(payload)
+        names = LAYOUT.get(kind)
+        if names is None or len(names) != len(values):
+            raise ValueError(f"unknown journal record {kind!r} with {len(values)} fields")
+        fields = dict(zip(names, values))
+        if "blocks" in fields:
+            fields["blocks"] = unpack_blocks(fields["blocks"])
+        if fields.get("times") is not None:
+            fields["times"] = tuple(fields["times"])
+        return cls(seq=seq, kind=kind, ino=ino, **fields)
+
+
+class Journal:
+    """The journal of a running daemon. Every method is called with ``Cache.lock`` held.
+
+    A journal that cannot be written means that a crash would lose acknowledged data: the
+    first failure is logged at ERROR, ``error`` says why (status shows it), and the mount
+    keeps serving; the next successful append clears it.
+    """
+
+    def __init__(self, cache_dir: str, block_size: int, pool_size: int,
+                 live_records: Callable[[], list[Record]] = list) -> None:
         self.path = os.path.join(cache_dir, JOURNAL)
         self.header = HEADER.pack(MAGIC, block_size, pool_size)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
@@ -74,10 +145,29 @@ class Journal:
         self.size = len(self.header)
         self.applied_fd = os.open(os.path.join(cache_dir, APPLIED),
                                   os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        self.reset_wanted = False   # set by the flusher when idle; done on the next append
+        # the "dirty"/"flushed" records of files in those states (Cache.live_file_records)
+        self.live_records = live_records
+        self.idle = False             # no op queued since the last applied(): cut back next
+        self.error: str | None = None
 
-    def append(self, record: tuple) -> None:
-        payload = marshal.dumps(record)
+    def append(self, record: Record) -> None:
+        try:
+            if self.idle:
+                self._reset()
+                for rec in self.live_records():
+                    self._write(rec)
+                self.idle = False
+            self._write(record)
+            self.error = None
+        except OSError as e:
+            if self.error is None:
+                log.error("cannot write the journal %s (%s): changes are still persisted, but a "
+                          "daemon crash now would lose the ones not yet in the backing",
+                          self.path, e)
+            self.error = str(e)
+
+    def _write(self, record: Record) -> None:
+        payload = record.encode()
         data = FRAME.pack(len(payload), zlib.crc32(payload)) + payload
         try:
             n = os.write(self.fd, data)
@@ -93,11 +183,14 @@ class Journal:
                           f"{n} of {len(data)} bytes)")
         self.size += n
 
-    def applied(self, seq: int) -> None:
+    def applied(self, seq: int, idle: bool = False) -> None:
+        """The sequencer applied op ``seq``; ``idle``: nothing is queued after it."""
         os.pwrite(self.applied_fd, seq.to_bytes(8, "little"), 0)
+        if idle:
+            self.idle = True
 
-    def reset(self) -> None:
-        """Everything recorded is in the backing: drop it (hold Cache.lock)."""
+    def _reset(self) -> None:
+        """Everything recorded is in the backing: drop it."""
         if self.size > len(self.header):
             os.ftruncate(self.fd, len(self.header))
             os.lseek(self.fd, len(self.header), os.SEEK_SET)
@@ -111,7 +204,7 @@ class Journal:
 class Leftover:
     """What a dead daemon left in a cache directory."""
 
-    def __init__(self, block_size: int, pool_size: int, records: list[tuple], applied: int,
+    def __init__(self, block_size: int, pool_size: int, records: list[Record], applied: int,
                  torn: int, direct: set[bytes] | None = None) -> None:
         self.block_size = block_size
         self.pool_size = pool_size
@@ -122,17 +215,17 @@ class Leftover:
 
     @property
     def last_seq(self) -> int:
-        return max([r[0] for r in self.records] + [self.applied])
+        return max([r.seq for r in self.records] + [self.applied])
 
 
-def _frames(data: bytes, start: int) -> Iterator[tuple[int, Any]]:
+def _frames(data: bytes, start: int) -> Iterator[tuple[int, Record]]:
     pos = start
     while pos + FRAME.size <= len(data):
         n, crc = FRAME.unpack_from(data, pos)
         payload = data[pos + FRAME.size:pos + FRAME.size + n]
         if len(payload) < n or zlib.crc32(payload) != crc:
             return
-        yield pos + FRAME.size + n, marshal.loads(payload)
+        yield pos + FRAME.size + n, Record.decode(payload)
         pos += FRAME.size + n
 
 
@@ -182,7 +275,6 @@ def finish_recovery(cache_dir: str) -> None:
 def record_direct_write(cache_dir: str, path: str) -> None:
     """``acpfs.torch`` saved ``path`` (relative to the mount) straight to the backing while
     the daemon was dead or hung: a later recovery must not replay older content over it."""
-    import json
     fd = os.open(os.path.join(cache_dir, DIRECT), os.O_WRONLY | os.O_APPEND | os.O_CREAT
                  | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
@@ -192,7 +284,6 @@ def record_direct_write(cache_dir: str, path: str) -> None:
 
 
 def read_direct_writes(cache_dir: str) -> set[bytes]:
-    import json
     try:
         with open(os.path.join(cache_dir, DIRECT), "rb") as f:
             lines = f.read().splitlines()

@@ -38,20 +38,15 @@ import logging
 import os
 import time
 import urllib.parse
-from typing import TYPE_CHECKING
+from typing import Callable
 
-from .backing import SPILL_DIR, TEMP_PREFIX
-from .cache import Node, Spill
-from .journal import Leftover, unpack_blocks
+from .backing import TEMP_PREFIX
+from .cache import Cache
+from .journal import CONTENT_KINDS, DIRTY, FLUSHED, Leftover, Record
 from .retry import retry
-
-if TYPE_CHECKING:
-    from .cache import Cache
+from .types import Node, OpKind, Staged
 
 log = logging.getLogger(__name__)
-
-RECOVERED_DIR = b".acpfs-recovered"
-CONTENT_KINDS = ("publish", "flushed")
 
 
 @dataclasses.dataclass
@@ -68,48 +63,49 @@ class Recovered:
         return dataclasses.asdict(self)
 
 
-def plan(left: Leftover) -> tuple[list[tuple], list[tuple]]:
+def plan(left: Leftover) -> tuple[list[Record], list[Record]]:
     """(records to replay in order, "dirty" records of files open at the crash).
 
     A "flushed" or "dirty" record names the file's path when it was written; renames of the
     file or of a directory above it that are already in the backing (seq <= applied) are
-    not replayed, so the path is carried through them here.
+    not replayed, so the path is carried through them here (on copies: ``left`` is kept).
     """
-    last: dict[int, int] = {}
+    last: dict[int, int] = {}   # ino -> index of its last state or publish record
     for i, r in enumerate(left.records):
-        if r[0] == 0 or r[1] == "publish":
-            last[r[2]] = i
-    replay: list[tuple] = []
-    open_at_crash: list[tuple] = []
-    moved: list[list] = []    # records (as lists) whose path follows applied renames
+        if r.seq == 0 or r.kind == OpKind.PUBLISH:
+            last[r.ino] = i
+    replay: list[Record] = []
+    open_at_crash: list[Record] = []
+    moved: list[Record] = []    # copies whose path follows applied renames
     for i, r in enumerate(left.records):
-        seq, kind = r[0], r[1]
-        if seq > left.applied:
+        if r.seq > left.applied:
             replay.append(r)
-        elif kind == "rename":
-            src, dst = r[3], r[4]
+        elif r.kind == OpKind.RENAME:
+            src, dst = r.src_path, r.path
+            if src is None or dst is None:
+                continue
             for rec in moved:
-                p = rec[3]
-                if p is None or src is None or dst is None:
+                p = rec.path
+                if p is None:
                     continue
                 if p == src:
-                    rec[3] = dst
+                    rec.path = dst
                 elif p.startswith(src + b"/"):
-                    rec[3] = dst + p[len(src):]
-        elif kind in ("flushed", "dirty") and last[r[2]] == i:
-            rec = list(r)
+                    rec.path = dst + p[len(src):]
+        elif r.kind in (FLUSHED, DIRTY) and last[r.ino] == i:
+            rec = dataclasses.replace(r)
             moved.append(rec)
-            (replay if kind == "flushed" else open_at_crash).append(rec)  # type: ignore[arg-type]
-    return [tuple(r) for r in replay], [tuple(r) for r in open_at_crash]
+            (replay if r.kind == FLUSHED else open_at_crash).append(rec)
+    return replay, open_at_crash
 
 
-def claimed_blocks(records: list[tuple]) -> list[int]:
+def claimed_blocks(records: list[Record]) -> list[int]:
     """Every pool block named by a content record to be replayed (with repeats: one
     reference per record)."""
     out: list[int] = []
     for r in records:
-        if r[1] in CONTENT_KINDS:
-            out.extend(b for b in unpack_blocks(r[10]) if b >= 0)
+        if r.kind in CONTENT_KINDS:
+            out.extend(b for b in r.blocks if b >= 0)
     return out
 
 
@@ -118,7 +114,7 @@ class Replayer:
         self.cache = cache
         self.report = report
         self.direct = direct              # paths saved straight to the backing meanwhile
-        self.spills: set[bytes] = set()   # staging files taken over by replayed files
+        self.taken_over: set[bytes] = set()   # staged files taken over by replayed files
 
     def newer(self, *paths: bytes | None) -> bool:
         """Was one of ``paths`` saved straight to the backing after the daemon died?"""
@@ -147,26 +143,26 @@ class Replayer:
         self._loaded(node)
         return node, name, node.children.get(name)  # type: ignore[union-attr]
 
-    def skip(self, rec: tuple, why: str, level: int = logging.INFO) -> None:
+    def skip(self, rec: Record, why: str, level: int = logging.INFO) -> None:
         self.report.skipped += 1
-        log.log(level, "recovery: %s %s: skipped (%s)", rec[1],
-                os.fsdecode(rec[3]) if len(rec) > 3 and isinstance(rec[3], bytes) else rec[2], why)
+        path = rec.src_path if rec.kind == OpKind.RENAME else rec.path
+        where = os.fsdecode(path) if path is not None else f"(inode {rec.ino})"
+        log.log(level, "recovery: %s %s: skipped (%s)", rec.kind, where, why)
 
-    def apply(self, rec: tuple) -> None:
-        kind = rec[1]
+    def apply(self, rec: Record) -> None:
+        kind = rec.kind
         cache = self.cache
         if kind in CONTENT_KINDS:
             self.content(rec)
             return
         self.report.replayed_ops += 1
-        if kind == "rename":
-            src_path, dst_path = rec[3], rec[4]
-            p1, n1, node = self.resolve(src_path)
-            p2, n2, target = self.resolve(dst_path)
+        if kind == OpKind.RENAME:
+            p1, n1, node = self.resolve(rec.src_path)
+            p2, n2, target = self.resolve(rec.path)
             if node is None or p1 is None or p2 is None:
                 self.skip(rec, "source gone: applied before the crash, or never saved")
                 return
-            if self.newer(src_path, dst_path):
+            if self.newer(rec.src_path, rec.path):
                 self.skip(rec, "saved straight to the backing after the daemon died", logging.WARNING)
                 return
             if target is not None and target.is_dir:
@@ -176,43 +172,45 @@ class Replayer:
             except OSError as e:
                 self.skip(rec, e.strerror or str(e))
             return
-        parent, name, node = self.resolve(rec[3])
-        if kind in ("mkdir", "symlink"):
+        parent, name, node = self.resolve(rec.path)
+        if kind in (OpKind.MKDIR, OpKind.SYMLINK):
             if parent is None or node is not None:
                 self.skip(rec, "already present" if node is not None else "parent gone")
                 return
-            if kind == "mkdir":
-                cache.mkdir(parent, name, rec[4], rec[5], rec[6])
+            assert rec.uid is not None and rec.gid is not None
+            if kind == OpKind.MKDIR:
+                assert rec.mode is not None
+                cache.mkdir(parent, name, rec.mode, rec.uid, rec.gid)
             else:
-                cache.symlink(parent, name, rec[4], rec[5], rec[6])
-        elif kind in ("unlink", "rmdir"):
-            if node is None or parent is None or node.is_dir != (kind == "rmdir"):
+                cache.symlink(parent, name, rec.target, rec.uid, rec.gid)
+        elif kind in (OpKind.UNLINK, OpKind.RMDIR):
+            if node is None or parent is None or node.is_dir != (kind == OpKind.RMDIR):
                 self.skip(rec, "already gone")
                 return
             if node.is_dir:
                 self._loaded(node)
-            if self.newer(rec[3]):
+            if self.newer(rec.path):
                 self.skip(rec, "saved straight to the backing after the daemon died", logging.WARNING)
                 return
             try:
-                (cache.rmdir if kind == "rmdir" else cache.unlink)(parent, name)
+                (cache.rmdir if kind == OpKind.RMDIR else cache.unlink)(parent, name)
             except OSError as e:
                 self.skip(rec, e.strerror or str(e))
-        elif kind == "setattr":
-            if node is None or self.newer(rec[3]):
+        elif kind == OpKind.SETATTR:
+            if node is None or self.newer(rec.path):
                 self.skip(rec, "gone, or saved straight to the backing after the daemon died")
                 return
-            mode, uid, gid, times = rec[4:8]
-            cache.setattr(node, mode=mode, uid=uid, gid=gid,
+            times = rec.times
+            cache.setattr(node, mode=rec.mode, uid=rec.uid, gid=rec.gid,
                           atime=times[0] if times else None, mtime=times[1] if times else None)
-        elif kind == "xattr":
-            if node is None or node.is_link or self.newer(rec[3]):
+        elif kind == OpKind.XATTR:
+            if node is None or node.is_link or self.newer(rec.path):
                 self.skip(rec, "gone, or saved straight to the backing after the daemon died")
                 return
             if node.xattrs is None:
-                node.xattrs = retry(lambda: self._read_xattrs(node), f"reading xattrs of {rec[3]!r}")
+                node.xattrs = retry(lambda: self._read_xattrs(node), f"reading xattrs of {rec.path!r}")
             try:
-                cache.set_xattr(node, rec[4], rec[5])
+                cache.set_xattr(node, rec.key, rec.value)
             except OSError as e:
                 self.skip(rec, e.strerror or str(e))
         else:
@@ -220,98 +218,78 @@ class Replayer:
 
     def _read_xattrs(self, node: Node) -> dict[bytes, bytes]:
         cache = self.cache
-        with cache.bpos_lock:
+        with cache.position_lock:
             if node is cache.root:
                 return cache.backing.read_xattrs([], None)
-            if node.bparent is None:
+            if node.backing_parent is None:
                 return {}
-            return cache.backing.read_xattrs(cache.bpath(node.bparent), node.bname)
+            return cache.backing.read_xattrs(cache.backing_path(node.backing_parent), node.backing_name)
 
-    def content(self, rec: tuple) -> None:
+    def content(self, rec: Record) -> None:
         """A file's content at its last close: make it the file's content, queue it."""
         cache = self.cache
-        (_, kind, _, path, size, mode, uid, gid, times, xattrs, packed, spill_name) = rec
-        blocks = unpack_blocks(packed)
-        parent, name, node = self.resolve(path)
-        spill = None
-        if spill_name:
-            spill = self._open_spill(spill_name)
-        if parent is None or (node is not None and not node.is_reg) or (spill_name and spill is None):
+        blocks = rec.blocks
+        parent, name, node = self.resolve(rec.path)
+        staged = self._open_staged(rec.staged_name) if rec.staged_name else None
+        if parent is None or (node is not None and not node.is_reg) or (rec.staged_name and staged is None):
             with cache.lock:
                 cache.pool.decref(blocks)
             self.skip(rec, "its directory is gone" if parent is None else
-                      "its staging file is gone: published before the crash" if node is None or node.is_reg
+                      "its staged file is gone: published before the crash" if node is None or node.is_reg
                       else "replaced by a directory")
             return
-        if self.newer(path):
+        if self.newer(rec.path):
             with cache.lock:
                 cache.pool.decref(blocks)
-            if spill is not None:
-                spill.close()
-                self.spills.discard(spill_name)
+            if staged is not None:
+                staged.close(cache.backing.close_fd)
+                self.taken_over.discard(rec.staged_name)
             self.skip(rec, "saved straight to the backing after the daemon died: that newer "
                       "version stays", logging.WARNING)
             return
+        assert rec.mode is not None and rec.uid is not None and rec.gid is not None
+        assert rec.times is not None
         if node is None:
-            node = cache.create(parent, name, mode, uid, gid)
+            node = cache.create(parent, name, rec.mode, rec.uid, rec.gid)
         with cache.lock:
             if node.blocks:
                 cache.pool.decref(node.blocks)
             cache.lru.pop(node.ino, None)
-            node.blocks = None if spill is not None else blocks
-        node.spill = spill
-        node.size = size
-        node.mode, node.uid, node.gid = mode, uid, gid
-        node.atime, node.mtime = times
-        node.xattrs = dict(xattrs)
+            node.blocks = None if staged is not None else blocks
+        node.staged = staged
+        node.size = rec.size
+        node.mode, node.uid, node.gid = rec.mode, rec.uid, rec.gid
+        node.atime, node.mtime = rec.times
+        node.xattrs = dict(rec.xattrs)
         node.dirty = True
         cache.snapshot(node)
         self.report.files += 1
 
-    def _open_spill(self, tmpname: bytes) -> Spill | None:
-        backing = self.cache.backing
-        try:
-            dfd = os.open(SPILL_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                          dir_fd=backing.root_fd)
-        except FileNotFoundError:
+    def _open_staged(self, tmpname: bytes) -> Staged | None:
+        fds = self.cache.backing.open_staged(tmpname)
+        if fds is None:
             return None
-        try:
-            fd = os.open(tmpname, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-        except FileNotFoundError:
-            os.close(dfd)
-            return None
-        sp = Spill()
-        sp.dfd, sp.fd, sp.tmpname = dfd, fd, tmpname
-        self.spills.add(tmpname)
-        return sp
+        self.taken_over.add(tmpname)
+        return Staged(fds[0], fds[1], tmpname)
 
-    def open_files(self, dirty: list[tuple]) -> None:
+    def open_files(self, dirty: list[Record]) -> None:
         """Files open for writing at the crash: keep staged content aside, log the rest."""
         backing = self.cache.backing
         staged: dict[int, bytes] = {}
-        try:
-            dfd = os.open(SPILL_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                          dir_fd=backing.root_fd)
-            try:
-                names = os.listdir(dfd)
-            finally:
-                os.close(dfd)
-            for name in names:
-                raw = os.fsencode(name)
-                if raw in self.spills or not raw.startswith(TEMP_PREFIX):
-                    continue
-                ino = raw[len(TEMP_PREFIX):].split(b"-", 1)[0]
-                if ino.isdigit():
-                    staged[int(ino)] = raw
-        except FileNotFoundError:
-            pass
+        for raw in backing.list_staged():
+            if raw in self.taken_over or not raw.startswith(TEMP_PREFIX):
+                continue
+            ino = raw[len(TEMP_PREFIX):].split(b"-", 1)[0]
+            if ino.isdigit():
+                staged[int(ino)] = raw
         stamp = time.strftime("%Y%m%dT%H%M%S").encode()
         for rec in dirty:
-            ino, path = rec[2], rec[3]
-            shown = os.fsdecode(path) if path is not None else f"(inode {ino}, deleted)"
-            tmp = staged.pop(ino, None)
+            path = rec.path
+            shown = os.fsdecode(path) if path is not None else f"(inode {rec.ino}, deleted)"
+            tmp = staged.pop(rec.ino, None)
             if tmp is not None and path is not None:
-                aside = self._keep_aside(tmp, stamp, path)
+                flat = urllib.parse.quote(os.fsdecode(path), safe="").encode()
+                aside = backing.keep_aside(tmp, stamp, flat)
                 self.report.kept_aside.append(aside)
                 log.error("recovery: %s was open for writing when the daemon died; its content "
                           "written so far is kept aside as %s in the backing; the file itself "
@@ -321,28 +299,16 @@ class Replayer:
                 log.error("recovery: %s was open for writing when the daemon died; its changes "
                           "since it was opened are lost; the backing keeps its previous version",
                           shown)
-        for tmp in staged.values():   # staging files of files deleted before the crash
+        for tmp in staged.values():   # staged files of files deleted before the crash
             try:
-                os.unlink(SPILL_DIR + b"/" + tmp, dir_fd=backing.root_fd)
+                backing.remove_staged(tmp)
             except OSError:
                 pass
-        backing.remove_spill_dir()
-
-    def _keep_aside(self, tmp: bytes, stamp: bytes, path: bytes) -> str:
-        root = self.cache.backing.root_fd
-        for d in (RECOVERED_DIR, RECOVERED_DIR + b"/" + stamp):
-            try:
-                os.mkdir(d, 0o700, dir_fd=root)
-            except FileExistsError:
-                pass
-        flat = urllib.parse.quote(os.fsdecode(path), safe="").encode()
-        dst = RECOVERED_DIR + b"/" + stamp + b"/" + flat
-        os.rename(SPILL_DIR + b"/" + tmp, dst, src_dir_fd=root, dst_dir_fd=root)
-        return os.fsdecode(dst)
+        backing.remove_staging_dir()
 
 
-def recover(cache: Cache, left: Leftover, replay: list[tuple], dirty: list[tuple],
-            progress=None) -> Recovered:
+def recover(cache: Cache, left: Leftover, replay: list[Record], dirty: list[Record],
+            progress: Callable[[int, int], None] | None = None) -> Recovered:
     """Replay ``replay`` (from ``plan``) into ``cache``; the flusher must not run yet."""
     report = Recovered(started=time.time())
     r = Replayer(cache, report, left.direct)
@@ -355,7 +321,7 @@ def recover(cache: Cache, left: Leftover, replay: list[tuple], dirty: list[tuple
                 raise
             r.skip(rec, str(e), logging.ERROR)
         except Exception as e:   # a bug: one record must not stop the rest from being recovered
-            log.exception("recovery: cannot replay %s", rec[:4])
+            log.exception("recovery: cannot replay %s %s (seq %d)", rec.kind, rec.path, rec.seq)
             r.skip(rec, f"internal error: {e!r}", logging.ERROR)
         if progress and time.monotonic() - t > 0.5:
             t = time.monotonic()

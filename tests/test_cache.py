@@ -49,7 +49,7 @@ def write_file(cache: Cache, name: bytes, data: bytes):
 def test_snapshot_is_immune_to_later_writes(core):
     cache, flusher, back = core
     node = write_file(cache, b"f", b"A" * (3 * BS))
-    with cache.bpos_lock:        # hold the flusher so the snapshot stays queued
+    with cache.position_lock:        # hold the flusher so the snapshot stays queued
         cache.release(node, True)
         cache.open(node, True, False)
         cache.write(node, BS, b"B" * BS)   # must copy the shared block, not change the snapshot
@@ -84,7 +84,7 @@ def test_full_pool_evicts_persisted_files_first(core):
 
 def test_unlinked_before_persisted_is_never_uploaded(core):
     cache, flusher, back = core
-    with cache.bpos_lock:        # hold the flusher back
+    with cache.position_lock:        # hold the flusher back
         node = write_file(cache, b"gone", b"g" * BS)
         cache.release(node, True)
         cache.unlink(cache.root, b"gone")
@@ -110,9 +110,9 @@ def test_rename_of_unsaved_file_keeps_old_bytes_until_new_ones_land(core):
 
 def test_applied_seq_moves_only_after_the_op_is_finished(core):
     """FS.wait_seq reads applied_seq without the lock and then relies on the op's bookkeeping
-    (a published spill detached from its node, block references dropped): whoever sees an op
+    (a published staged file detached from its node, block references dropped): whoever sees an op
     applied must see it finished. (Set before _finish, a writer opening a file in that window
-    kept a spill that _finish then took away, and its next write failed with EIO.)"""
+    kept a staged file that _finish then took away, and its next write failed with EIO.)"""
     cache, flusher, back = core
     seen: list[tuple[int, int]] = []
     finish = flusher._finish

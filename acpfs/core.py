@@ -1,0 +1,401 @@
+"""The filesystem's operations under trio, without FUSE: what each request does.
+
+``fs`` turns a FUSE request into one call here and the result into a reply; tests call
+these methods directly (tests/unit/test_core.py), with the real cache, flusher and a
+backing that can fail or hang. Owns the open file and directory handles, loading of
+directories and extended attributes from the backing (in worker threads, so that a slow
+or hung backing never stalls the trio loop), reads of files that are not cached, preload,
+statfs, and the control attributes (``control``). Everything that touches a file's content
+while the cache is full goes through ``writethrough``; the namespace and cached content
+are ``cache``'s.
+
+Errors are ``types.FsError`` (an errno); anything else raised here is a bug.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat as statmod
+from typing import Callable, Protocol
+
+import trio
+
+from . import control
+from .cache import Cache
+from .pool import PoolFull
+from .types import Node, err
+from .writethrough import WriteThrough
+
+log = logging.getLogger(__name__)
+
+STATFS_WAIT = 2.0  # seconds statfs waits for the backing before answering from memory
+
+
+class Caller(Protocol):
+    """Who made a request (pyfuse3's RequestContext has these)."""
+    uid: int
+    gid: int
+    umask: int
+
+
+class Handle:
+    """An open file."""
+    __slots__ = ("node", "writable", "append", "backing_fd", "backing_version")
+
+    def __init__(self, node: Node, writable: bool, append: bool = False) -> None:
+        self.node = node
+        self.writable = writable
+        self.append = append         # opened with O_APPEND
+        self.backing_fd = -1         # the backing copy, for files not in the cache
+        self.backing_version = 0     # Node.versions when backing_fd was opened
+
+
+class Core:
+    def __init__(self, cache: Cache, info: control.MountInfo,
+                 readers_direct_io: Callable[[], bool] = lambda: False) -> None:
+        self.cache = cache
+        self.backing = cache.backing
+        self.info = info
+        self.wt = WriteThrough(cache, info.cache_full_timeout, info.persist_open_after)
+        self.readers_direct_io = readers_direct_io   # asked at each open: the INIT reply decides
+        self.handles: dict[int, Handle] = {}
+        self.dirs: dict[int, list[tuple[bytes, Node]]] = {}
+        self._next_fh = 1
+        self._list_locks: dict[int, trio.Lock] = {}
+        self._statfs: os.statvfs_result | None = self.backing.statvfs()   # answers at mount
+        self._statfs_call: trio.Event | None = None
+        self.nursery: trio.Nursery | None = None
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Background work: write-through in a full cache, files open for a long time."""
+        self.nursery = self.wt.nursery = nursery
+        nursery.start_soon(self.wt.persist_open_files)
+
+    # -- resolving ids ---------------------------------------------------------------------
+    def node(self, ino: int) -> Node:
+        node = self.cache.nodes.get(ino)
+        if node is None:
+            raise err(errno.ENOENT, f"inode {ino} is not known (forgotten)")
+        return node
+
+    def handle(self, fh: int) -> Handle:
+        h = self.handles.get(fh)
+        if h is None:
+            raise err(errno.EBADF, f"file handle {fh} is not open")
+        return h
+
+    def _new_fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    # -- loading from the backing ----------------------------------------------------------
+    async def loaded(self, node: Node) -> Node:
+        """Make sure a directory's entries are known (read from the backing once)."""
+        if node.children is None:
+            if not node.is_dir:
+                raise err(errno.ENOTDIR)
+            lk = self._list_locks.get(node.ino)
+            if lk is None:
+                lk = self._list_locks[node.ino] = trio.Lock()
+            async with lk:
+                if node.children is None:
+                    listing = await trio.to_thread.run_sync(self.cache.list_backing, node)
+                    self.cache.attach_listing(node, listing)
+            self._list_locks.pop(node.ino, None)
+        return node
+
+    async def xattrs_loaded(self, node: Node) -> dict[bytes, bytes]:
+        if node.xattrs is None:
+            cache = self.cache
+
+            def read() -> dict[bytes, bytes]:
+                with cache.position_lock:
+                    if node is cache.root:
+                        return cache.backing.read_xattrs([], None)
+                    if node.backing_parent is None or node.is_link:
+                        return {}
+                    return cache.backing.read_xattrs(cache.backing_path(node.backing_parent),
+                                                     node.backing_name)
+            values = await trio.to_thread.run_sync(read)
+            if node.xattrs is None:
+                node.xattrs = values
+        return node.xattrs
+
+    async def dir(self, ino: int) -> Node:
+        return await self.loaded(self.node(ino))
+
+    # -- the namespace ---------------------------------------------------------------------
+    async def lookup(self, parent_ino: int, name: bytes) -> Node:
+        return self.cache.lookup(await self.dir(parent_ino), name)
+
+    @staticmethod
+    def _gid(parent: Node, caller: Caller) -> int:
+        return parent.gid if parent.mode & statmod.S_ISGID else caller.gid
+
+    async def mkdir(self, parent_ino: int, name: bytes, mode: int, caller: Caller) -> Node:
+        parent = await self.dir(parent_ino)
+        node = self.cache.mkdir(parent, name, mode & ~caller.umask, caller.uid, self._gid(parent, caller))
+        if parent.mode & statmod.S_ISGID:
+            node.mode |= statmod.S_ISGID
+        return node
+
+    async def symlink(self, parent_ino: int, name: bytes, target: bytes, caller: Caller) -> Node:
+        parent = await self.dir(parent_ino)
+        return self.cache.symlink(parent, name, target, caller.uid, self._gid(parent, caller))
+
+    async def unlink(self, parent_ino: int, name: bytes) -> None:
+        self.cache.unlink(await self.dir(parent_ino), name)
+
+    async def rmdir(self, parent_ino: int, name: bytes) -> None:
+        parent = await self.dir(parent_ino)
+        await self.loaded(self.cache.lookup(parent, name))
+        self.cache.rmdir(parent, name)
+
+    async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+                     noreplace: bool) -> None:
+        p1 = await self.dir(old_parent)
+        p2 = await self.dir(new_parent)
+        target = p2.children.get(new_name)  # type: ignore[union-attr]
+        if target is not None and target.is_dir:
+            await self.loaded(target)
+        self.cache.rename(p1, old_name, p2, new_name, noreplace=noreplace)
+
+    def readlink(self, ino: int) -> bytes:
+        node = self.node(ino)
+        if not node.is_link:
+            raise err(errno.EINVAL, "not a symlink")
+        return node.target
+
+    def forget(self, ino: int, n: int) -> None:
+        node = self.cache.nodes.get(ino)
+        if node is not None and node is not self.cache.root:
+            self.cache.forget(node, n)
+
+    async def setattr(self, ino: int, *, size: int | None = None, mode: int | None = None,
+                      uid: int | None = None, gid: int | None = None, atime: int | None = None,
+                      mtime: int | None = None) -> Node:
+        node = self.node(ino)
+        if size is not None:
+            if not node.is_reg:
+                raise err(errno.EINVAL, "not a regular file")
+            await self.xattrs_loaded(node)
+            await self.wt.truncate(node, size)
+        if (mode, uid, gid, atime, mtime) != (None,) * 5:
+            self.cache.setattr(node, mode=mode, uid=uid, gid=gid, atime=atime, mtime=mtime)
+        return node
+
+    # -- directories -----------------------------------------------------------------------
+    async def opendir(self, ino: int) -> int:
+        node = await self.dir(ino)
+        fh = self._new_fh()
+        self.dirs[fh] = list(node.children.items())  # type: ignore[union-attr]
+        return fh
+
+    def dir_entries(self, fh: int) -> list[tuple[bytes, Node]]:
+        entries = self.dirs.get(fh)
+        if entries is None:
+            raise err(errno.EBADF, f"directory handle {fh} is not open")
+        return entries
+
+    def releasedir(self, fh: int) -> None:
+        self.dirs.pop(fh, None)
+
+    async def fsyncdir(self) -> None:
+        if self.info.fsync_backing:
+            await self.wt.wait_seq(self.cache.seq)
+
+    # -- files -----------------------------------------------------------------------------
+    async def open(self, ino: int, flags: int) -> tuple[int, bool]:
+        """Open a file: (file handle, whether the kernel should bypass its page cache)."""
+        node = self.node(ino)
+        if node.is_dir:
+            raise err(errno.EISDIR)
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        trunc = bool(flags & os.O_TRUNC) and writable
+        append = bool(flags & os.O_APPEND)
+        await self.wt.settle(node)
+        if writable:
+            await self.xattrs_loaded(node)
+            await self.wt.open_for_writing(node, trunc)
+        h = Handle(node, writable, append)
+        # Readers of a cached file skip the page cache where shared mmap survives it: each
+        # READ is then one copy from the pool into the reader's buffer (the page cache path
+        # copies twice and allocates a page per 4 KiB). Files read from the backing keep
+        # the page cache and its read-ahead. Writers always: 1 MiB requests straight into
+        # the pool, no page cache cap.
+        direct = writable or (node.blocks is not None and self.readers_direct_io())
+        if not writable and node.blocks is None and node.staged is None and node.is_reg:
+            # Open the backing copy now, so that the reader keeps the version it opened
+            # even if the file is renamed over, deleted or republished meanwhile.
+            await self._open_backing(h)
+        self.cache.open(node, writable, trunc, append and writable)
+        fh = self._new_fh()
+        self.handles[fh] = h
+        return fh, direct
+
+    async def create(self, parent_ino: int, name: bytes, mode: int, flags: int,
+                     caller: Caller) -> tuple[int, Node]:
+        parent = await self.dir(parent_ino)
+        node = self.cache.create(parent, name, mode & ~caller.umask, caller.uid, self._gid(parent, caller))
+        append = bool(flags & os.O_APPEND)
+        # The creating handle always counts as a writer, so that the new file is
+        # published at its last close even when it was opened read-only.
+        self.cache.open(node, True, False, append)
+        fh = self._new_fh()
+        self.handles[fh] = Handle(node, True, append)
+        return fh, node
+
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        h = self.handle(fh)
+        node = h.node
+        if node.staged is not None:
+            data = await self.wt.read_staged(node, off, size)
+            if data is not None:
+                return data
+        data = self.cache.read(node, off, size)
+        if data is not None:
+            self.cache.touch(node)
+            return data
+        if h.backing_fd < 0 or (h.backing_version != node.versions and node.nlink):
+            await self._open_backing(h)
+        return await trio.to_thread.run_sync(self.backing.read, h.backing_fd, size, off)
+
+    async def _open_backing(self, h: Handle) -> None:
+        """(Re)open the backing copy of the handle's file for reading."""
+        cache = self.cache
+        node = h.node
+
+        def open_backing() -> tuple[int, int]:
+            with cache.position_lock:
+                if node.backing_parent is None or node.backing_stale:
+                    raise err(errno.EIO, "file has no backing copy")
+                return (cache.backing.open_file(cache.backing_path(node.backing_parent), node.backing_name),
+                        node.versions)
+        fd, version = await trio.to_thread.run_sync(open_backing)
+        if h.backing_fd >= 0:
+            self.backing.close_fd(h.backing_fd)
+        h.backing_fd, h.backing_version = fd, version
+
+    def write_now(self, fh: int, off: int, data: memoryview) -> int | None:
+        """A WRITE straight from libfuse's buffer: bytes written, or None to take the async
+        path (``write``). ``data`` is valid only during this call: it is copied into the pool."""
+        return self.wt.write_now(self.handle(fh).node, off, data)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return await self.wt.write(self.handle(fh).node, off, buf)
+
+    def flush(self, fh: int) -> None:
+        # close() returns when FLUSH is answered; RELEASE follows without being waited for.
+        # So the content that close() acknowledges is journaled here (Cache.record_close).
+        # No waiting for a staged file being built: the blocks stay valid until it is
+        # complete, and the record holds them.
+        h = self.handles.get(fh)
+        if h is not None and h.writable and h.node.writers == 1:
+            self.cache.record_close(h.node)
+
+    async def release(self, fh: int) -> None:
+        h = self.handles.pop(fh, None)
+        if h is None:
+            raise err(errno.EBADF, f"file handle {fh} is not open")
+        if h.writable:
+            await self.wt.settle(h.node)
+        try:
+            self.cache.release(h.node, h.writable, h.append and h.writable)
+        finally:
+            if h.backing_fd >= 0:
+                self.backing.close_fd(h.backing_fd)
+
+    async def fsync(self, fh: int) -> None:
+        if self.info.fsync_backing:
+            await self.wt.fsync(self.handle(fh).node)
+
+    async def preload(self, node: Node) -> bytes:
+        """``user.acpfs.preload``: read a file's backing copy into the cache, for a fast resume.
+
+        Never waits for the flusher: when the cache cannot hold the file even after evicting
+        persisted files, the answer is ENOSPC at once. A preloaded file is clean and
+        evictable like any persisted file.
+        """
+        cache = self.cache
+        if not node.is_reg:
+            raise err(errno.EINVAL, "only regular files can be preloaded")
+        await self.wt.settle(node)
+        if node.blocks is None and node.staged is None:
+            if node.size > cache.pool.size:
+                raise err(errno.EFBIG, "file larger than the cache")
+            async with self.wt.copying(node):
+                if node.blocks is None:
+                    try:
+                        blocks = cache.copy_up_blocks(node)
+                    except PoolFull:
+                        raise err(errno.ENOSPC, "cache full") from None
+                    try:
+                        await trio.to_thread.run_sync(cache.read_backing_into, node, blocks)
+                    except BaseException:
+                        cache.release_blocks(blocks)
+                        raise
+                    cache.attach_blocks(node, blocks)
+                    cache.maybe_evictable(node)
+        cache.touch(node)
+        return json.dumps({"size": node.size, "cached": node.blocks is not None}).encode()
+
+    # -- the backing's numbers -------------------------------------------------------------
+    async def statfs(self) -> os.statvfs_result:
+        """The backing's numbers, asked at most once at a time and waited for at most
+        STATFS_WAIT seconds: on a hung backing the last answer is given (statvfs is how
+        'acpfs status' tells a live mount from a stale one, so it must not hang)."""
+        if self._statfs_call is None:
+            self._statfs_call = trio.Event()
+            assert self.nursery is not None
+            self.nursery.start_soon(self._refresh_statfs, self._statfs_call)
+        with trio.move_on_after(STATFS_WAIT):
+            await self._statfs_call.wait()
+        if self._statfs is None:
+            raise err(errno.EIO, "the backing directory is not answering")
+        return self._statfs
+
+    async def _refresh_statfs(self, done: trio.Event) -> None:
+        try:
+            self._statfs = await trio.to_thread.run_sync(self.backing.statvfs, abandon_on_cancel=True)
+        except OSError as e:
+            log.warning("statvfs of the backing failed: %s", e)
+        finally:
+            self._statfs_call = None
+            done.set()
+
+    # -- extended attributes ---------------------------------------------------------------
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
+        node = self.node(ino)
+        if name == control.PRELOAD:
+            return await self.preload(node)
+        if name.startswith(control.PREFIX):
+            return control.get(self.cache, self.info, node, name)
+        if not name.startswith(b"user."):
+            raise err(errno.ENODATA)
+        value = (await self.xattrs_loaded(node)).get(name)
+        if value is None:
+            raise err(errno.ENODATA)
+        return value
+
+    async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        node = self.node(ino)
+        if name.startswith(control.PREFIX):
+            raise err(errno.EPERM, "acpfs control attributes are read-only")
+        if not name.startswith(b"user.") or node.is_link:
+            raise err(errno.ENOTSUP, "only user extended attributes are supported")
+        await self.xattrs_loaded(node)
+        self.cache.set_xattr(node, name, value)
+
+    async def listxattr(self, ino: int) -> list[bytes]:
+        return list(await self.xattrs_loaded(self.node(ino)))
+
+    async def removexattr(self, ino: int, name: bytes) -> None:
+        node = self.node(ino)
+        if name.startswith(control.PREFIX):
+            raise err(errno.EPERM, "acpfs control attributes are read-only")
+        await self.xattrs_loaded(node)
+        self.cache.set_xattr(node, name, None)   # ENODATA if it is not set

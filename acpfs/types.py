@@ -1,0 +1,225 @@
+"""The types every part of the core shares: nodes, staged files, snapshots, operations, and
+the enums that name op kinds, op states and journal states.
+
+Nothing here does I/O or imports another acpfs module, so ``cache``, ``flusher``,
+``writethrough``, ``journal`` and ``recovery`` can all depend on it without a circle.
+Which thread may touch which field, and under which lock, is in docs/concurrency.md; the
+short form is next to each field.
+
+Vocabulary (one name per concept):
+    cached        a file whose content is in the pool (``Node.blocks``)
+    written through / staged
+                  a file too large for the cache (or open for a long time) whose content
+                  lives in a *staged file* in the backing (``Node.staged``, ``Staged``)
+                  instead; its last close hands the staged file to a publish op
+    snapshot      an immutable picture of a file at its last close: what one upload writes
+    position      where a node currently is in the backing (``backing_parent``/``backing_name``),
+                  which lags behind its place in the mount until the flusher catches up
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import enum
+import os
+import stat as statmod
+import time
+from typing import Any, Protocol
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+class OpKind(str, enum.Enum):
+    """What an ``Op`` does to the backing. The values are what the journal stores."""
+    PUBLISH = "publish"    # a file's snapshot: upload to a temporary name, rename into place
+    MKDIR = "mkdir"
+    SYMLINK = "symlink"
+    UNLINK = "unlink"
+    RMDIR = "rmdir"
+    RENAME = "rename"
+    SETATTR = "setattr"    # mode, owner, times of a file not being published anyway
+    XATTR = "xattr"        # one user extended attribute set or removed
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class OpState(enum.Enum):
+    """queued -> uploading -> finalizing -> done; queued/uploading -> void when the file left
+    the namespace before it was persisted (``Cache._cancel``)."""
+    QUEUED = "queued"
+    UPLOADING = "uploading"
+    FINALIZING = "finalizing"
+    DONE = "done"
+    VOID = "void"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class JournalState(enum.IntEnum):
+    """What the journal last said about a file (``Node.journal_state``); recovery acts on
+    the last record of each file."""
+    NONE = 0      # nothing pending: a later crash leaves the backing version alone
+    DIRTY = 1     # open with unsaved changes; at a crash they are dropped (logged)
+    FLUSHED = 2   # its last writer closed it; at a crash this content is published
+
+
+class Node:
+    """One file, directory or symlink of the mount's view.
+
+    Fields marked (lock) change only under ``Cache.lock``; fields marked (position lock)
+    only under ``Cache.position_lock``, by the sequencer thread; all others belong to the
+    trio thread.
+    """
+    __slots__ = ("ino", "mode", "uid", "gid", "size", "atime", "mtime", "ctime", "parent", "name",
+                 "children", "target", "blocks", "backing_parent", "backing_name", "backing_stale",
+                 "writers", "appenders", "opens", "nlink", "lookups", "dirty", "dirty_since",
+                 "publish_ops", "last_seq", "xattrs", "staged", "versions", "journal_state",
+                 "journal_blocks", "truncated")
+
+    def __init__(self, ino: int, mode: int, uid: int, gid: int, parent: Node | None, name: bytes) -> None:
+        self.ino = ino
+        self.mode = mode
+        self.uid = uid
+        self.gid = gid
+        self.size = 0
+        t = now_ns()
+        self.atime = self.mtime = self.ctime = t
+        self.parent = parent                          # place in the mount; None once deleted
+        self.name = name
+        self.children: dict[bytes, Node] | None = None   # directories: None until loaded
+        self.target = b""                                # symlinks
+        self.blocks: list[int] | None = None             # (lock) files: None = not cached
+        self.backing_parent: Node | None = None          # (position lock) position in the
+        self.backing_name = b""                          # backing; parent None = absent there
+        self.backing_stale = False                       # present, but holds an older file's bytes
+        self.writers = 0                                 # open handles that may write
+        self.appenders = 0                               # of those, opened with O_APPEND
+        self.opens = 0
+        self.nlink = 1
+        self.lookups = 0                                 # the kernel's references (FUSE lookup count)
+        self.dirty = False                               # changed since its last snapshot
+        self.dirty_since = 0.0
+        self.publish_ops: list[Op] = []                  # (lock) queued publish ops of this file
+        self.last_seq = 0                                # seq of the last op that involved it
+        self.xattrs: dict[bytes, bytes] | None = None    # None: not read from the backing yet
+        self.staged: Staged | None = None                # content written through to the backing
+        self.versions = 0                                # versions published (readers' backing fds)
+        self.journal_state = JournalState.NONE           # (lock) its last journal record
+        self.journal_blocks: list[int] | None = None     # (lock) blocks held for a FLUSHED record
+        self.truncated = False                           # shrunk since its last snapshot
+
+    @property
+    def is_dir(self) -> bool:
+        return statmod.S_ISDIR(self.mode)
+
+    @property
+    def is_reg(self) -> bool:
+        return statmod.S_ISREG(self.mode)
+
+    @property
+    def is_link(self) -> bool:
+        return statmod.S_ISLNK(self.mode)
+
+    @property
+    def appended_only(self) -> bool:
+        """Open for writing, every writer with O_APPEND, and not shrunk since its last
+        version: the backing's copy is always a prefix of it."""
+        return bool(self.writers) and self.appenders == self.writers and not self.truncated
+
+
+class Staged:
+    """The staged file of a written-through file: a temporary file in the backing's staging
+    directory that holds the file's content instead of the pool.
+
+    ``fd`` is -1 while the cached blocks are still being copied out. At the last close the
+    staged file is handed to the publish op (``queued``), which owns it from then on: it
+    fsyncs it and renames it over the final name in order, like any upload. Calls on ``fd``
+    pin it (``users``) so that a publish or discard meanwhile closes it only afterwards.
+    """
+    __slots__ = ("dir_fd", "name", "fd", "queued", "users", "closing")
+
+    def __init__(self, dir_fd: int = -1, fd: int = -1, name: bytes = b"") -> None:
+        self.dir_fd = dir_fd
+        self.name = name
+        self.fd = fd
+        self.queued = False   # handed to a publish op, which owns it now
+        self.users = 0        # (lock) calls on fd in flight
+        self.closing = False  # (lock) close when the last user is done
+
+    def close(self, close_fd) -> None:
+        """Close now, or when the last call in flight ends (hold Cache.lock)."""
+        self.closing = True
+        if self.users:
+            return
+        for fd in (self.fd, self.dir_fd):
+            if fd >= 0:
+                close_fd(fd)
+        self.fd = self.dir_fd = -1
+
+
+class Snapshot:
+    """An immutable picture of a file taken at its last close: what one upload writes."""
+    __slots__ = ("blocks", "size", "mode", "uid", "gid", "times", "xattrs", "staged")
+
+    def __init__(self, node: Node) -> None:
+        self.staged = node.staged
+        self.blocks = list(node.blocks or ())
+        self.size = node.size
+        self.mode = node.mode
+        self.uid = node.uid
+        self.gid = node.gid
+        self.times = (node.atime, node.mtime)
+        self.xattrs = dict(node.xattrs or {})
+
+
+class Op:
+    """One mutation of the mount, to be applied to the backing in seq order."""
+    __slots__ = ("seq", "kind", "node", "parent", "name", "replaced", "src", "snap", "attrs",
+                 "path", "state", "future", "dir_fd", "temp_name", "error", "attempts",
+                 "next_retry", "since", "nbytes")
+
+    def __init__(self, seq: int, kind: OpKind, node: Node, *, path: str, parent: Node | None = None,
+                 name: bytes = b"", replaced: Node | None = None, src: Node | None = None,
+                 snap: Snapshot | None = None, attrs: Any = None) -> None:
+        self.seq = seq
+        self.kind = kind
+        self.node = node
+        self.parent = parent        # the directory it lands in (mkdir, symlink, publish, rename)
+        self.name = name
+        self.replaced = replaced    # rename: the node it replaced
+        self.src = src              # rename: the directory it left
+        self.snap = snap            # publish
+        self.attrs = attrs          # setattr: (mode, uid, gid, times); xattr: (key, value)
+        self.path = path            # for humans (status, logs)
+        self.state = OpState.QUEUED
+        self.future: cf.Future | None = None
+        self.dir_fd = -1            # publish: directory of its temporary file
+        self.temp_name = b""
+        self.error: str | None = None
+        self.attempts = 0
+        self.next_retry = 0.0
+        self.since = time.time()
+        self.nbytes = snap.size if snap is not None else 0
+
+
+class OpSink(Protocol):
+    """What the cache needs of the flusher (``flusher.Flusher``)."""
+    applied_seq: int
+
+    def submit(self, op: Op, record: Any) -> None: ...
+    def discard_staged(self, staged: Staged) -> None: ...
+    def failing_op(self) -> Op | None: ...
+
+
+class FsError(OSError):
+    """The core's one error type: an errno for the caller (the FUSE reply, a CLI exit) and a
+    message for the log. Anything that is not an OSError reaching the FUSE adapter is a bug:
+    it is logged with its traceback and answered EIO (``fs.errno_of``)."""
+
+
+def err(code: int, msg: str = "") -> FsError:
+    return FsError(code, msg or os.strerror(code))

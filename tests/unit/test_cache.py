@@ -7,29 +7,10 @@ import time
 
 import pytest
 
-from acpfs.backing import Backing
-from acpfs.cache import Cache
 from acpfs.flusher import Flusher
-from acpfs.pool import Pool, PoolFull
+from acpfs.pool import PoolFull
 
-BS = 4096
-
-
-@pytest.fixture
-def core(tmp_path):
-    back = tmp_path / "back"
-    back.mkdir()
-    pool = Pool(str(tmp_path / "pool"), 64 * BS, BS)
-    backing = Backing(str(back))
-    cache = Cache(backing, pool)
-    flusher = Flusher(cache, backing, workers=2)
-    cache.flusher = flusher
-    flusher.start()
-    cache.attach_listing(cache.root, cache.list_backing(cache.root))
-    yield cache, flusher, back
-    flusher.stop(drain=True, timeout=30)
-    pool.close()
-    backing.close()
+from harness import BS, write_file
 
 
 def drain(flusher: Flusher, seq: int) -> None:
@@ -39,11 +20,9 @@ def drain(flusher: Flusher, seq: int) -> None:
         time.sleep(0.005)
 
 
-def write_file(cache: Cache, name: bytes, data: bytes):
-    node = cache.create(cache.root, name, 0o644, 0, 0)
-    cache.open(node, True, False)
-    cache.write(node, 0, data)
-    return node
+@pytest.fixture
+def core(core):
+    return core.cache, core.flusher, core.back
 
 
 def test_snapshot_is_immune_to_later_writes(core):

@@ -1,0 +1,57 @@
+"""The unit tier's harness: a cache, its flusher and journal over a FaultyBacking, no mount."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from acpfs.cache import Cache
+from acpfs.flusher import Flusher
+from acpfs.journal import Journal
+from acpfs.pool import Pool
+from faulty import FaultyBacking
+
+BS = 4096
+
+
+class Core:
+    """A cache, its flusher and (optionally) its journal over a FaultyBacking."""
+
+    def __init__(self, root: Path, blocks: int = 64, journal: bool = False, workers: int = 2) -> None:
+        self.back = root / "back"
+        self.back.mkdir(exist_ok=True)
+        self.cache_dir = root / "cache"
+        self.cache_dir.mkdir(exist_ok=True)
+        self.pool = Pool(str(self.cache_dir / "pool"), blocks * BS, BS)
+        self.backing = FaultyBacking(str(self.back))
+        self.cache = Cache(self.backing, self.pool)
+        self.flusher = Flusher(self.cache, self.backing, workers=workers)
+        self.cache.flusher = self.flusher
+        if journal:
+            self.cache.journal = Journal(str(self.cache_dir), BS, self.pool.size,
+                                         self.cache.live_file_records)
+        self.flusher.start()
+        self.cache.attach_listing(self.cache.root, self.cache.list_backing(self.cache.root))
+
+    def drain(self, seq: int | None = None, timeout: float = 30) -> None:
+        seq = self.cache.seq if seq is None else seq
+        deadline = time.monotonic() + timeout
+        while self.flusher.applied_seq < seq:
+            assert time.monotonic() < deadline, "flusher did not drain"
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        self.backing.clear()
+        self.flusher.stop(drain=True, timeout=30)
+        if self.cache.journal is not None:
+            self.cache.journal.close()
+        self.pool.close()
+        self.backing.close()
+
+
+def write_file(cache: Cache, name: bytes, data: bytes, parent=None):
+    """Create ``name`` and write ``data`` into it; the file stays open for writing."""
+    node = cache.create(parent or cache.root, name, 0o644, 0, 0)
+    cache.open(node, True, False)
+    cache.write(node, 0, data)
+    return node

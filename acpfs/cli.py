@@ -1,15 +1,15 @@
 """The ``acpfs`` command: mount, status, sync, umount.
 
 Every user error ends in one line on stderr (``acpfs: ...``) and a non-zero exit status:
-2 for bad usage, 1 when the operation failed or timed out. The commands talk to a daemon
-only through the control attributes of its mount (``control``). This module imports
-neither numpy nor pyfuse3 at the top: ``mount`` forks the daemon before any thread exists.
+2 for bad usage, 1 when the operation failed or timed out (``client.Failure``). The commands
+talk to a daemon only through the control attributes of its mount, by way of ``client``.
+This module imports neither numpy nor pyfuse3 at the top: ``mount`` forks the daemon before
+any thread exists.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import fcntl
 import json
 import os
@@ -19,79 +19,18 @@ import sys
 import time
 from typing import Any
 
-from . import __version__
+from . import __version__, client
+from .client import FSTYPE, Failure
 from .config import (UsageError, default_cache_dir, default_cache_size, default_log_file, env,
                      env_flag, format_size, key_of, parse_size, runtime_dir)
 
-FSTYPE = "fuse.acpfs"
 
-
-class Failure(Exception):
-    """The operation failed: printed as one line, exit status 1."""
-
-
-# -- finding mounts ----------------------------------------------------------------------
-def _unescape(field: str) -> str:
-    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-
-
-def acpfs_mounts() -> list[str]:
-    out = []
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) > 2 and parts[2] == FSTYPE:
-                out.append(_unescape(parts[1]))
-    return out
-
-
-def mount_type(path: str) -> str | None:
-    with open("/proc/self/mounts") as f:
-        found = None
-        for line in f:
-            parts = line.split()
-            if len(parts) > 2 and _unescape(parts[1]) == path:
-                found = parts[2]
-        return found
-
-
-def mount_of(path: str) -> str:
-    """The acpfs mount point holding ``path``."""
-    real = os.path.realpath(path)
-    best = None
-    for m in acpfs_mounts():
-        if real == m or real.startswith(m.rstrip("/") + "/"):
-            if best is None or len(m) > len(best):
-                best = m
-    if best is None:
-        raise Failure(f"{path} is not on an acpfs mount")
-    return best
-
-
-def read_status(mountpoint: str) -> dict[str, Any]:
-    try:
-        return json.loads(os.getxattr(mountpoint, "user.acpfs.status"))
-    except OSError as e:
-        if e.errno == errno.ENOTCONN:
-            raise Failure(f"the acpfs daemon of {mountpoint} is gone (stale mount); "
-                          f"run 'acpfs umount {mountpoint}' to clean it up") from None
-        raise Failure(f"cannot read the status of {mountpoint}: {e.strerror}") from None
-
-
-def is_stale(mountpoint: str) -> bool:
-    try:
-        # never answered from the kernel's caches, and never waits on the backing
-        os.getxattr(mountpoint, "user.acpfs.status")
-        return False
-    except OSError as e:
-        return e.errno in (errno.ENOTCONN, errno.ECONNABORTED)
-
-
+# -- stale mounts ------------------------------------------------------------------------
 def clean_stale(mountpoint: str) -> None:
     print(f"acpfs: {mountpoint}: the daemon of this mount is gone (transport endpoint not connected); "
           f"detaching the stale mount", file=sys.stderr)
     subprocess.run(["fusermount3", "-u", "-z", mountpoint], check=False, capture_output=True)
-    if mount_type(mountpoint) is not None:
+    if client.mount_type(mountpoint) is not None:
         subprocess.run(["umount", "-l", mountpoint], check=False, capture_output=True)
 
 
@@ -133,29 +72,29 @@ def bar(fraction: float, width: int = 24) -> str:
 def wait_durable(mountpoint: str, seq: int, timeout: float | None, label: str) -> None:
     """Block until the mount's flusher has applied ``seq``, showing progress."""
     prog = Progress()
-    start = time.monotonic()
-    first = None
-    while True:
-        st = read_status(mountpoint)
-        q = st["queue"]
-        if q["applied_seq"] >= seq:
-            prog.done()
-            return
+    first: int | None = None   # applied_seq at the first status read
+
+    def show(st: dict[str, Any]) -> None:
+        nonlocal first
+        applied = st["queue"]["applied_seq"]
         if first is None:
-            first = q["applied_seq"]
-        left = seq - q["applied_seq"]
+            first = applied
         err = st["errors"][0] if st["errors"] else None
-        text = (f"{label}: {bar((q['applied_seq'] - first) / max(1, seq - first))} "
-                f"{left} operations left, {format_size(st['flushing']['bytes'])} queued, "
+        text = (f"{label}: {bar((applied - first) / max(1, seq - first))} "
+                f"{seq - applied} operations left, {format_size(st['flushing']['bytes'])} queued, "
                 f"{format_size(st['flush_rate_bytes_per_s'])}/s")
         if err:
             text += f"; retrying {err['path']}: {err['reason']}"
         prog.update(text)
-        if timeout is not None and time.monotonic() - start > timeout:
-            prog.done()
-            raise Failure(f"{label}: timed out after {timeout:g}s with {left} operations not yet "
-                          f"persisted" + (f" ({err['path']}: {err['reason']})" if err else ""))
-        time.sleep(0.05 if time.monotonic() - start < 2 else 0.2)
+    try:
+        client.wait_applied(mountpoint, seq, timeout, show)
+    except client.WaitTimeout as e:
+        left = seq - e.status["queue"]["applied_seq"]
+        err = e.status["errors"][0] if e.status["errors"] else None
+        raise Failure(f"{label}: timed out after {timeout:g}s with {left} operations not yet "
+                      f"persisted" + (f" ({err['path']}: {err['reason']})" if err else "")) from None
+    finally:
+        prog.done()
 
 
 # -- commands ----------------------------------------------------------------------------
@@ -163,7 +102,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
     from .daemon import Options
     if not os.path.isdir(a.backing):
         raise UsageError(f"backing directory {a.backing} does not exist or is not a directory")
-    if not os.path.isdir(a.mountpoint) and not is_stale(a.mountpoint):
+    if not os.path.isdir(a.mountpoint) and not client.is_stale(a.mountpoint):
         raise UsageError(f"mount point {a.mountpoint} does not exist or is not a directory")
     backing = os.path.realpath(a.backing)
     mountpoint = os.path.realpath(a.mountpoint)
@@ -171,7 +110,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
         raise UsageError(f"backing directory {backing} is inside the mount point {mountpoint}")
     if mountpoint.startswith(backing.rstrip("/") + "/"):
         raise UsageError(f"mount point {mountpoint} is inside the backing directory {backing}")
-    for m in acpfs_mounts():
+    for m in client.acpfs_mounts():
         if backing == m or backing.startswith(m.rstrip("/") + "/"):
             raise UsageError(f"backing directory {backing} is on the acpfs mount {m}")
 
@@ -203,12 +142,12 @@ def cmd_mount(a: argparse.Namespace) -> int:
     lock = open_lock(f"mount-{key_of(mountpoint)}.lock")
     fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent 'acpfs mount' calls: one at a time
     try:
-        kind = mount_type(mountpoint)
+        kind = client.mount_type(mountpoint)
         if kind == FSTYPE:
-            if is_stale(mountpoint):
+            if client.is_stale(mountpoint):
                 clean_stale(mountpoint)
             else:
-                st = read_status(mountpoint)
+                st = client.read_status(mountpoint)
                 if st["backing"] == backing:
                     print(f"acpfs: {mountpoint} is already mounted over {backing} (pid {st['pid']})",
                           file=sys.stderr)
@@ -354,15 +293,15 @@ def start_daemon(opts, lock) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    mounts = [mount_of(a.mountpoint)] if a.mountpoint else acpfs_mounts()
+    mounts = [client.mount_of(a.mountpoint)] if a.mountpoint else client.acpfs_mounts()
     docs = []
     for m in mounts:
-        if is_stale(m):
+        if client.is_stale(m):
             doc: dict[str, Any] = {"mountpoint": m, "stale": True}
         else:
-            doc = read_status(m)
+            doc = client.read_status(m)
             if a.files:
-                doc["files"] = json.loads(os.getxattr(m, "user.acpfs.files"))
+                doc["files"] = client.read_files(m)
         docs.append(doc)
     if a.json:
         print(json.dumps(docs[0] if a.mountpoint else docs, indent=2))
@@ -430,27 +369,24 @@ def cmd_sync(a: argparse.Namespace) -> int:
     if a.path:
         if not os.path.lexists(a.path):
             raise UsageError(f"{a.path} does not exist")
-        mount = mount_of(a.path)
-        target = a.path
-        if os.path.islink(target):   # no user xattrs on symlinks: ask the directory holding it
-            target = os.path.dirname(os.path.abspath(target))
+        mount = client.mount_of(a.path)
         try:
-            info = json.loads(os.getxattr(target, "user.acpfs.seq"))
-        except OSError as e:
+            seq, open_dirty = client.read_seq(a.path)
+        except Failure as e:
             raise Failure(f"cannot sync {a.path}: {e.strerror}") from None
-        if info["open_dirty"]:
-            print(f"acpfs: sync: {info['open_dirty']} files under {a.path} are still open for writing; "
+        if open_dirty:
+            print(f"acpfs: sync: {open_dirty} files under {a.path} are still open for writing; "
                   f"their data is persisted after they are closed", file=sys.stderr)
-        wait_durable(mount, info["seq"], a.timeout, f"sync {a.path}")
+        wait_durable(mount, seq, a.timeout, f"sync {a.path}")
         return 0
     targets = []
     stale = []
-    for mount in acpfs_mounts():
-        if is_stale(mount):
+    for mount in client.acpfs_mounts():
+        if client.is_stale(mount):
             stale.append(mount)
             print(f"acpfs: sync: skipping {mount}: its daemon is gone (stale mount)", file=sys.stderr)
             continue
-        targets.append((mount, read_status(mount)["queue"]["last_seq"]))
+        targets.append((mount, client.read_status(mount)["queue"]["last_seq"]))
     for mount, seq in targets:
         wait_durable(mount, seq, a.timeout, f"sync {mount}")
     return 1 if stale else 0
@@ -462,7 +398,7 @@ def files_under(paths: list[str]) -> list[tuple[str, int]]:
     for path in paths:
         if not os.path.lexists(path):
             raise UsageError(f"{path} does not exist")
-        mount_of(path)
+        client.mount_of(path)
         if os.path.isdir(path) and not os.path.islink(path):
             for dirpath, _, names in os.walk(path):
                 for name in sorted(names):
@@ -492,20 +428,16 @@ def preload(paths: list[str], quiet: bool = False) -> tuple[int, int, list[str]]
     left_out: list[str] = []
     start = time.monotonic()
     for path, size in files:
-        mount = mount_of(path)
+        mount = client.mount_of(path)
         if mount not in limits:
-            limits[mount] = read_status(mount)["cache"]["limit_bytes"]
+            limits[mount] = client.read_status(mount)["cache"]["limit_bytes"]
         if size > limits[mount]:
             left_out.append(f"{path}: {format_size(size)}, but only {format_size(limits[mount])} of "
                             f"the cache is left for preloading")
             continue
-        try:
-            os.getxattr(path, "user.acpfs.preload")
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                left_out.append(f"{path}: the cache is full")
-                continue
-            raise Failure(f"cannot preload {path}: {e.strerror}") from None
+        if not client.preload(path):
+            left_out.append(f"{path}: the cache is full")
+            continue
         limits[mount] -= size
         done_files += 1
         done_bytes += size
@@ -530,14 +462,15 @@ def cmd_preload(a: argparse.Namespace) -> int:
 
 
 def cmd_umount(a: argparse.Namespace) -> int:
-    mountpoint = os.path.realpath(a.mountpoint) if not is_stale(a.mountpoint) else os.path.abspath(a.mountpoint)
-    kind = mount_type(mountpoint)
+    stale = client.is_stale(a.mountpoint)
+    mountpoint = os.path.abspath(a.mountpoint) if stale else os.path.realpath(a.mountpoint)
+    kind = client.mount_type(mountpoint)
     if kind != FSTYPE:
         raise UsageError(f"{a.mountpoint} is not an acpfs mount")
-    if is_stale(mountpoint):
+    if client.is_stale(mountpoint):
         clean_stale(mountpoint)
         return 0
-    st = read_status(mountpoint)
+    st = client.read_status(mountpoint)
     pid = st["pid"]
     wait_durable(mountpoint, st["queue"]["last_seq"], a.timeout, f"umount {mountpoint}: persisting")
     cmd = ["fusermount3", "-u"] + (["-z"] if a.lazy else []) + [mountpoint]

@@ -25,12 +25,16 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import fastwrite
+from .types import OpKind, OpState
 
 if TYPE_CHECKING:
     from .cache import Cache, Node
 
 PREFIX = b"user.acpfs."
+STATE = b"user.acpfs.state"
+SEQ = b"user.acpfs.seq"
+STATUS = b"user.acpfs.status"
+FILES = b"user.acpfs.files"
 PRELOAD = b"user.acpfs.preload"   # a file: read it into the cache; {"size": N, "cached": true}
 STATUS_VERSION = 1
 FILES_CAP = 400  # an xattr value is at most 64 KiB
@@ -52,29 +56,30 @@ class MountInfo:
 
 
 def get(cache: Cache, info: MountInfo, node: Node, name: bytes) -> bytes:
-    if name == b"user.acpfs.state":
+    if name == STATE:
         return cache.state_of(node).encode()
-    if name == b"user.acpfs.seq":
+    if name == SEQ:
         seq, open_dirty = cache.subtree_seq(node)
         return json.dumps({"seq": seq, "open_dirty": open_dirty}).encode()
     if node is cache.root:
-        if name == b"user.acpfs.status":
+        if name == STATUS:
             return json.dumps(status(cache, info), separators=(",", ":")).encode()
-        if name == b"user.acpfs.files":
+        if name == FILES:
             return json.dumps(pending_files(cache), separators=(",", ":")).encode()
     raise OSError(errno.ENODATA, "no such attribute")
 
 
 def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
+    from . import fastwrite   # here: importing control (acpfs.client does) must not load the C extension
     fl = cache.flusher
     assert fl is not None
     now = time.time()
     pool = cache.pool
     dirty_bytes = sum(n.size for n in cache.dirty_nodes)
-    with fl.cond:
+    with cache.lock:
         queue = list(fl.queue)
         applied = fl.applied_seq
-        flushing_files = len({op.node.ino for op in queue if op.kind == "publish" and op.state != "void"})
+        flushing_files = len({op.node.ino for op in queue if op.kind == OpKind.PUBLISH and op.state != OpState.VOID})
         queued_bytes = fl.queued_bytes
         in_flight = fl.uploading
         persisted_files, persisted_bytes = fl.persisted_files, fl.persisted_bytes
@@ -111,7 +116,7 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         "oldest_dirty_age_s": None if oldest is None else round(now - oldest, 1),
         "errors": errors,
         "flusher_alive": fl.thread.is_alive(),
-        "journal_error": fl.journal_error,
+        "journal_error": cache.journal.error if cache.journal is not None else None,
         "recovery": info.recovery,
         "fast_write": fastwrite.state(),
     }
@@ -125,10 +130,10 @@ def pending_files(cache: Cache) -> dict[str, Any]:
         out.append(node)
     fl = cache.flusher
     assert fl is not None
-    with fl.cond:
+    with cache.lock:
         queue = list(fl.queue)
     for op in queue:
-        if op.kind == "publish" and op.node.ino not in seen and op.state != "void":
+        if op.kind == OpKind.PUBLISH and op.node.ino not in seen and op.state != OpState.VOID:
             seen.add(op.node.ino)
             out.append(op.node)
     files = [{"path": cache.path(n), "state": cache.state_of(n), "size": n.size}

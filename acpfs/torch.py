@@ -94,7 +94,6 @@ themselves where ``torch_npu`` is installed (``map_location`` as usual).
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import secrets
@@ -106,17 +105,15 @@ from typing import Any, Callable, Iterable, Literal
 
 import torch
 
-from . import config, journal
+from . import client, config, journal
 
 __all__ = ["save", "load", "wait_persisted", "preload", "configure", "Saved", "Preloaded",
            "NotPersisted"]
 
 log = logging.getLogger("acpfs.torch")
 
-FSTYPE = "fuse.acpfs"
 DEFAULT_SAVE_TIMEOUT = 600.0
 PROBE_TIMEOUT = 5.0          # how long statvfs may take before a mount counts as hung
-DEAD_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)
 
 
 class NotPersisted(Exception):
@@ -188,26 +185,6 @@ def _save_timeout(timeout: float | None) -> float:
 
 
 # -- resolving a path ---------------------------------------------------------------------------
-def _unescape(field_: str) -> str:
-    return (field_.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n")
-            .replace("\\134", "\\"))
-
-
-def _acpfs_mounts() -> dict[str, str]:
-    """acpfs mount points (live or stale) -> their mount ID (new for every mount)."""
-    out = {}
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            parts = line.split()
-            try:
-                sep = parts.index("-")
-            except ValueError:
-                continue
-            if len(parts) > sep + 1 and parts[sep + 1] == FSTYPE:
-                out[_unescape(parts[4])] = parts[0]
-    return out
-
-
 @dataclass(frozen=True)
 class _Target:
     path: str                     # absolute path, symlinks resolved up to the mount point
@@ -273,7 +250,7 @@ def _resolve(path: str | os.PathLike) -> _Target:
     Symbolic links are followed (like realpath) up to an acpfs mount point; inside a mount the
     rest of the path is taken as written (normalized), so a hung daemon cannot block this.
     """
-    mounts = _acpfs_mounts()
+    mounts = client.acpfs_mount_ids()
     pending = os.path.abspath(os.fspath(path)).split("/")[1:]
     cur = "/"
     hops = 0
@@ -321,7 +298,7 @@ def _resolve(path: str | os.PathLike) -> _Target:
 def _backing_from_status(mountpoint: str | None) -> str | None:
     if mountpoint is None:
         return None
-    ok, val = _in_thread(lambda: json.loads(os.getxattr(mountpoint, "user.acpfs.status")), PROBE_TIMEOUT)
+    ok, val = _in_thread(lambda: client.read_status(mountpoint), PROBE_TIMEOUT)
     if ok == "done":
         return val.get("backing")
     return None
@@ -350,7 +327,7 @@ def _in_thread(fn: Callable[[], Any], timeout: float | None,
 
 def _probe(mountpoint: str, timeout: float = PROBE_TIMEOUT) -> Literal["live", "dead", "hung"]:
     """Is the daemon of ``mountpoint`` answering? statvfs is never answered from a kernel cache."""
-    if mountpoint not in _acpfs_mounts():
+    if mountpoint not in client.acpfs_mount_ids():
         return "dead"
     prev = _probes.get(mountpoint)
     if prev is not None and prev.is_alive():
@@ -360,7 +337,7 @@ def _probe(mountpoint: str, timeout: float = PROBE_TIMEOUT) -> Literal["live", "
         _probes[mountpoint] = val
         return "hung"
     if ok == "error":
-        return "dead" if isinstance(val, OSError) and val.errno in DEAD_ERRNOS else "live"
+        return "dead" if isinstance(val, OSError) and val.errno in client.DEAD_ERRNOS else "live"
     return "live"
 
 
@@ -567,7 +544,7 @@ def save(obj: Any, path: str | os.PathLike, *, timeout: float | None = None,
         return _save_direct(obj, t, torch_save_kwargs, reason, start)
     th.join()
     err = w.error
-    if isinstance(err, OSError) and (err.errno in DEAD_ERRNOS or _probe(t.mountpoint) == "dead"):
+    if isinstance(err, OSError) and (err.errno in client.DEAD_ERRNOS or _probe(t.mountpoint) == "dead"):
         reason = f"the daemon is gone ({os.strerror(err.errno) if err.errno else err})"
         with _lock:
             _fallen[t.key] = reason
@@ -598,7 +575,7 @@ def load(path: str | os.PathLike, **torch_load_kwargs: Any) -> Any:
         try:
             return torch.load(src, **torch_load_kwargs)
         except OSError as e:
-            if e.errno not in DEAD_ERRNOS:
+            if e.errno not in client.DEAD_ERRNOS:
                 raise
             src = t.backing_path()
     return torch.load(src, **torch_load_kwargs)
@@ -635,31 +612,23 @@ class _Dead(Exception):
     pass
 
 
-def _wait_live(t: _Target, stop: threading.Event) -> bool:
-    target = t.path
-    if os.path.islink(target):   # no user xattrs on symlinks: ask the directory holding it
-        target = os.path.dirname(target)
+def _wait_live(t: _Target, timeout: float | None) -> bool:
+    """Wait up to ``timeout`` seconds for the live mount of ``t`` to persist it: True once it
+    has, False on the timeout; _Dead when the daemon is gone."""
+    assert t.mountpoint is not None
     try:
-        info = json.loads(os.getxattr(target, "user.acpfs.seq"))
-    except OSError as e:
-        if e.errno in DEAD_ERRNOS:
-            raise _Dead() from None
-        raise
-    if info.get("open_dirty"):
-        log.info("acpfs.torch: %d files under %s are still open for writing; their data is "
-                 "persisted after they are closed", info["open_dirty"], t.path)
-    start = time.monotonic()
-    while not stop.is_set():
-        try:
-            st = json.loads(os.getxattr(t.mountpoint, "user.acpfs.status"))
-        except OSError as e:
-            if e.errno in DEAD_ERRNOS:
-                raise _Dead() from None
-            raise
-        if st["queue"]["applied_seq"] >= info["seq"]:
-            return True
-        time.sleep(0.02 if time.monotonic() - start < 2 else 0.2)
-    return False
+        seq, open_dirty = client.read_seq(t.path)
+        if open_dirty:
+            log.info("acpfs.torch: %d files under %s are still open for writing; their data is "
+                     "persisted after they are closed", open_dirty, t.path)
+        client.wait_applied(t.mountpoint, seq, timeout)
+    except client.StaleMount:
+        raise _Dead() from None
+    except client.WaitTimeout:
+        return False
+    except client.Failure as e:
+        raise OSError(e.errno or errno.EIO, str(e)) from None
+    return True
 
 
 def wait_persisted(path_or_dir: str | os.PathLike, timeout: float | None = None) -> bool:
@@ -693,9 +662,7 @@ def wait_persisted(path_or_dir: str | os.PathLike, timeout: float | None = None)
             except NotPersisted:
                 time.sleep(0.2)
                 continue
-        stop = threading.Event()
-        ok, val = _in_thread(lambda: _wait_live(t, stop), left, "acpfs-torch-wait")
-        stop.set()
+        ok, val = _in_thread(lambda: _wait_live(t, left), left, "acpfs-torch-wait")
         if ok == "done" and val:
             return True
         if ok == "error":
@@ -725,7 +692,7 @@ def preload(paths: Iterable[str | os.PathLike]) -> Preloaded:
         files, nbytes, left_out = cli.preload(live, quiet=True)
     except config.UsageError as e:
         raise ValueError(f"acpfs preload: {e}") from None
-    except cli.Failure as e:
+    except client.Failure as e:
         raise OSError(errno.EIO, f"acpfs preload failed: {e}") from None
     return Preloaded(files, nbytes, list(left_out))
 

@@ -1,0 +1,208 @@
+"""How programs talk to a running acpfs mount: the ``acpfs`` command (``cli``) and
+``acpfs.torch`` both go through here.
+
+Owns: the mount table (one parser of ``/proc/self/mountinfo``), reading the control
+attributes whose names ``control`` defines (the status document, a path's sequence number,
+the pending files, preloading a file), telling a stale mount (its daemon is gone) from a live
+one, waiting until a mount has persisted a sequence number, and the one error type for an
+operation on a mount that failed (``Failure``).
+
+Every function that reads the mount table takes its text as an argument too (``None``: read
+``/proc/self/mountinfo``), so it can be tested without a mount. Nothing here imports numpy,
+pyfuse3 or torch, or starts a thread: ``cli`` forks the daemon after importing this, and
+training processes import it through ``acpfs.torch``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import re
+import time
+from typing import Any, Callable
+
+from . import control
+
+FSTYPE = "fuse.acpfs"
+MOUNTINFO = "/proc/self/mountinfo"
+DEAD_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)   # the daemon of the mount is gone
+POLL_FAST, POLL_SLOW, FAST_FOR = 0.02, 0.2, 2.0       # status polling: fast for FAST_FOR seconds
+
+
+class Failure(Exception):
+    """An operation on an acpfs mount failed. ``str()`` is one line for the user (the
+    ``acpfs`` command prints it and exits with status 1); ``errno`` and ``strerror`` are the
+    failed system call's (None when no system call failed)."""
+
+    def __init__(self, message: str, cause: OSError | None = None) -> None:
+        super().__init__(message)
+        self.errno = cause.errno if cause is not None else None
+        self.strerror = cause.strerror if cause is not None else None
+
+
+class StaleMount(Failure):
+    """The daemon of the mount is gone (ENOTCONN or ECONNABORTED): a stale mount."""
+
+
+class WaitTimeout(Failure):
+    """``wait_applied`` gave up; ``status`` is the last status document it read."""
+
+    def __init__(self, message: str, status: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# -- the mount table -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Mount:
+    id: str            # the mount ID: new for every mount, even at the same mount point
+    mountpoint: str    # unescaped
+    fstype: str        # "fuse.acpfs" for an acpfs mount (live or stale)
+
+
+_ESCAPE = re.compile(r"\\(040|011|012|134)")   # what the kernel escapes: space, tab, newline, \
+
+
+def unescape(field: str) -> str:
+    """A path field of the mount table as the path it names."""
+    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
+
+
+def parse_mountinfo(text: str) -> list[Mount]:
+    """The mounts of a ``/proc/PID/mountinfo`` text, in its order (a later mount on the same
+    mount point covers an earlier one). Lines that do not parse are skipped."""
+    out = []
+    for line in text.split("\n"):
+        parts = line.split()
+        try:
+            sep = parts.index("-", 6)   # after the optional fields
+        except ValueError:
+            continue
+        if len(parts) > sep + 1:
+            out.append(Mount(parts[0], unescape(parts[4]), parts[sep + 1]))
+    return out
+
+
+def mounts(text: str | None = None) -> list[Mount]:
+    """The mounts of ``text``, or of this process's mount table."""
+    if text is None:
+        with open(MOUNTINFO, "rb") as f:
+            text = os.fsdecode(f.read())
+    return parse_mountinfo(text)
+
+
+def acpfs_mounts(text: str | None = None) -> list[str]:
+    """The mount points of acpfs mounts, live or stale."""
+    return [m.mountpoint for m in mounts(text) if m.fstype == FSTYPE]
+
+
+def acpfs_mount_ids(text: str | None = None) -> dict[str, str]:
+    """acpfs mount points (live or stale) -> their mount ID (new for every mount)."""
+    return {m.mountpoint: m.id for m in mounts(text) if m.fstype == FSTYPE}
+
+
+def mount_type(path: str, text: str | None = None) -> str | None:
+    """The file system type of the mount whose mount point is ``path``; None if none is."""
+    found = None
+    for m in mounts(text):
+        if m.mountpoint == path:
+            found = m.fstype
+    return found
+
+
+def mount_of(path: str, text: str | None = None) -> str:
+    """The acpfs mount point holding ``path`` (symlinks resolved; the longest one that holds
+    it). Raises Failure when it is on no acpfs mount."""
+    real = os.path.realpath(path)
+    best = None
+    for m in acpfs_mounts(text):
+        if real == m or real.startswith(m.rstrip("/") + "/"):
+            if best is None or len(m) > len(best):
+                best = m
+    if best is None:
+        raise Failure(f"{path} is not on an acpfs mount")
+    return best
+
+
+# -- the control attributes ----------------------------------------------------------------------
+def _getxattr(path: str, name: bytes, failed: str, stale: str | None = None) -> bytes:
+    """``os.getxattr``; an error raises Failure("``failed``: strerror"), or StaleMount (with
+    the message ``stale`` if given) when the mount's daemon is gone."""
+    try:
+        return os.getxattr(path, name)
+    except OSError as e:
+        if e.errno in DEAD_ERRNOS:
+            raise StaleMount(stale or f"{failed}: {e.strerror}", e) from None
+        raise Failure(f"{failed}: {e.strerror}", e) from None
+
+
+def read_status(mountpoint: str) -> dict[str, Any]:
+    """The status document of the mount (schema in docs/status.md)."""
+    return json.loads(_getxattr(
+        mountpoint, control.STATUS, f"cannot read the status of {mountpoint}",
+        f"the acpfs daemon of {mountpoint} is gone (stale mount); "
+        f"run 'acpfs umount {mountpoint}' to clean it up"))
+
+
+def is_stale(mountpoint: str) -> bool:
+    """Whether ``mountpoint`` is an acpfs mount whose daemon is gone (asks the status
+    attribute: never answered from the kernel's caches, and never waits on the backing)."""
+    try:
+        _getxattr(mountpoint, control.STATUS, "")
+    except StaleMount:
+        return True
+    except Failure:
+        return False
+    return False
+
+
+def read_seq(path: str) -> tuple[int, int]:
+    """(seq, open_dirty) of ``path`` on a mount: everything under it is durable once the
+    mount's ``queue.applied_seq`` reaches seq, except the ``open_dirty`` files still open with
+    unsaved data (persisted at their last close). A symbolic link is asked through the
+    directory holding it (symbolic links carry no user xattrs)."""
+    target = os.path.dirname(os.path.abspath(path)) if os.path.islink(path) else path
+    info = json.loads(_getxattr(target, control.SEQ, f"cannot read the sequence number of {path}"))
+    return info["seq"], info["open_dirty"]
+
+
+def read_files(mountpoint: str) -> dict[str, Any]:
+    """The files of the mount not yet persisted, with their state (capped: ``truncated``)."""
+    return json.loads(_getxattr(mountpoint, control.FILES,
+                                f"cannot read the pending files of {mountpoint}"))
+
+
+def preload(path: str) -> bool:
+    """Read the file ``path`` into its mount's cache; False when the cache cannot hold it."""
+    try:
+        _getxattr(path, control.PRELOAD, f"cannot preload {path}")
+    except Failure as e:
+        if e.errno == errno.ENOSPC:
+            return False
+        raise
+    return True
+
+
+# -- waiting for durability ----------------------------------------------------------------------
+def wait_applied(mountpoint: str, seq: int, timeout: float | None = None,
+                 progress: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """Block until the mount has applied ``seq`` (its status's ``queue.applied_seq`` reaches
+    it): every change numbered up to ``seq`` is durable in the backing.
+
+    ``progress`` is called with each status document read while ``seq`` is not applied yet.
+    Raises WaitTimeout once ``timeout`` seconds have passed without it (a status is read at
+    least once), StaleMount when the daemon is gone, Failure when the status cannot be read.
+    """
+    start = time.monotonic()
+    while True:
+        st = read_status(mountpoint)
+        if st["queue"]["applied_seq"] >= seq:
+            return
+        if progress is not None:
+            progress(st)
+        if timeout is not None and time.monotonic() - start > timeout:
+            raise WaitTimeout(f"{mountpoint}: sequence number {seq} not persisted after "
+                              f"{timeout:g}s", st)
+        time.sleep(POLL_FAST if time.monotonic() - start < FAST_FOR else POLL_SLOW)

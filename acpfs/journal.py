@@ -132,7 +132,8 @@ class Journal:
 
     A journal that cannot be written means that a crash would lose acknowledged data: the
     first failure is logged at ERROR, ``error`` says why (status shows it), and the mount
-    keeps serving; the next successful append clears it.
+    keeps serving; the error clears when the journal is whole again: at the next cut-back,
+    once every queued op is in the backing.
     """
 
     def __init__(self, cache_dir: str, block_size: int, pool_size: int,
@@ -157,8 +158,12 @@ class Journal:
                 for rec in self.live_records():
                     self._write(rec)
                 self.idle = False
+                # Invariant: ``error`` stays set from a failed append until here. A failed
+                # append drops its record, so the journal lacks an op the flusher may not
+                # have applied; only a cut-back (every op applied, the live records written
+                # again) makes it whole. A later successful append does not.
+                self.error = None
             self._write(record)
-            self.error = None
         except OSError as e:
             if self.error is None:
                 log.error("cannot write the journal %s (%s): changes are still persisted, but a "

@@ -189,7 +189,8 @@ class Cache:
         node.nlink = 2
         kids[name] = node
         parent.mtime = parent.ctime = node.mtime
-        self._enqueue(OpKind.MKDIR, node, parent=parent, name=name)
+        # the mode and owner it was made with: a later chmod is an op of its own, after it
+        self._enqueue(OpKind.MKDIR, node, parent=parent, name=name, attrs=(node.mode, uid, gid))
         return node
 
     def symlink(self, parent: Node, name: bytes, target: bytes, uid: int, gid: int) -> Node:
@@ -200,7 +201,7 @@ class Cache:
         node.xattrs = {}
         kids[name] = node
         parent.mtime = parent.ctime = node.mtime
-        self._enqueue(OpKind.SYMLINK, node, parent=parent, name=name)
+        self._enqueue(OpKind.SYMLINK, node, parent=parent, name=name, attrs=(node.mode, uid, gid))
         return node
 
     def unlink(self, parent: Node, name: bytes) -> None:
@@ -417,20 +418,21 @@ class Cache:
         bs = self.bs
         end = off + n
         first, last = off // bs, (end - 1) // bs
-        if len(blocks) <= last:
-            blocks.extend([-1] * (last + 1 - len(blocks)))
         pool = self.pool
         rc = pool.refcount
         view = pool.view
         src = memoryview(data)
         with self.lock:
-            need = 0
-            for i in range(first, last + 1):
+            have = len(blocks)
+            need = max(0, last + 1 - max(first, have))   # blocks past the end
+            for i in range(first, min(last + 1, have)):
                 b = blocks[i]
                 if b < 0 or rc[b] > 1:
                     need += 1
             if need:
-                self._reserve(need)
+                self._reserve(need)   # PoolFull leaves the file as it was
+            if have <= last:
+                blocks.extend([-1] * (last + 1 - have))
             for i in range(first, last + 1):
                 b = blocks[i]
                 if b < 0:

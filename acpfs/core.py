@@ -138,10 +138,10 @@ class Core:
 
     async def mkdir(self, parent_ino: int, name: bytes, mode: int, caller: Caller) -> Node:
         parent = await self.dir(parent_ino)
-        node = self.cache.mkdir(parent, name, mode & ~caller.umask, caller.uid, self._gid(parent, caller))
+        mode &= ~caller.umask
         if parent.mode & statmod.S_ISGID:
-            node.mode |= statmod.S_ISGID
-        return node
+            mode |= statmod.S_ISGID   # inherited, as on a local filesystem
+        return self.cache.mkdir(parent, name, mode, caller.uid, self._gid(parent, caller))
 
     async def symlink(self, parent_ino: int, name: bytes, target: bytes, caller: Caller) -> Node:
         parent = await self.dir(parent_ino)

@@ -207,10 +207,11 @@ class Flusher:
                 kind = op.kind
                 if kind in (OpKind.MKDIR, OpKind.SYMLINK):
                     comps = cache.backing_path(op.parent)  # type: ignore[arg-type]
+                    mode, uid, gid = op.attrs   # as made: later changes are ops of their own
                     if kind == OpKind.MKDIR:
-                        backing.mkdir(comps, op.name, node.mode, node.uid, node.gid)
+                        backing.mkdir(comps, op.name, mode, uid, gid)
                     else:
-                        backing.symlink(comps, op.name, node.target, node.uid, node.gid)
+                        backing.symlink(comps, op.name, node.target, uid, gid)
                     node.backing_parent, node.backing_name = op.parent, op.name
                 elif kind in (OpKind.UNLINK, OpKind.RMDIR):
                     if node.backing_parent is not None:

@@ -193,7 +193,8 @@ class Op:
         self.replaced = replaced    # rename: the node it replaced
         self.src = src              # rename: the directory it left
         self.snap = snap            # publish
-        self.attrs = attrs          # setattr: (mode, uid, gid, times); xattr: (key, value)
+        self.attrs = attrs          # setattr: (mode, uid, gid, times); xattr: (key, value);
+                                    # mkdir, symlink: (mode, uid, gid) it was made with
         self.path = path            # for humans (status, logs)
         self.state = OpState.QUEUED
         self.future: cf.Future | None = None

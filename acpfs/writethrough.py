@@ -150,6 +150,14 @@ class WriteThrough:
         while True:
             await trio.sleep(delay)
             delay = min(delay * 2, 0.05)
+            # Try again first: the sleep may have freed enough (a file written through
+            # meanwhile). Picking a victim first wrote through files whose write now fit.
+            try:
+                result = fn()
+                self._full_since = 0.0
+                return result
+            except PoolFull:
+                pass
             if time.monotonic() - start > START_WRITE_THROUGH:
                 now = time.monotonic()
                 for ino, when in list(self.failed.items()):
@@ -162,16 +170,11 @@ class WriteThrough:
                     # in the background: on a hung backing this writer still gets its ENOSPC
                     self._start_write_through(victim)
                     await trio.sleep(0)   # let it take its slot
-            try:
-                result = fn()
-                self._full_since = 0.0
-                return result
-            except PoolFull:
-                if time.monotonic() - start > self.cache_full_timeout:
-                    log.error("cache full for %.0fs and nothing can be freed: returning ENOSPC "
-                              "(is the backing store failing? see 'acpfs status')",
-                              time.monotonic() - start)
-                    raise err(errno.ENOSPC, "cache full") from None
+            if time.monotonic() - start > self.cache_full_timeout:
+                log.error("cache full for %.0fs and nothing can be freed: returning ENOSPC "
+                          "(is the backing store failing? see 'acpfs status')",
+                          time.monotonic() - start)
+                raise err(errno.ENOSPC, "cache full")
 
     # -- staging -------------------------------------------------------------------------
     async def _stage(self, node: Node, fill: Callable[[int], None], why: str) -> Staged | None:

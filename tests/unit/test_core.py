@@ -1,0 +1,383 @@
+"""``acpfs.core.Core`` under trio without FUSE: the filesystem's requests, their errors, statfs
+on a hung backing, preload, and the FUSE adapter's one error mapping (``fs.errno_of``)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import time
+import types
+
+import pytest
+import trio
+
+import acpfs.core
+from acpfs import control
+from harness import BS
+from triocore import CALLER, ROOT, close, create, drain, pattern, read, run, write
+
+BLOCKS = 16
+CACHE = BLOCKS * BS
+
+
+@pytest.fixture
+def h(make_core):
+    return make_core(blocks=BLOCKS)
+
+
+@pytest.fixture
+def seeded(tmp_path, make_core):
+    """A harness whose backing already holds files (listed when the cache starts)."""
+    def make(files: dict[str, bytes], **kw):
+        back = tmp_path / "s" / "back"
+        back.mkdir(parents=True)
+        for name, data in files.items():
+            (back / name).parent.mkdir(parents=True, exist_ok=True)
+            (back / name).write_bytes(data)
+        return make_core("s", blocks=BLOCKS, **kw)
+    return make
+
+
+async def raises(code: int, fn, *args, **kw) -> OSError:
+    """Await ``fn(*args)`` (or call it) and check it fails with ``code`` (an OSError: FsError
+    or one from the backing, what ``fs.errno_of`` maps)."""
+    with pytest.raises(OSError) as info:
+        result = fn(*args, **kw)
+        if hasattr(result, "__await__"):
+            await result
+    assert info.value.errno == code, info.value
+    return info.value
+
+
+# -- the namespace and file content -----------------------------------------------------------
+
+def test_create_write_release_read_lands_in_the_backing(h):
+    data = pattern(3 * BS + 100)
+
+    async def test(core):
+        fh, node = await create(core, b"f", mode=0o666)
+        assert stat.S_IMODE(node.mode) == 0o644                  # the caller's umask
+        assert core.write_now(fh, 0, memoryview(data[:BS])) == BS  # the fast path
+        await write(core, fh, data[BS:], off=BS)
+        assert await read(core, fh, len(data) + 10) == data
+        assert (await core.getxattr(node.ino, control.STATE)) == b"dirty"
+        await close(core, fh)
+        await drain(h)
+        assert (await core.getxattr(node.ino, control.STATE)) == b"persisted"
+        seq = json.loads(await core.getxattr(ROOT, control.SEQ))
+        assert seq == {"seq": h.cache.seq, "open_dirty": 0}
+        assert (await core.lookup(ROOT, b"f")) is node
+        fr, direct = await core.open(node.ino, os.O_RDONLY)
+        assert await read(core, fr, 100, off=BS) == data[BS:BS + 100]
+        await core.release(fr)
+    run(h, test)
+    assert (h.back / "f").read_bytes() == data
+    assert stat.S_IMODE(os.stat(h.back / "f").st_mode) == 0o644
+
+
+def test_namespace_operations_reach_the_backing_in_order(h):
+    async def test(core):
+        d = await core.mkdir(ROOT, b"d", 0o777, CALLER)
+        assert stat.S_IMODE(d.mode) == 0o755
+        fh, f = await create(core, b"f", parent=d.ino)
+        await write(core, fh, b"hello")
+        await close(core, fh)
+        await core.symlink(ROOT, b"l", b"d/g", CALLER)
+        await core.rename(d.ino, b"f", d.ino, b"g", noreplace=False)
+        assert core.readlink((await core.lookup(ROOT, b"l")).ino) == b"d/g"
+        await core.setattr(f.ino, mode=0o600)
+        await core.setxattr(f.ino, b"user.tag", b"v1")
+        assert await core.listxattr(f.ino) == [b"user.tag"]
+        assert await core.getxattr(f.ino, b"user.tag") == b"v1"
+        fh2, _ = await create(core, b"x", parent=d.ino)
+        await close(core, fh2)
+        await core.unlink(d.ino, b"x")
+        e = await core.mkdir(ROOT, b"e", 0o755, CALLER)
+        await core.rmdir(ROOT, b"e")
+        assert e.nlink == 0
+        dh = await core.opendir(d.ino)
+        assert [n for n, _ in core.dir_entries(dh)] == [b"g"]
+        core.releasedir(dh)
+        await drain(h)
+    run(h, test)
+    assert sorted(os.listdir(h.back)) == ["d", "l"]
+    assert os.listdir(h.back / "d") == ["g"]
+    assert (h.back / "d" / "g").read_bytes() == b"hello"
+    assert stat.S_IMODE(os.stat(h.back / "d" / "g").st_mode) == 0o600
+    assert os.getxattr(h.back / "d" / "g", "user.tag") == b"v1"
+    assert os.readlink(h.back / "l") == "d/g"
+
+
+def test_setgid_directories_pass_their_group_on(h):
+    caller = types.SimpleNamespace(uid=1000, gid=1000, umask=0)
+
+    async def test(core):
+        d = await core.mkdir(ROOT, b"shared", 0o2775, CALLER)
+        await core.setattr(d.ino, gid=500)
+        sub = await core.mkdir(d.ino, b"sub", 0o755, caller)
+        assert sub.gid == 500 and sub.mode & stat.S_ISGID
+        _, f = await core.create(d.ino, b"f", 0o644, os.O_WRONLY, caller)
+        assert (f.uid, f.gid) == (1000, 500)
+        plain = await core.mkdir(ROOT, b"plain", 0o755, caller)
+        assert plain.gid == 1000 and not plain.mode & stat.S_ISGID
+    run(h, test)
+
+
+def test_a_reader_of_an_uncached_file_reads_the_backing_and_keeps_its_version(seeded):
+    old = pattern(5 * BS, seed=3)
+    h = seeded({"ckpt": old, "sub/deep": b"deep"})
+
+    async def test(core):
+        node = await core.lookup(ROOT, b"ckpt")
+        assert node.blocks is None
+        fr, _ = await core.open(node.ino, os.O_RDONLY)
+        assert await read(core, fr, 2 * BS, off=BS) == old[BS:3 * BS]
+        assert node.blocks is None                               # not copied into the cache
+        await core.unlink(ROOT, b"ckpt")                         # deleted meanwhile...
+        await drain(h)
+        assert not (h.back / "ckpt").exists()
+        assert await read(core, fr, 10) == old[:10]              # ...the reader still has it
+        await core.release(fr)
+        sub = await core.lookup(ROOT, b"sub")                    # loaded on first use
+        deep = await core.lookup(sub.ino, b"deep")
+        fd, _ = await core.open(deep.ino, os.O_RDONLY)
+        assert await read(core, fd, 100) == b"deep"
+        await core.release(fd)
+    run(h, test)
+
+
+def test_opening_for_writing_copies_the_backing_version_in(seeded):
+    old = pattern(3 * BS, seed=4)
+    h = seeded({"f": old})
+
+    async def test(core):
+        node = await core.lookup(ROOT, b"f")
+        fh, direct = await core.open(node.ino, os.O_RDWR)
+        assert direct and node.blocks is not None and h.pool.used_blocks == 3
+        await write(core, fh, b"NEW", off=BS)
+        await close(core, fh)
+        await drain(h)
+        ft, _ = await core.open(node.ino, os.O_WRONLY | os.O_TRUNC)
+        assert node.size == 0
+        await write(core, ft, b"short")
+        await close(core, ft)
+        await drain(h)
+    run(h, test)
+    assert (h.back / "f").read_bytes() == b"short"
+
+
+def test_fsync_backing_waits_until_the_file_is_in_the_backing(h):
+    async def test(core):
+        fh, node = await create(core, b"f")
+        await write(core, fh, b"durable")
+        hang = h.backing.inject("publish", hang=True)
+        async with trio.open_nursery() as n:
+            done = trio.Event()
+
+            async def fsync():
+                await core.fsync(fh)
+                done.set()
+            n.start_soon(fsync)
+            await trio.to_thread.run_sync(hang.entered.wait, 5)
+            await trio.sleep(0.05)
+            assert not done.is_set()                              # waits for the backing
+            hang.release()
+        assert (h.back / "f").read_bytes() == b"durable"          # still open: yet durable
+        await write(core, fh, b"!", off=7)
+        await close(core, fh)
+        await core.fsyncdir()
+        assert (h.back / "f").read_bytes() == b"durable!"
+    run(h, test, fsync_backing=True)
+
+
+def test_fsync_memory_returns_at_once(h):
+    async def test(core):
+        fh, _ = await create(core, b"f")
+        await write(core, fh, b"x")
+        hang = h.backing.inject(hang=True)
+        t = time.monotonic()
+        await core.fsync(fh)
+        await core.fsyncdir()
+        assert time.monotonic() - t < 0.1
+        hang.release()
+        await close(core, fh)
+    run(h, test)
+
+
+# -- statfs -------------------------------------------------------------------------------------
+
+def test_statfs_answers_from_memory_when_the_backing_hangs(h, monkeypatch):
+    monkeypatch.setattr(acpfs.core, "STATFS_WAIT", 0.3)
+
+    async def test(core):
+        first = await core.statfs()
+        assert first.f_bsize == os.statvfs(h.back).f_bsize
+        hang = h.backing.inject("statvfs", hang=True)
+        calls = lambda: sum(1 for m, _ in h.backing.calls if m == "statvfs")   # noqa: E731
+        before = calls()
+        for _ in range(2):        # the second call does not start another statvfs
+            t = time.monotonic()
+            st = await core.statfs()
+            assert 0.25 < time.monotonic() - t < 1.0
+            assert st == first
+            assert calls() == before + 1
+        hang.release()
+        for _ in range(100):
+            if core._statfs_call is None:
+                break
+            await trio.sleep(0.01)
+        t = time.monotonic()
+        await core.statfs()
+        assert time.monotonic() - t < 0.25
+        assert calls() == before + 2
+    run(h, test)
+
+
+def test_statfs_of_a_failing_backing_gives_the_last_answer(h, caplog):
+    async def test(core):
+        first = await core.statfs()
+        h.backing.inject("statvfs", errno=errno.EIO)
+        t = time.monotonic()
+        assert await core.statfs() == first
+        assert time.monotonic() - t < 1.0
+    run(h, test)
+    assert any("statvfs of the backing failed" in r.getMessage() for r in caplog.records)
+
+
+# -- preload ---------------------------------------------------------------------------------------
+
+def test_preload(seeded):
+    small = pattern(3 * BS + 5, seed=5)
+    mid = pattern(10 * BS, seed=6)
+    h = seeded({"small": small, "mid": mid, "big": bytes(CACHE + 1), "d/x": b""})
+
+    async def test(core):
+        s = await core.lookup(ROOT, b"small")
+        answer = json.loads(await core.getxattr(s.ino, control.PRELOAD))
+        assert answer == {"size": len(small), "cached": True}
+        assert s.blocks is not None and h.pool.used_blocks == 4
+        assert bytes(h.cache.read(s, 0, CACHE)) == small
+        assert json.loads(await core.preload(s)) == answer        # again: nothing to do
+        assert h.pool.used_blocks == 4
+
+        await raises(errno.EFBIG, core.preload, await core.lookup(ROOT, b"big"))
+        await raises(errno.EINVAL, core.preload, await core.lookup(ROOT, b"d"))
+
+        fh, w = await create(core, b"w")                           # 8 blocks dirty, open
+        await write(core, fh, b"w" * (8 * BS))
+        m = await core.lookup(ROOT, b"mid")
+        t = time.monotonic()
+        await raises(errno.ENOSPC, core.preload, m)                # 4 + 8 + 10 > 16
+        assert time.monotonic() - t < 0.2                          # never waits for the flusher
+        assert m.blocks is None and h.pool.used_blocks <= 12
+        await close(core, fh)
+        await drain(h)                                             # w is persisted: evictable
+        answer = json.loads(await core.preload(m))
+        assert answer == {"size": len(mid), "cached": True}
+        fr, _ = await core.open(m.ino, os.O_RDONLY)
+        assert await read(core, fr, CACHE) == mid                 # from the cache
+        await core.release(fr)
+        assert w.blocks is None or s.blocks is None                # something was evicted
+    run(h, test)
+
+
+def test_preload_of_a_staged_file_reports_not_cached(h):
+    async def test(core):
+        fh, node = await create(core, b"big")
+        await write(core, fh, pattern(CACHE + BS))                 # written through
+        assert node.staged is not None
+        assert json.loads(await core.preload(node)) == {"size": CACHE + BS, "cached": False}
+        await close(core, fh)
+        await drain(h)
+    run(h, test)
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+def test_errors_of_requests(h):
+    async def test(core):
+        await raises(errno.ENOENT, core.node, 999)
+        await raises(errno.EBADF, core.handle, 999)
+        await raises(errno.EBADF, core.read, 999, 0, 10)
+        await raises(errno.EBADF, core.write, 999, 0, b"x")
+        await raises(errno.EBADF, core.release, 999)
+        await raises(errno.EBADF, core.dir_entries, 999)
+        await raises(errno.ENOENT, core.getxattr, 999, b"user.x")
+        await raises(errno.ENOENT, core.lookup, ROOT, b"missing")
+        fh, f = await create(core, b"f")
+        await raises(errno.EEXIST, create, core, b"f")
+        await raises(errno.EPERM, create, core, b".acpfs-tmp-1-2")   # reserved names
+        await raises(errno.EINVAL, core.readlink, f.ino)
+        await raises(errno.EISDIR, core.open, ROOT, os.O_RDONLY)
+        await raises(errno.ENOTDIR, core.mkdir, f.ino, b"x", 0o755, CALLER)
+        await raises(errno.ENOTDIR, core.opendir, f.ino)
+        await raises(errno.EINVAL, core.setattr, ROOT, size=0)
+        d = await core.mkdir(ROOT, b"d", 0o755, CALLER)
+        await core.mkdir(d.ino, b"sub", 0o755, CALLER)
+        await raises(errno.ENOTEMPTY, core.rmdir, ROOT, b"d")
+        await raises(errno.EISDIR, core.unlink, ROOT, b"d")
+        await raises(errno.ENOTDIR, core.rmdir, ROOT, b"f")
+        await raises(errno.EEXIST, core.rename, ROOT, b"f", ROOT, b"d", True)
+        await raises(errno.EISDIR, core.rename, ROOT, b"f", ROOT, b"d", False)
+        await raises(errno.EPERM, core.setxattr, f.ino, control.STATE, b"x")
+        await raises(errno.EPERM, core.removexattr, f.ino, control.STATE)
+        await raises(errno.ENOTSUP, core.setxattr, f.ino, b"trusted.x", b"v")
+        await raises(errno.ENODATA, core.getxattr, f.ino, b"user.none")
+        await raises(errno.ENODATA, core.getxattr, f.ino, b"security.selinux")
+        await raises(errno.ENODATA, core.getxattr, f.ino, control.STATUS)   # root only
+        await raises(errno.ENODATA, core.removexattr, f.ino, b"user.none")
+        status = json.loads(await core.getxattr(ROOT, control.STATUS))
+        assert status["version"] == control.STATUS_VERSION and status["flusher_alive"]
+        await core.release(fh)
+        await raises(errno.EBADF, core.release, fh)              # released twice
+        await drain(h)
+    run(h, test)
+
+
+def test_a_forgotten_inode_is_enoent(h):
+    async def test(core):
+        fh, f = await create(core, b"f")
+        await close(core, fh)
+        await core.unlink(ROOT, b"f")
+        f.lookups = 1
+        core.forget(f.ino, 1)
+        await raises(errno.ENOENT, core.node, f.ino)
+        core.forget(12345, 1)                                    # unknown: ignored
+        core.forget(ROOT, 1)                                     # the root is never forgotten
+        assert core.node(ROOT) is h.cache.root
+        await drain(h)
+    run(h, test)
+
+
+# -- the FUSE adapter's error mapping ----------------------------------------------------------
+
+def test_errno_of_maps_oserrors_and_answers_eio_for_bugs(caplog):
+    import pyfuse3
+
+    from acpfs.fs import errno_of, replies
+    from acpfs.types import err
+    assert errno_of(OSError(errno.ENOSPC, "full"), "write") == errno.ENOSPC
+    assert errno_of(err(errno.EBADF), "read") == errno.EBADF
+    assert errno_of(FileNotFoundError(errno.ENOENT, "x"), "lookup") == errno.ENOENT
+    assert errno_of(pyfuse3.FUSEError(errno.EACCES), "open") == errno.EACCES
+    assert errno_of(OSError("no errno"), "x") == errno.EIO
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errno_of(KeyError(7), "getattr") == errno.EIO
+    assert errno_of(AssertionError("bug"), "setattr") == errno.EIO
+    bugs = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in bugs] == ["internal error in getattr", "internal error in setattr"]
+    assert bugs[0].exc_info is not None and bugs[0].exc_info[0] is KeyError   # with traceback
+
+    @replies
+    async def handler(exc):
+        raise exc
+
+    async def main():
+        for exc, code in ((OSError(errno.EROFS, "ro"), errno.EROFS), (KeyError(1), errno.EIO)):
+            with pytest.raises(pyfuse3.FUSEError) as info:
+                await handler(exc)
+            assert info.value.errno == code
+    trio.run(main)

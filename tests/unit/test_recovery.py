@@ -1,0 +1,377 @@
+"""Recovery: what ``plan`` picks from a dead daemon's journal, and ``recover`` end to end in
+process: a journal built by real cache operations while the flusher is held, the daemon
+"killed" (its flusher aborted, nothing drained), a new cache over the same pool file and
+backing replaying it, and the backing checked byte for byte."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from acpfs import journal as jmod
+from acpfs import recovery
+from acpfs.cache import Cache
+from acpfs.flusher import Flusher
+from acpfs.journal import CLEAN, DIRTY, FLUSHED, Journal, Leftover, Record
+from acpfs.pool import Pool
+from acpfs.recovery import claimed_blocks, plan
+from faulty import FaultyBacking
+from harness import BS, write_file
+
+
+def content(seq: int, ino: int, path: bytes, blocks=(1,), kind: str = FLUSHED) -> Record:
+    return Record(seq, kind, ino, path, size=len(blocks) * BS, mode=0o100644, uid=0, gid=0,
+                  times=(1, 2), blocks=list(blocks))
+
+
+def left_of(records: list[Record], applied: int) -> Leftover:
+    return Leftover(BS, 64 * BS, records, applied, 0)
+
+
+def rename(seq: int, ino: int, src: bytes, dst: bytes) -> Record:
+    return Record(seq, "rename", ino, dst, src_path=src)
+
+
+# -- plan --------------------------------------------------------------------------------
+
+def test_ops_after_applied_are_replayed_in_order():
+    recs = [Record(1, "mkdir", 2, b"a", mode=0o40755, uid=0, gid=0),
+            Record(2, "unlink", 3, b"x"),
+            Record(3, "mkdir", 4, b"b", mode=0o40755, uid=0, gid=0),
+            content(4, 5, b"b/f", kind="publish"),
+            Record(5, "xattr", 4, b"b", key=b"user.k", value=b"v")]
+    replay, dirty = plan(left_of(recs, applied=2))
+    assert replay == recs[2:] and dirty == []
+    assert plan(left_of(recs, applied=0))[0] == recs
+    assert plan(left_of(recs, applied=5)) == ([], [])
+
+
+def test_the_last_state_record_of_a_file_wins():
+    f_dirty, f_flushed = Record(0, DIRTY, 5, b"f"), content(0, 5, b"f")
+    g_flushed, g_dirty = content(0, 6, b"g"), Record(0, DIRTY, 6, b"g")
+    h_flushed, h_clean = content(0, 7, b"h"), Record(0, CLEAN, 7)
+    i_flushed, i_publish = content(0, 8, b"i"), content(3, 8, b"i", kind="publish")
+    j_flushed, j_publish = content(0, 9, b"j"), content(2, 9, b"j", kind="publish")
+    recs = [f_dirty, g_flushed, h_flushed, i_flushed, j_flushed, Record(1, "unlink", 20, b"z"),
+            j_publish, i_publish, f_flushed, g_dirty, h_clean]
+    replay, dirty = plan(left_of(recs, applied=2))
+    # f: flushed after dirty -> published; g: dirty after flushed -> open at the crash;
+    # h: clean -> nothing; i: its publish (not applied) supersedes the flushed record;
+    # j: its publish is applied already -> nothing
+    assert replay == [i_publish, f_flushed]
+    assert dirty == [g_dirty]
+
+
+def test_a_flushed_path_follows_renames_already_applied_and_not_later_ones():
+    recs = [content(0, 5, b"d/f"),               # close() acknowledged as d/f
+            content(0, 6, b"dd/f"),              # a sibling directory sharing the prefix
+            Record(0, DIRTY, 7, b"d/sub/o"),     # open at the crash, under d
+            rename(1, 5, b"d/f", b"d/g"),        # applied: the file renamed
+            rename(2, 2, b"d", b"e"),            # applied: its directory renamed
+            rename(3, 5, b"e/g", b"top"),        # not applied: replayed after the content
+            rename(4, 6, b"dd", b"ee")]          # not applied either
+    left = left_of(recs, applied=2)
+    replay, dirty = plan(left)
+    assert [(r.kind, r.ino, r.path) for r in replay] == [
+        (FLUSHED, 5, b"e/g"), (FLUSHED, 6, b"dd/f"), ("rename", 5, b"top"), ("rename", 6, b"ee")]
+    assert [(r.ino, r.path) for r in dirty] == [(7, b"e/sub/o")]
+    # on copies: the leftover keeps what the journal says
+    assert [r.path for r in left.records[:3]] == [b"d/f", b"dd/f", b"d/sub/o"]
+
+
+def test_renames_before_the_record_do_not_move_it():
+    recs = [rename(1, 2, b"d", b"e"),            # applied, and before the close
+            content(0, 5, b"e/f"),
+            rename(2, 5, b"e/f", b"e/g")]        # applied, after the close
+    replay, _ = plan(left_of(recs, applied=2))
+    assert [r.path for r in replay] == [b"e/g"]
+
+
+def test_a_flushed_record_of_a_deleted_file_keeps_no_path():
+    recs = [Record(0, FLUSHED, 5, None, size=0, mode=0o100644, uid=0, gid=0, times=(1, 2)),
+            rename(1, 2, b"d", b"e")]
+    replay, _ = plan(left_of(recs, applied=1))
+    assert [r.path for r in replay] == [None]
+
+
+def test_claimed_blocks_counts_repeats(tmp_path):
+    recs = [content(0, 5, b"f", blocks=(3, 4, -1)),
+            content(2, 5, b"f", blocks=(3, 9), kind="publish"),
+            Record(3, "mkdir", 6, b"d", mode=0o40755, uid=0, gid=0),
+            Record(0, DIRTY, 7, b"o")]
+    assert sorted(claimed_blocks(recs)) == [3, 3, 4, 9]
+    pool = Pool(str(tmp_path / "pool"), 16 * BS, BS)
+    try:
+        pool.claim(claimed_blocks(recs))
+        assert [int(pool.refcount[b]) for b in (3, 4, 9, 0)] == [2, 1, 1, 0]
+        assert pool.used_blocks == 3 and 3 not in pool.free and 0 in pool.free
+        with pytest.raises(ValueError, match="outside the pool"):
+            pool.claim([16])
+    finally:
+        pool.close()
+
+
+# -- recover, end to end ---------------------------------------------------------------------
+
+def tree(root: Path) -> dict[str, object]:
+    """Everything under ``root``: files as their bytes, symlinks as ("->", target),
+    directories as "dir"."""
+    out: dict[str, object] = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = ("->", os.readlink(p))
+            elif p.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = p.read_bytes()
+    return out
+
+
+class Restarted:
+    """A daemon's core rebuilt over a dead one's cache directory, as ``Daemon.build`` and
+    ``Daemon.recover`` do it (no mount)."""
+
+    def __init__(self, back: Path, cache_dir: Path, workers: int = 2) -> None:
+        self.back, self.cache_dir = back, cache_dir
+        left = self.left = jmod.read_leftover(str(cache_dir))
+        assert left is not None
+        self.replay, self.dirty = recovery.plan(left)
+        jmod.start_recovery(str(cache_dir))
+        self.pool = Pool(str(cache_dir / "pool"), left.pool_size, left.block_size)
+        self.pool.claim(recovery.claimed_blocks(self.replay))
+        self.backing = FaultyBacking(str(back))
+        self.cache = Cache(self.backing, self.pool)
+        self.flusher = Flusher(self.cache, self.backing, workers)
+        self.cache.flusher = self.flusher
+        self.base_seq = left.last_seq
+        self.cache.seq = self.flusher.applied_seq = self.cache.stale_seq = self.base_seq
+        self.cache.journal = Journal(str(cache_dir), self.pool.block_size, self.pool.size,
+                                     self.cache.live_file_records)
+        self.report = None
+
+    def recover(self, before_start=lambda: None) -> recovery.Recovered:
+        self.report = recovery.recover(self.cache, self.left, self.replay, self.dirty)
+        jmod.finish_recovery(str(self.cache_dir))
+        with self.cache.lock:
+            self.cache.journal.applied(self.base_seq)
+        jmod.forget_direct_writes(str(self.cache_dir))
+        before_start()
+        self.flusher.start()
+        return self.report
+
+    def drain(self, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while self.flusher.applied_seq < self.cache.seq:
+            assert time.monotonic() < deadline, "flusher did not drain"
+            assert self.flusher.thread.is_alive(), "flusher died"
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        self.backing.clear()
+        if self.flusher.thread.ident is not None:          # started (maybe killed since)
+            self.flusher.stop(drain=not self.flusher.abort.is_set(), timeout=20)
+        else:                                              # killed before it started
+            self.flusher.pool.shutdown(wait=False)
+        self.cache.journal.close()
+        self.pool.close()
+        self.backing.close()
+
+
+@pytest.fixture
+def restart():
+    made: list[Restarted] = []
+
+    def make(core) -> Restarted:
+        r = Restarted(core.back, core.cache_dir)
+        made.append(r)
+        return r
+    yield make
+    for r in made:
+        r.close()
+
+
+def hold(core):
+    """Hold the flusher: every backing call from now on hangs, and fails with EIO once let
+    go (``kill``), so that a killed daemon applies nothing more."""
+    return core.backing.inject(hang=True, errno=errno.EIO)
+
+
+def kill(core, held) -> None:
+    """SIGKILL, as far as the cache directory can tell: the flusher stops where it is and
+    nothing more is applied or drained. The pool file, the journal and the applied counter
+    stay in the cache directory as they are."""
+    fl = core.flusher
+    fl.stop(drain=False, timeout=0)            # abort: no more retries, no further op
+    held.release()                             # the held calls fail (EIO), as will any other
+    fl.stop(drain=False, timeout=10)
+    assert not fl.thread.is_alive()
+
+
+EXPECTED = {
+    "d": "dir", "d/g": b"G" * (3 * BS + 7),
+    "e": "dir", "e/f2": b"one" * 2000,
+    "l": ("->", "e/f2"),
+    "k": b"",
+    "h": b"H" * (2 * BS),
+    "o": b"o before",                                    # open at the crash: previous version
+}
+
+
+def killed_daemon(tmp_path, make_core):
+    """A daemon that persisted d/f, then made the changes of EXPECTED (and a few that cancel
+    out) while its flusher was held, and was killed. Returns its (dead) core."""
+    back = tmp_path / "a" / "back"         # the backing as the dead daemon found it
+    back.mkdir(parents=True)
+    (back / "old").write_bytes(b"old bytes")
+    (back / "o").write_bytes(b"o before")
+    c = make_core("a", journal=True)
+    cache = c.cache
+    root = cache.root
+
+    # applied before the crash: d/, d/f
+    d = cache.mkdir(root, b"d", 0o755, 0, 0)
+    f = write_file(cache, b"f", b"one" * 2000, parent=d)
+    cache.release(f, True)
+    c.drain()
+    c.applied_before = c.flusher.applied_seq
+    assert (c.back / "d" / "f").read_bytes() == b"one" * 2000
+
+    h = hold(c)
+    g = write_file(cache, b"g", b"G" * (3 * BS + 7), parent=d)
+    cache.release(g, True)                                   # publish d/g
+    cache.setattr(g, mode=0o600)                             # chmod after the close
+    e = cache.mkdir(root, b"e", 0o750, 0, 0)
+    cache.set_xattr(e, b"user.k", b"v")
+    cache.rename(d, b"f", e, b"f2")                          # a persisted file moves
+    cache.symlink(root, b"l", b"e/f2", 0, 0)
+    cache.unlink(root, b"old")
+    k = write_file(cache, b"k", b"")                          # empty file
+    cache.release(k, True)
+    hf = write_file(cache, b"h", b"H" * (2 * BS))            # close() answered (FLUSH), no
+    cache.record_close(hf)                                   # RELEASE before the kill
+    o = cache.lookup(root, b"o")                             # open for writing at the crash
+    cache.open(o, True, True)
+    cache.write(o, 0, b"unsaved")
+    tmp = write_file(cache, b"tmp", b"T" * BS)              # created and deleted: never lands
+    cache.release(tmp, True)
+    cache.unlink(root, b"tmp")
+    assert h.entered.wait(5)
+    assert c.flusher.applied_seq == c.applied_before
+    kill(c, h)
+    assert tree(c.back) == {"d": "dir", "d/f": b"one" * 2000, "old": b"old bytes",
+                            "o": b"o before"}
+    # an upload the dead daemon left half written (its op's seq is in the journal)
+    (c.back / "d" / (".acpfs-tmp-%d-%d" % (g.ino, c.applied_before + 1))).write_bytes(b"GG")
+    return c
+
+
+def check_backing(back: Path) -> None:
+    assert tree(back) == EXPECTED
+    assert stat.S_IMODE(os.stat(back / "d" / "g").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(back / "e").st_mode) == 0o750
+    assert os.getxattr(back / "e", "user.k") == b"v"
+
+
+def test_recover_replays_what_a_killed_daemon_left(tmp_path, make_core, restart):
+    c = killed_daemon(tmp_path, make_core)
+    r = restart(c)
+    assert r.left.applied == c.applied_before and r.left.torn == 0
+    report = r.recover()
+    r.drain()
+    assert report.lost_open_files == ["o"] and report.kept_aside == []
+    assert report.files == 4             # d/g, k, h (its close() only) and tmp (then unlinked)
+    assert report.replayed_ops == 7 and report.skipped == 0
+    check_backing(c.back)
+    assert not (c.cache_dir / jmod.RECOVERING).exists()
+    # every block still held is a cached file's (the claimed ones went to the replayed files)
+    assert r.pool.used_blocks == sum(len(n.blocks or ()) for n in r.cache.nodes.values())
+
+
+def test_a_recovered_daemon_killed_again_before_persisting_is_recovered_again(
+        tmp_path, make_core, restart):
+    c = killed_daemon(tmp_path, make_core)
+    r = restart(c)
+    held = []
+    r.recover(before_start=lambda: held.append(hold(r)))
+    assert held[0].entered.wait(5)
+    kill(r, held[0])
+    assert tree(c.back)["d/f"] == b"one" * 2000 and "e" not in tree(c.back)
+    assert not (c.cache_dir / jmod.RECOVERING).exists()
+    r2 = restart(c)                      # from the journal the first recovery wrote
+    assert r2.left.applied == r.base_seq
+    assert min(x.seq for x in r2.left.records if x.seq) == r.base_seq + 1
+    report = r2.recover()
+    r2.drain()
+    assert report.lost_open_files == []  # said (and logged) by the first recovery
+    check_backing(c.back)
+
+
+def test_a_daemon_killed_during_recovery_is_recovered_from_the_same_journal(
+        tmp_path, make_core, restart):
+    c = killed_daemon(tmp_path, make_core)
+    first = restart(c)                   # killed before its replay finished
+    assert (c.cache_dir / jmod.RECOVERING).exists()
+    second = restart(c)
+    assert [(x.seq, x.kind, x.path) for x in second.left.records] == \
+        [(x.seq, x.kind, x.path) for x in first.left.records]
+    report = second.recover()
+    second.drain()
+    assert report.lost_open_files == ["o"]
+    check_backing(c.back)
+
+
+def test_written_through_files_are_published_or_kept_aside(tmp_path, make_core, restart):
+    """Files too large for the cache live in staged files in the backing. One whose close()
+    was answered (FLUSH, no RELEASE before the kill) is published from its staged file; one
+    still open for writing keeps its previous version, and what was written to it is kept
+    aside in .acpfs-recovered/."""
+    import trio
+
+    from acpfs.backing import RECOVERED_DIR, STAGING_DIR
+    from triocore import ROOT, create, pattern, run, write
+
+    back = tmp_path / "w" / "back"
+    back.mkdir(parents=True)
+    (back / "open").write_bytes(b"previous version")
+    c = make_core("w", blocks=16, journal=True)
+    big = pattern(17 * BS + 3, seed=1)
+    partial = pattern(20 * BS, seed=2)
+    staged = []
+
+    async def test(core):
+        fh, node = await create(core, b"big")
+        await write(core, fh, big)
+        assert node.staged is not None
+        core.flush(fh)                                 # close() answered; RELEASE never comes
+        o = await core.lookup(ROOT, b"open")
+        fo, _ = await core.open(o.ino, os.O_WRONLY | os.O_TRUNC)
+        await write(core, fo, partial)
+        assert o.staged is not None
+        staged.extend([node.staged, o.staged])
+        await trio.sleep(0)
+    run(c, test)
+    c.flusher.stop(drain=False, timeout=5)             # killed: nothing was queued anyway
+    assert sorted(os.listdir(c.back)) == [os.fsdecode(STAGING_DIR), "open"]
+
+    r = restart(c)
+    report = r.recover()
+    r.drain()
+    for sp in staged:                                  # the dead daemon's descriptors
+        os.close(sp.fd)
+        os.close(sp.dir_fd)
+    assert (c.back / "big").read_bytes() == big
+    assert (c.back / "open").read_bytes() == b"previous version"
+    assert len(report.kept_aside) == 1 and report.lost_open_files == []
+    aside = c.back / report.kept_aside[0]
+    assert aside.parent.parent == c.back / os.fsdecode(RECOVERED_DIR)
+    assert aside.name == "open"
+    assert aside.read_bytes() == partial
+    assert sorted(os.listdir(c.back)) == [os.fsdecode(RECOVERED_DIR), "big", "open"]

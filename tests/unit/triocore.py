@@ -1,0 +1,81 @@
+"""Driving ``acpfs.core.Core`` under trio without FUSE (as S3QL's tests/t3_fs_api.py drives its
+Operations): a harness ``Core``'s cache, a ``MountInfo``, the core's background tasks in a
+nursery, and a time limit on everything. Every hang injected into the backing is released
+before the nursery closes (worker threads held in the backing would keep it open)."""
+
+from __future__ import annotations
+
+import os
+import time
+import types
+from typing import Awaitable, Callable
+
+import trio
+
+from acpfs.cache import ROOT_INODE
+from acpfs.control import MountInfo
+from acpfs.core import Core
+
+ROOT = ROOT_INODE
+CALLER = types.SimpleNamespace(uid=0, gid=0, umask=0o022)   # what pyfuse3's RequestContext has
+
+
+def mount_info(h, *, cache_full_timeout: float = 1.0, persist_open_after: float = 0.0,
+               fsync_backing: bool = False) -> MountInfo:
+    return MountInfo(mountpoint=str(h.back.parent / "mnt"), backing=str(h.back),
+                     cache_dir=str(h.cache_dir), log_file="-", fsync_backing=fsync_backing,
+                     flush_workers=2, cache_full_timeout=cache_full_timeout,
+                     persist_open_after=persist_open_after)
+
+
+def run(h, test: Callable[[Core], Awaitable[None]], *, timeout: float = 15, **info) -> Core:
+    """``await test(core)`` with a Core over harness ``h``'s cache; fails after ``timeout``."""
+    core = Core(h.cache, mount_info(h, **info))
+
+    async def main() -> None:
+        with trio.fail_after(timeout):
+            async with trio.open_nursery() as nursery:
+                core.start(nursery)
+                try:
+                    await test(core)
+                finally:
+                    h.backing.clear()
+                    nursery.cancel_scope.cancel()
+    trio.run(main)
+    return core
+
+
+async def create(core: Core, name: bytes, parent: int = ROOT, mode: int = 0o644,
+                 flags: int = os.O_WRONLY):
+    """(file handle, node) of a new file."""
+    return await core.create(parent, name, mode, flags, CALLER)
+
+
+async def write(core: Core, fh: int, data: bytes, off: int = 0, chunk: int = 1 << 20) -> None:
+    for pos in range(0, len(data), chunk):
+        piece = data[pos:pos + chunk]
+        assert await core.write(fh, off + pos, piece) == len(piece)
+
+
+async def read(core: Core, fh: int, size: int, off: int = 0) -> bytes:
+    return bytes(await core.read(fh, off, size))
+
+
+async def close(core: Core, fh: int) -> None:
+    """close(): FLUSH, then RELEASE."""
+    core.flush(fh)
+    await core.release(fh)
+
+
+async def drain(h, timeout: float = 10) -> None:
+    """Until the flusher has applied everything queued so far (trio sleeps between looks)."""
+    seq = h.cache.seq
+    deadline = time.monotonic() + timeout
+    while h.flusher.applied_seq < seq:
+        assert time.monotonic() < deadline, "flusher did not drain"
+        await trio.sleep(0.002)
+
+
+def pattern(n: int, seed: int = 0) -> bytes:
+    """``n`` bytes that differ at every block offset (a misplaced block shows)."""
+    return bytes((i * 7 + seed + (i >> 12)) & 0xFF for i in range(n))

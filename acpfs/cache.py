@@ -527,8 +527,7 @@ class Cache:
 
     def _evictable(self, node: Node) -> bool:
         return (node.is_reg and node.blocks is not None and not node.dirty and not node.publish_ops
-                and node.writers == 0 and node.nlink > 0 and node.backing_parent is not None
-                and not node.backing_stale)
+                and node.writers == 0 and node.nlink > 0 and node.backing_parent is not None)
 
     def maybe_evictable(self, node: Node) -> None:
         with self.lock:
@@ -615,12 +614,21 @@ class Cache:
         return len(nodes)
 
     def _cancel(self, node: Node) -> None:
-        """The node left the namespace: its queued uploads are not needed any more."""
+        """The node leaves the namespace; the op that removes it is queued next.
+
+        Strict prefix (contract 4): a snapshot may be dropped only when the op right after
+        it is the one that removes its file. Then no state of the mount had the snapshot
+        and anything applied after it, so the backing can go from the state before the
+        snapshot straight to the state after the removal. A snapshot with other ops
+        between it and the removal is published like any other and removed again in
+        order: skipping it would show those ops without the file they followed (a
+        ``latest`` naming a checkpoint whose model file never landed).
+        """
         if node.publish_ops:
+            last = node.publish_ops[-1]
             with self.lock:
-                for op in node.publish_ops:
-                    if op.state in (OpState.QUEUED, OpState.UPLOADING):
-                        op.state = OpState.VOID
+                if last.seq == self.seq and last.state in (OpState.QUEUED, OpState.UPLOADING):
+                    last.state = OpState.VOID
         node.dirty = False
         self.dirty_nodes.discard(node)
         if node.journal_state != JournalState.NONE:

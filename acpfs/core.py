@@ -271,7 +271,7 @@ class Core:
 
         def open_backing() -> tuple[int, int]:
             with cache.position_lock:
-                if node.backing_parent is None or node.backing_stale:
+                if node.backing_parent is None:
                     raise err(errno.EIO, "file has no backing copy")
                 return (cache.backing.open_file(cache.backing_path(node.backing_parent), node.backing_name),
                         node.versions)

@@ -7,12 +7,13 @@ reaches its op and renames the temporary file over the final name.
 
 Ordering invariant (contract 4): an op is applied only after every op queued before it has
 been applied; ``applied_seq`` is the seq of the last applied op, so the backing always
-shows a prefix of the mount's history (less uploads cancelled because their file was
-deleted or replaced before it was persisted).
+shows a state of the mount's history, with no exceptions: the only uploads skipped are
+snapshots whose very next op removes their file (``Cache._cancel``), which takes the
+backing from the state before the snapshot straight to the one after the removal.
 
-Op states: queued -> uploading -> finalizing -> done, or queued/uploading -> void when the
-file leaves the namespace first (``Cache._cancel``). A void op's upload stops early and
-its temporary file is removed before the sequencer moves past it. Failing backing calls
+Op states: queued -> uploading -> finalizing -> done, or queued/uploading -> void (that
+skip). A void op's upload stops early and its temporary file is removed before the
+sequencer moves past it. Failing backing calls
 are retried forever through ``retry.retry``; the op keeps its place and ``status`` shows
 the error, so nothing queued after it can overtake it and nothing is ever dropped.
 """
@@ -220,14 +221,14 @@ class Flusher:
                 elif kind == OpKind.RENAME:
                     self._rename(op)
                 elif kind == OpKind.SETATTR:
-                    if node.backing_parent is not None and not node.backing_stale:
+                    if node.backing_parent is not None:
                         mode, uid, gid, times = op.attrs
                         backing.setattr(cache.backing_path(node.backing_parent), node.backing_name, node.is_link,
                                         mode, uid, gid, times)
                 elif kind == OpKind.XATTR:
                     if node is cache.root:
                         backing.set_xattr([], b".", *op.attrs)
-                    elif node.backing_parent is not None and not node.backing_stale:
+                    elif node.backing_parent is not None:
                         backing.set_xattr(cache.backing_path(node.backing_parent), node.backing_name, *op.attrs)
                 else:
                     raise AssertionError(f"unknown op {kind}")
@@ -236,27 +237,26 @@ class Flusher:
         op.state = OpState.DONE
 
     def _rename(self, op: Op) -> None:
-        """Apply a rename (hold position_lock). See docs/design.md, 'renames of unsaved files'."""
+        """Apply a rename (hold position_lock).
+
+        The sequencer applies a rename only after every op before it, so the backing holds
+        at the destination what the mount had there just before the rename: the replaced
+        node's last persisted version, or nothing. A node absent from the backing (a file
+        never closed before the rename) has no visible content yet: the name then holds
+        nothing in the backing until the file's first snapshot lands there, as in the mount's
+        history of closed files (docs/semantics.md, section 4).
+        """
         cache = self.cache
         node, dst, name, replaced = op.node, op.parent, op.name, op.replaced
-        if node.backing_parent is not None and node.backing_stale:
-            # Old bytes of another file stand under this node's name; they must not travel to
-            # a name that never held them. Drop them; the node's own snapshot comes later.
-            self.backing.unlink(cache.backing_path(node.backing_parent), node.backing_name, False)
-            node.backing_parent, node.backing_stale = None, False
-            if replaced is not None and replaced.backing_parent is dst and replaced.backing_name == name:
-                node.backing_parent, node.backing_name, node.backing_stale = dst, name, True
-                replaced.backing_parent = None
-        elif node.backing_parent is not None:
-            self.backing.rename(cache.backing_path(node.backing_parent), node.backing_name, cache.backing_path(dst), name)
+        there = replaced is not None and replaced.backing_parent is dst and replaced.backing_name == name
+        if node.backing_parent is not None:
+            self.backing.rename(cache.backing_path(node.backing_parent), node.backing_name,
+                                cache.backing_path(dst), name)   # type: ignore[arg-type]
             node.backing_parent, node.backing_name = dst, name
-            if replaced is not None and replaced.backing_parent is dst and replaced.backing_name == name:
-                replaced.backing_parent = None
-        elif replaced is not None and replaced.backing_parent is dst and replaced.backing_name == name:
-            # The file was never saved: the replaced file's old bytes stay under the name
-            # until this one's first snapshot lands over them (never a gap, never torn).
-            node.backing_parent, node.backing_name, node.backing_stale = dst, name, True
-            replaced.backing_parent = None
+        elif there:
+            self.backing.unlink(cache.backing_path(dst), name, replaced.is_dir)  # type: ignore[arg-type,union-attr]
+        if there:
+            replaced.backing_parent = None  # type: ignore[union-attr]
 
     # -- uploads ------------------------------------------------------------------------
     def _upload(self, op: Op) -> bool:
@@ -340,7 +340,7 @@ class Flusher:
                     if dst != op.dir_fd:
                         self.backing.close_fd(dst)
                 node = op.node
-                node.backing_parent, node.backing_name, node.backing_stale = op.parent, op.name, False
+                node.backing_parent, node.backing_name = op.parent, op.name
                 node.versions += 1
 
         try:

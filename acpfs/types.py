@@ -47,8 +47,8 @@ class OpKind(str, enum.Enum):
 
 
 class OpState(enum.Enum):
-    """queued -> uploading -> finalizing -> done; queued/uploading -> void when the file left
-    the namespace before it was persisted (``Cache._cancel``)."""
+    """queued -> uploading -> finalizing -> done; queued/uploading -> void when the op right
+    after it removes its file before it was persisted (``Cache._cancel``)."""
     QUEUED = "queued"
     UPLOADING = "uploading"
     FINALIZING = "finalizing"
@@ -75,7 +75,7 @@ class Node:
     trio thread.
     """
     __slots__ = ("ino", "mode", "uid", "gid", "size", "atime", "mtime", "ctime", "parent", "name",
-                 "children", "target", "blocks", "backing_parent", "backing_name", "backing_stale",
+                 "children", "target", "blocks", "backing_parent", "backing_name",
                  "writers", "appenders", "opens", "nlink", "lookups", "dirty", "dirty_since",
                  "publish_ops", "last_seq", "xattrs", "staged", "versions", "journal_state",
                  "journal_blocks", "truncated")
@@ -95,7 +95,6 @@ class Node:
         self.blocks: list[int] | None = None             # (lock) files: None = not cached
         self.backing_parent: Node | None = None          # (position lock) position in the
         self.backing_name = b""                          # backing; parent None = absent there
-        self.backing_stale = False                       # present, but holds an older file's bytes
         self.writers = 0                                 # open handles that may write
         self.appenders = 0                               # of those, opened with O_APPEND
         self.opens = 0

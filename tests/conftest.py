@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from faultfs import Shim
+
 ACPFS = [sys.executable, "-m", "acpfs"]
 
 
@@ -133,7 +135,10 @@ def tree(root: Path) -> dict[str, tuple]:
     """Names, kinds, modes, bytes and link targets of a tree (acpfs temp files excluded)."""
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".acpfs-")]
         for name in sorted(dirnames + filenames):
+            if name.startswith(".acpfs-"):
+                continue
             p = Path(dirpath) / name
             rel = str(p.relative_to(root))
             st = p.lstat()
@@ -144,3 +149,70 @@ def tree(root: Path) -> dict[str, tuple]:
             else:
                 out[rel] = ("file", oct(st.st_mode & 0o7777), p.read_bytes())
     return out
+
+
+def sh(*cmd: str) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise AssertionError(f"{' '.join(cmd)} failed: {r.stderr.strip()}")
+
+
+class Faults:
+    """Mounts made by a test, repaired and unmounted at teardown in a safe order: faults
+    repaired, acpfs unmounted (it drains into the repaired backing), faultfs, then tmpfs."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.tmpfs_dirs: list[Path] = []
+        self.shims: list[Shim] = []
+        self.mounts: list = []
+
+    def tmpfs(self, path: Path, size: str) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        sh("mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path))
+        self.tmpfs_dirs.append(path)
+        return path
+
+    def remount(self, path: Path, opts: str) -> None:
+        sh("mount", "-o", f"remount,{opts}", str(path))
+
+    def shim(self, source: Path, mountpoint: Path) -> Shim:
+        source.mkdir(parents=True, exist_ok=True)
+        s = Shim(source, mountpoint, self.tmp / f"faultfs-{len(self.shims)}.ctl")
+        self.shims.append(s)
+        return s
+
+    def mount(self, m):
+        m.mount()
+        self.mounts.append(m)
+        return m
+
+    def close(self) -> None:
+        for s in self.shims:
+            try:
+                if s.proc.poll() is None:
+                    s.cont()
+                    s.set("ok")
+            except OSError:
+                pass
+        for p in self.tmpfs_dirs:
+            subprocess.run(["mount", "-o", "remount,rw,size=1G", str(p)], capture_output=True)
+        for m in self.mounts:
+            m.cleanup()
+        for s in self.shims:
+            s.close()
+        for p in reversed(self.tmpfs_dirs):
+            if is_mounted(p):
+                r = subprocess.run(["umount", str(p)], capture_output=True)
+                if r.returncode:
+                    subprocess.run(["umount", "-l", str(p)], capture_output=True)
+
+
+@pytest.fixture
+def faults(make_mount, tmp_path):
+    """Faulty backings for a test's mounts: tmpfs it can fill or make read-only, faultfs
+    shims it can make fail or hang (``Faults``)."""
+    # requested after make_mount, so torn down before it: our mounts go first, in order
+    f = Faults(tmp_path)
+    yield f
+    f.close()

@@ -8,6 +8,7 @@ mirrors the directory SOURCE at MOUNTPOINT. Before each request it reads the fil
     ok                  serve every request (also when CONTROL is missing or empty)
     eio [OP ...]        fail requests with EIO (only the named handlers, e.g. ``eio write create``)
     hang [OP ...]       do not answer requests until CONTROL says otherwise
+    slow S [OP ...]     answer requests S seconds late (a slow store: ``slow 0.005 write``)
 
 Stopping the process (SIGSTOP) is the other way to hang it. Inode numbers are our own,
 mapped to the (device, inode) of the source files, each with its current path; renames move
@@ -82,6 +83,11 @@ if pyfuse3 is not None:
         async def gate(self, name: str) -> None:
             while True:
                 mode, ops = self.read_mode()
+                if mode == "slow":
+                    delay, *ops = sorted(ops, key=lambda w: not w[:1].isdigit())
+                    if not ops or name in ops:
+                        await trio.sleep(float(delay))
+                    return
                 if mode == "ok" or (ops and name not in ops):
                     return
                 if mode == "eio":
@@ -323,7 +329,8 @@ class Shim:
             time.sleep(0.05)
 
     def set(self, mode: str) -> None:
-        """``ok``, ``eio [OP ...]`` or ``hang [OP ...]`` (see the module docstring)."""
+        """``ok``, ``eio [OP ...]``, ``hang [OP ...]`` or ``slow S [OP ...]`` (see the module
+        docstring)."""
         tmp = self.control.with_suffix(".new")
         tmp.write_text(mode + "\n")
         os.replace(tmp, self.control)

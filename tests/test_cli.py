@@ -6,8 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import threading
 import time
 
 import pytest

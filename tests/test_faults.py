@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -26,7 +25,6 @@ from pathlib import Path
 import pytest
 
 from conftest import acpfs, tree
-from faultfs import Shim
 
 MiB = 1 << 20
 TEMP_PREFIX = ".acpfs-tmp-"
@@ -34,17 +32,6 @@ TEMP_PREFIX = ".acpfs-tmp-"
 
 def sha(data: bytes) -> str:
     return hashlib.sha1(data).hexdigest()
-
-
-def sh(*cmd: str) -> None:
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode:
-        raise AssertionError(f"{' '.join(cmd)} failed: {r.stderr.strip()}")
-
-
-def is_mounted(path: Path) -> bool:
-    with open("/proc/self/mounts") as f:
-        return any(line.split()[1] == str(path) for line in f)
 
 
 def data_for(tag: str, size: int) -> bytes:
@@ -171,65 +158,6 @@ class Watcher(threading.Thread):
             raise self.crash
         assert self.polls > 1
         assert not self.violations, self.violations[:10]
-
-
-class Faults:
-    """Mounts made by a test, repaired and unmounted at teardown in a safe order: faults
-    repaired, acpfs unmounted (it drains into the repaired backing), faultfs, then tmpfs."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.tmpfs_dirs: list[Path] = []
-        self.shims: list[Shim] = []
-        self.mounts: list = []
-
-    def tmpfs(self, path: Path, size: str) -> Path:
-        path.mkdir(parents=True, exist_ok=True)
-        sh("mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path))
-        self.tmpfs_dirs.append(path)
-        return path
-
-    def remount(self, path: Path, opts: str) -> None:
-        sh("mount", "-o", f"remount,{opts}", str(path))
-
-    def shim(self, source: Path, mountpoint: Path) -> Shim:
-        source.mkdir(parents=True, exist_ok=True)
-        s = Shim(source, mountpoint, self.tmp / f"faultfs-{len(self.shims)}.ctl")
-        self.shims.append(s)
-        return s
-
-    def mount(self, m):
-        m.mount()
-        self.mounts.append(m)
-        return m
-
-    def close(self) -> None:
-        for s in self.shims:
-            try:
-                if s.proc.poll() is None:
-                    s.cont()
-                    s.set("ok")
-            except OSError:
-                pass
-        for p in self.tmpfs_dirs:
-            subprocess.run(["mount", "-o", "remount,rw,size=1G", str(p)], capture_output=True)
-        for m in self.mounts:
-            m.cleanup()
-        for s in self.shims:
-            s.close()
-        for p in reversed(self.tmpfs_dirs):
-            if is_mounted(p):
-                r = subprocess.run(["umount", str(p)], capture_output=True)
-                if r.returncode:
-                    subprocess.run(["umount", "-l", str(p)], capture_output=True)
-
-
-@pytest.fixture
-def faults(make_mount, tmp_path):
-    # requested after make_mount, so torn down before it: our mounts go first, in order
-    f = Faults(tmp_path)
-    yield f
-    f.close()
 
 
 def log_lines(m) -> list[str]:

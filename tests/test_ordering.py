@@ -385,7 +385,8 @@ def test_file_deleted_before_persist_never_reaches_backing(make_mount, cache_siz
     watcher = Poller(poll)
     watcher.start()
     # names that must never be seen in the backing: files deleted before their first close
-    # always; closed files when the deletion provably came before their publish (see gone())
+    # always; closed files deleted by the very next change, when the deletion provably came
+    # before their publish (see gone()): the only upload the strict prefix lets acpfs skip
     never: list[str] = []
     unproven: list[str] = []
     blocker_seq = 0
@@ -420,10 +421,12 @@ def test_file_deleted_before_persist_never_reaches_backing(make_mount, cache_siz
         assert m.state("eph-closed.bin") in ("dirty", "flushing", "persisted")
         gone("eph-closed.bin")
 
-        # written under a temporary name, renamed, then deleted
+        # written under a temporary name, renamed, then deleted: the mount had the file under
+        # its final name for a while, so the backing may show it (strict prefix); it is
+        # gone after the sync like the others
         (m.mnt / "eph-renamed.tmp").write_bytes(src.make("r", 5 * MiB, 3))
         os.replace(m.mnt / "eph-renamed.tmp", m.mnt / "eph-renamed.bin")
-        gone("eph-renamed.tmp", "eph-renamed.bin")
+        os.unlink(m.mnt / "eph-renamed.bin")
 
         # in a new directory that stays
         (m.mnt / "sub" / "eph-in-dir.bin").write_bytes(src.make("d", 2 * MiB, 5))
@@ -453,7 +456,7 @@ def test_file_deleted_before_persist_never_reaches_backing(make_mount, cache_siz
         watcher.finish()
 
     # the test proved something about closed files, not only about never-closed ones
-    assert len(never) >= 6, f"flusher too fast for the test: proven {never}, not proven {unproven}"
+    assert len(never) >= 5, f"flusher too fast for the test: proven {never}, not proven {unproven}"
     assert watcher.polls >= 5
     leaked = sorted(seen_names & set(never))
     assert leaked == [], f"deleted-before-persist files appeared in the backing: {leaked}"

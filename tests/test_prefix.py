@@ -1,0 +1,343 @@
+"""Contract 4 on a real mount, as a property: at every moment the backing equals one of the
+states the mount went through, with no exceptions (docs/semantics.md, section 4).
+
+The backing is a faultfs shim (tests/faultfs.py) over a plain directory SRC, so the test can
+hold every upload at a point of its choosing: it tells the shim to hang, waits until SRC
+stops changing (requests already past the shim finish), reads SRC directly, and lets the
+shim go again. A program works on the mount meanwhile; every operation it makes is also
+made on a plain reference directory, whose tree after each operation is the mount's
+*history*. Files are always written whole and closed, so the reference tree is exactly the
+state the mount shows and the flusher must reproduce.
+
+At each hold, SRC (acpfs temporary names aside) must equal a state of the history, at or
+after the one it matched at the previous hold (the backing never goes back in time). After
+the program, ``acpfs sync``, then SRC must equal the last state (complete).
+
+- ``test_rotation_loop_only_shows_states_of_the_mount``: the reproduction of issue 10: each
+  save makes ``step_N/``, writes a model file larger than a hold lets through, a small
+  file, then ``latest`` (written under a temporary name and renamed), and removes the step
+  before last (``save_total_limit=2``).
+- ``test_random_operations_only_show_states_of_the_mount``: hypothesis picks the operations
+  (files written whole, pointers renamed into place, mkdir, rename, unlink, ``rm -rf``,
+  chmod, symlink) and the hold points.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import random
+import time
+from pathlib import Path
+
+from hypothesis import HealthCheck, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+import conftest
+
+MiB = 1 << 20
+SCALE = float(os.environ.get("PREFIX_SCALE", "1"))
+_digests: dict[tuple, str] = {}
+
+
+def tree(root: Path) -> dict:
+    """conftest.tree with file contents as digests (kept per inode, size and mtime: the
+    program reads the reference after every operation)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".acpfs-")]
+        for name in dirnames + filenames:
+            if name.startswith(".acpfs-"):
+                continue
+            p = Path(dirpath) / name
+            st_ = p.lstat()
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[rel] = ("dir", oct(st_.st_mode & 0o7777))
+            else:
+                key = (st_.st_dev, st_.st_ino, st_.st_size, st_.st_mtime_ns, st_.st_ctime_ns)
+                digest = _digests.get(key)
+                if digest is None:
+                    digest = _digests[key] = hashlib.sha1(p.read_bytes()).hexdigest()
+                out[rel] = ("file", oct(st_.st_mode & 0o7777), st_.st_size, digest)
+    return out
+
+
+class History:
+    """The states a part of the mount went through, and where the backing was last seen."""
+
+    def __init__(self, ref: Path) -> None:
+        self.ref = ref
+        self.states: list[tuple[dict, str]] = [(tree(ref), "start")]
+        self.seen = 0          # index of the state the backing matched last
+        self.holds = 0
+        self.behind = 0        # holds at which the backing was not at the latest state
+
+    def record(self, label: str) -> None:
+        state = tree(self.ref)
+        if state != self.states[-1][0]:
+            self.states.append((state, label))
+
+    def check(self, backing: dict, where: str) -> None:
+        self.holds += 1
+        for i in range(len(self.states) - 1, self.seen - 1, -1):
+            if self.states[i][0] == backing:
+                self.seen = i
+                self.behind += i < len(self.states) - 1
+                return
+        earlier = [i for i in range(self.seen) if self.states[i][0] == backing]
+        steps = "\n".join(f"  {i}: {label}" for i, (_, label) in enumerate(self.states))
+        raise AssertionError(
+            f"{where}: the backing shows a state the mount never had"
+            f"{' after ' + str(self.seen) if not earlier else ' since ' + str(self.seen) + ' (it went back to ' + str(earlier) + ')'}:"
+            f"\n{show(backing)}\nthe history:\n{steps}\nlast matched: {self.seen}")
+
+
+def show(state: dict) -> str:
+    lines = []
+    for k, v in sorted(state.items()):
+        if v[0] == "file":
+            lines.append(f"  {k}: file {v[1]} {v[2]} bytes sha1 {v[3][:12]}")
+        else:
+            lines.append(f"  {k}: {' '.join(map(str, v))}")
+    return "\n".join(lines) or "  (empty)"
+
+
+def stable_tree(root: Path, sub: str) -> dict:
+    """The tree of root/sub once it stopped changing (the shim hangs: nothing new starts)."""
+    last = None
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            now = tree(root / sub) if (root / sub).exists() else {}
+        except FileNotFoundError:    # a request that passed the shim is still finishing
+            now = None
+        if now is not None and now == last:
+            return now
+        assert time.monotonic() < deadline, "the backing did not stop changing under a hang"
+        last = now
+        time.sleep(0.03)
+
+
+class Holder:
+    """Holds the flusher by hanging the shim, checks the backing against a history.
+
+    Between holds the shim answers writes late (``SLOW``), as a shared store slower than
+    the program does, so that uploads lag behind the program."""
+
+    SLOW = "slow 0.005 write"
+
+    def __init__(self, shim, src: Path, sub: str, history: History) -> None:
+        self.shim, self.src, self.sub, self.history = shim, src, sub, history
+        shim.set(self.SLOW)
+
+    def hold(self, after: float, where: str) -> None:
+        time.sleep(after)                 # let the flusher get somewhere first
+        self.shim.set("hang")
+        try:
+            self.history.check(stable_tree(self.src, self.sub), where)
+        finally:
+            self.shim.set(self.SLOW)
+
+
+def shim_mount(make_mount, faults, tmp_path, **kw):
+    m = make_mount("m", mount=False, **kw)
+    src = tmp_path / "src"
+    shim = faults.shim(src, m.back)
+    faults.mount(m)
+    return m, src, shim
+
+
+def both(fn, *roots: Path) -> None:
+    for r in roots:
+        fn(r)
+
+
+def rm_rf(history: History, roots: tuple[Path, Path], path: str) -> None:
+    """``rm -rf path`` one entry at a time, in the same order on both sides, each removal a
+    state of its own (as it is on the mount)."""
+    ref = roots[1]
+    for dirpath, dirnames, filenames in os.walk(ref / path, topdown=False):
+        rel = os.path.relpath(dirpath, ref)
+        for name in sorted(filenames) + sorted(d for d in dirnames if (Path(dirpath) / d).is_symlink()):
+            both(lambda r: os.unlink(r / rel / name), *roots)
+            history.record(f"unlink {rel}/{name}")
+        both(lambda r: os.rmdir(r / rel), *roots)
+        history.record(f"rmdir {rel}")
+
+
+def test_rotation_loop_only_shows_states_of_the_mount(make_mount, faults, tmp_path):
+    m, src, shim = shim_mount(make_mount, faults, tmp_path, cache_size="512M")
+    ref = tmp_path / "ref"
+    (ref / "run").mkdir(parents=True)
+    (m.mnt / "run").mkdir()
+    history = History(ref / "run")
+    holder = Holder(shim, src, "run", history)
+    rng = random.Random(10)
+    roots = (m.mnt / "run", ref / "run")
+    saves, keep = 10, 2
+    for i in range(1, saves + 1):
+        step = f"step_{i}"
+        model = rng.randbytes(64) * (rng.randrange(256, 512) * 1024)   # 16 to 32 MiB
+        both(lambda r: (r / step).mkdir(), *roots)
+        history.record(f"mkdir {step}")
+        both(lambda r: (r / step / "model.pt").write_bytes(model), *roots)
+        history.record(f"write {step}/model.pt")
+        both(lambda r: (r / step / "trainer_state.json").write_text(f'{{"step": {i}}}'), *roots)
+        history.record(f"write {step}/trainer_state.json")
+        both(lambda r: (r / "latest.tmp").write_text(step), *roots)
+        history.record("write latest.tmp")
+        both(lambda r: os.replace(r / "latest.tmp", r / "latest"), *roots)
+        history.record(f"rename latest.tmp -> latest ({step})")
+        if i > keep:
+            old = f"step_{i - keep}"
+            rm_rf(history, roots, old)
+        holder.hold(rng.choice([0, 0, 0.01, 0.05]), f"after save {i}")
+        if rng.random() < 0.5:
+            holder.hold(rng.uniform(0, 0.1), f"again after save {i}")
+    # and while the flusher works through the backlog, hold it at random points
+    deadline = time.monotonic() + 300
+    while (q := m.status()["queue"])["applied_seq"] < q["last_seq"]:
+        assert time.monotonic() < deadline, f"the flusher did not drain: {q}"
+        holder.hold(rng.uniform(0, 0.3), f"draining, {q['pending_ops']} ops left")
+    m.sync(timeout=300)
+    holder.hold(0, "after sync")
+    assert history.seen == len(history.states) - 1, "the backing is not complete after a sync"
+    assert history.behind >= 3, f"the flusher was never behind at a hold ({history.behind} of {history.holds})"
+    print(f"rotation: {history.holds} holds, behind at {history.behind}, "
+          f"{len(history.states)} states; persisted {m.status()['persisted_since_mount']}")
+
+
+def test_random_operations_only_show_states_of_the_mount(make_mount, faults, tmp_path):
+    m, src, shim = shim_mount(make_mount, faults, tmp_path, cache_size="256M")
+    ref_root = tmp_path / "ref"
+    ref_root.mkdir()
+    counter = itertools.count()
+    names = st.sampled_from(["a", "b", "c"])
+    picks = st.integers(0, 1 << 16)
+    contents = st.one_of(st.binary(min_size=1, max_size=40),
+                         st.builds(lambda b, n: bytes([b]) * n, st.integers(1, 255),
+                                   st.sampled_from([5000, 300_000, 3 * MiB])))
+
+    class Machine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            sub = f"ex{next(counter)}"
+            self.sub = sub
+            self.roots = (m.mnt / sub, ref_root / sub)
+            both(lambda r: r.mkdir(), *self.roots)
+            self.history = History(ref_root / sub)
+            self.holder = Holder(shim, src, sub, self.history)
+            note(f"example directory {sub}")
+
+        def entries(self, dirs_only: bool = False) -> list[str]:
+            out = [""] if dirs_only else []
+            for dirpath, dirnames, filenames in os.walk(self.roots[1]):
+                rel = os.path.relpath(dirpath, self.roots[1])
+                rel = "" if rel == "." else rel + "/"
+                out += [rel + d for d in dirnames]
+                if not dirs_only:
+                    out += [rel + f for f in filenames]
+            return sorted(out)
+
+        def do(self, label: str, fn) -> None:
+            both(fn, *self.roots)
+            self.history.record(label)
+
+        @rule(d=picks, name=names, data=contents)
+        def write(self, d, name, data):
+            dirs = self.entries(dirs_only=True)
+            path = os.path.join(dirs[d % len(dirs)], name)
+            if (self.roots[1] / path).is_dir() or (self.roots[1] / path).is_symlink():
+                return
+            self.do(f"write {path} ({len(data)} bytes)", lambda r: (r / path).write_bytes(data))
+
+        @rule(d=picks, name=names, data=contents)
+        def pointer(self, d, name, data):
+            dirs = self.entries(dirs_only=True)
+            path = os.path.join(dirs[d % len(dirs)], name)
+            tmp = path + ".tmp"
+            if any((self.roots[1] / p).is_dir() or (self.roots[1] / p).is_symlink() for p in (path, tmp)):
+                return
+            self.do(f"write {tmp}", lambda r: (r / tmp).write_bytes(data))
+            self.do(f"rename {tmp} -> {path}", lambda r: os.replace(r / tmp, r / path))
+
+        @rule(d=picks, name=names)
+        def mkdir(self, d, name):
+            dirs = self.entries(dirs_only=True)
+            path = os.path.join(dirs[d % len(dirs)], name)
+            if os.path.lexists(self.roots[1] / path):
+                return
+            self.do(f"mkdir {path}", lambda r: (r / path).mkdir())
+
+        @rule(d=picks, name=names, link_to=st.sampled_from(["a", "../b", "/nowhere"]))
+        def symlink(self, d, name, link_to):
+            dirs = self.entries(dirs_only=True)
+            path = os.path.join(dirs[d % len(dirs)], name)
+            if os.path.lexists(self.roots[1] / path):
+                return
+            self.do(f"symlink {path} -> {link_to}", lambda r: os.symlink(link_to, r / path))
+
+        @rule(e=picks)
+        def remove(self, e):
+            es = self.entries()
+            if not es:
+                return
+            path = es[e % len(es)]
+            p = self.roots[1] / path
+            if p.is_dir() and not p.is_symlink():
+                rm_rf(self.history, self.roots, path)
+            else:
+                self.do(f"unlink {path}", lambda r: os.unlink(r / path))
+
+        @rule(e=picks, d=picks, name=names)
+        def rename(self, e, d, name):
+            es = self.entries()
+            if not es:
+                return
+            path = es[e % len(es)]
+            dirs = [x for x in self.entries(dirs_only=True) if x != path and not x.startswith(path + "/")]
+            dst = os.path.join(dirs[d % len(dirs)], name)
+            s, t = self.roots[1] / path, self.roots[1] / dst
+            if dst == path or (os.path.lexists(t) and (t.is_dir() != s.is_dir() or
+                                                       (t.is_dir() and any(t.iterdir())))):
+                return
+            self.do(f"rename {path} -> {dst}", lambda r: os.rename(r / path, r / dst))
+
+        @rule(e=picks, mode=st.sampled_from([0o600, 0o644, 0o755, 0o700, 0o750]))
+        def chmod(self, e, mode):
+            es = [x for x in self.entries() if not (self.roots[1] / x).is_symlink()]
+            if not es:
+                return
+            path = es[e % len(es)]
+            if (self.roots[1] / path).is_dir():
+                mode |= 0o700
+            self.do(f"chmod {path} {oct(mode)}", lambda r: os.chmod(r / path, mode))
+
+        @rule(after=st.sampled_from([0, 0, 0.01, 0.05, 0.2]))
+        def hold(self, after):
+            self.holder.hold(after, f"hold after {len(self.history.states) - 1} states")
+
+        @invariant()
+        def same_view(self):
+            assert conftest.tree(self.roots[0]) == conftest.tree(self.roots[1]), \
+                "the mount's view is not the reference"
+
+        def teardown(self):
+            m.sync(self.sub, timeout=300)
+            self.holder.hold(0, "after sync")
+            assert self.history.seen == len(self.history.states) - 1, "not complete after a sync"
+            totals["examples"] += 1
+            totals["holds"] += self.history.holds
+            totals["behind"] += self.history.behind
+
+    totals = {"examples": 0, "holds": 0, "behind": 0}
+    run_state_machine_as_test(Machine, settings=settings(
+        max_examples=int(25 * SCALE), stateful_step_count=30, deadline=None,
+        suppress_health_check=list(HealthCheck)))
+    print(f"random operations: {totals}")
+    assert totals["behind"] >= 5, f"the flusher was hardly ever behind at a hold: {totals}"

@@ -23,21 +23,28 @@ import errno
 import logging
 import os
 import re
+import secrets
 import stat as statmod
 import threading
-import time
 from typing import Iterable, Iterator
 
 log = logging.getLogger(__name__)
 
 TEMP_PREFIX = b".acpfs-tmp-"
-# Files written through (too large for the cache) are staged here, at the backing root, so
-# that renaming or removing their directory on the mount never touches them; the final
-# rename into place is still atomic (same filesystem). The name is kept from the first
-# versions, so that a journal naming staged files there is still recovered.
-STAGING_DIR = TEMP_PREFIX + b"spill"
-RECOVERED_DIR = b".acpfs-recovered"   # staged content of files open at a crash, kept aside
-STALE_TEMP = re.compile(re.escape(TEMP_PREFIX) + rb"\d+-(\d+)")   # an upload's temp file
+# Temporary names: ``.acpfs-tmp-<instance>-<random>``, where <instance> names one daemon
+# (``new_instance``: random, new at every start, kept in its journal) and <random> is 16 hex
+# digits from the system's CSPRNG. Nobody can predict a name, a daemon can tell its own
+# temporary files (and those of the dead daemon it recovers) from anyone else's, and it
+# never opens, reuses, renames or deletes another one (contract 9, issue 10.5).
+# Files written through (too large for the cache) are staged in the daemon's own staging
+# directory at the backing root, ``.acpfs-tmp-<instance>-staging``, so that renaming or
+# removing their directory on the mount never touches them; the final rename into place is
+# still atomic (same filesystem). Their names end in ``-i<inode>`` (recovery matches them to
+# files open at a crash). Versions before instance names staged files in one directory:
+OLD_STAGING_DIR = TEMP_PREFIX + b"spill"
+OLD_STAGED = re.compile(re.escape(TEMP_PREFIX) + rb"(\d+)-w\d+")
+STAGED = re.compile(re.escape(TEMP_PREFIX) + rb"([0-9a-f]+)-[0-9a-f]+-i(\d+)")
+RECOVERED_DIR = b".acpfs-recovered"   # content acpfs could not put in place, kept aside
 IS_ROOT = os.geteuid() == 0
 
 Comps = list[bytes]
@@ -47,17 +54,57 @@ def is_temp_name(name: bytes) -> bool:
     return name.startswith(TEMP_PREFIX)
 
 
+def new_instance() -> str:
+    """A fresh daemon identity for temporary names (48 random bits)."""
+    return secrets.token_hex(6)
+
+
+def staging_dir_of(tmpname: bytes) -> bytes:
+    """The staging directory that holds the staged file ``tmpname``."""
+    m = STAGED.fullmatch(tmpname)
+    return TEMP_PREFIX + m.group(1) + b"-staging" if m else OLD_STAGING_DIR
+
+
+def staged_ino(tmpname: bytes) -> int | None:
+    """The inode number a staged file's name carries (None for other names)."""
+    m = STAGED.fullmatch(tmpname) or OLD_STAGED.fullmatch(tmpname)
+    return int(m.group(m.lastindex)) if m else None
+
+
 def check_name(name: bytes) -> None:
     if not name or name in (b".", b"..") or b"/" in name or b"\0" in name:
         raise OSError(errno.EINVAL, f"invalid name {name!r}")
 
 
 class Backing:
-    def __init__(self, root: str) -> None:
+    """The backing directory of one daemon ``instance``; ``dead_instance`` is the daemon
+    whose journal this one recovers (its leftovers are this daemon's to clean up)."""
+
+    def __init__(self, root: str, instance: str | None = None, dead_instance: str | None = None) -> None:
         self.root = root
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._xattr_warned = False
         self._staging_lock = threading.Lock()
+        self.instance = instance or new_instance()
+        self.mine = TEMP_PREFIX + self.instance.encode() + b"-"
+        self.dead = TEMP_PREFIX + dead_instance.encode() + b"-" if dead_instance else None
+        self.staging_dir = self.mine + b"staging"
+
+    def temp_name(self) -> bytes:
+        """A fresh name for an upload's temporary file."""
+        return self.mine + secrets.token_hex(8).encode()
+
+    def staged_name(self, ino: int) -> bytes:
+        """A fresh name for the staged file of inode ``ino``."""
+        return self.mine + secrets.token_hex(8).encode() + b"-i%d" % ino
+
+    def is_leftover(self, name: bytes) -> bool:
+        """A temporary file of the dead daemon this one recovered from."""
+        return self.dead is not None and name.startswith(self.dead)
+
+    def owns(self, name: bytes) -> bool:
+        """A temporary file this daemon may remove: its own or its dead predecessor's."""
+        return name.startswith(self.mine) or self.is_leftover(name)
 
     def close(self) -> None:
         os.close(self.root_fd)
@@ -78,11 +125,11 @@ class Backing:
             raise
         return fd
 
-    def listdir(self, comps: Comps, stale_seq: int = 0) -> list[tuple[bytes, os.stat_result, bytes | None]]:
+    def listdir(self, comps: Comps) -> list[tuple[bytes, os.stat_result, bytes | None]]:
         """(name, lstat result, symlink target) of each entry, without acpfs temporary files.
 
-        Uploads a dead daemon left half-written (``.acpfs-tmp-<ino>-<seq>`` with seq at most
-        ``stale_seq``, the last seq of the daemon this one recovered from) are removed.
+        Uploads the dead daemon this one recovered from left half-written are removed; those
+        of any other daemon (other nodes' included) are left alone.
         """
         fd = self.open_dir(comps)
         try:
@@ -91,11 +138,13 @@ class Backing:
                 for ent in it:
                     name = os.fsencode(ent.name)
                     if is_temp_name(name):
-                        m = STALE_TEMP.fullmatch(name)
-                        if m and int(m.group(1)) <= stale_seq:
+                        if self.is_leftover(name):
                             try:
-                                os.unlink(name, dir_fd=fd)
-                                log.info("removed %r, an upload left unfinished by a dead daemon",
+                                if ent.is_dir(follow_symlinks=False):
+                                    os.rmdir(name, dir_fd=fd)    # a mkdir cut short
+                                else:
+                                    os.unlink(name, dir_fd=fd)
+                                log.info("removed %r, left unfinished by the dead daemon",
                                          os.fsdecode(name))
                             except OSError:
                                 pass
@@ -119,10 +168,10 @@ class Backing:
         """
         with self._staging_lock:
             try:
-                os.mkdir(STAGING_DIR, 0o700, dir_fd=self.root_fd)
+                os.mkdir(self.staging_dir, 0o700, dir_fd=self.root_fd)
             except FileExistsError:
                 pass
-            dfd = os.open(STAGING_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+            dfd = os.open(self.staging_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                           dir_fd=self.root_fd)
             try:
                 return dfd, self.create_temp(dfd, tmpname)
@@ -130,16 +179,14 @@ class Backing:
                 os.close(dfd)
                 raise
 
-    @staticmethod
-    def staged_name(ino: int) -> bytes:
-        """A fresh name for the staged file of inode ``ino``."""
-        return TEMP_PREFIX + f"{ino}-w{time.monotonic_ns()}".encode()
+    def remove_staging_dir(self, tmpname: bytes | None = None) -> None:
+        """Remove this daemon's staging directory (or the one of ``tmpname``) if it is empty."""
+        self._remove_dir(self.staging_dir if tmpname is None else staging_dir_of(tmpname))
 
-    def remove_staging_dir(self) -> None:
-        """Remove the staging directory if it is empty."""
+    def _remove_dir(self, name: bytes) -> None:
         with self._staging_lock:
             try:
-                os.rmdir(STAGING_DIR, dir_fd=self.root_fd)
+                os.rmdir(name, dir_fd=self.root_fd)
             except OSError:
                 pass
 
@@ -180,23 +227,43 @@ class Backing:
 
     # -- namespace operations (each followed by an fsync of the directories it changed) ---
     def mkdir(self, comps: Comps, name: bytes, mode: int, uid: int, gid: int) -> None:
+        """Make a directory with its owner and mode at once: made private under a temporary
+        name, given its owner and mode, renamed into place (nobody sees it with another
+        mode or owner). An existing directory of that name gets the owner and mode."""
         check_name(name)
         dfd = self.open_dir(comps)
         try:
             try:
-                os.mkdir(name, 0o700, dir_fd=dfd)
-            except FileExistsError:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                if not statmod.S_ISDIR(st.st_mode):
-                    raise
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            except FileNotFoundError:
+                st = None
+            if st is not None and not statmod.S_ISDIR(st.st_mode):
+                raise OSError(errno.EEXIST, f"{os.fsdecode(name)!r} exists and is not a directory")
+            tmp = name if st is not None else self.temp_name()
+            if st is None:
+                os.mkdir(tmp, 0o700, dir_fd=dfd)
             try:
-                self._set_owner_mode(fd, mode, uid, gid)
-            finally:
-                os.close(fd)
+                fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                try:
+                    self._set_owner_mode(fd, mode, uid, gid)
+                finally:
+                    os.close(fd)
+                if tmp != name:
+                    os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                if tmp != name:
+                    self._rmdir_quietly(dfd, tmp)
+                raise
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+    @staticmethod
+    def _rmdir_quietly(dfd: int, name: bytes) -> None:
+        try:
+            os.rmdir(name, dir_fd=dfd)
+        except OSError:
+            pass
 
     def symlink(self, comps: Comps, name: bytes, target: bytes, uid: int, gid: int) -> None:
         check_name(name)
@@ -235,12 +302,13 @@ class Backing:
         except OSError as e:
             if e.errno != errno.ENOTEMPTY:
                 raise
-            # Only acpfs temporary files left behind by a crash may remain; anything else
-            # means the backing was changed behind acpfs's back, and we refuse to delete it.
+            # Only this daemon's temporary files, or its dead predecessor's, may be removed
+            # with it; anything else (another daemon's upload in flight, a file someone else
+            # put there) means the directory is not empty, and we refuse to delete it.
             sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
             try:
                 for ent in os.listdir(sub):
-                    if is_temp_name(os.fsencode(ent)):
+                    if self.owns(os.fsencode(ent)):
                         os.unlink(ent, dir_fd=sub)
             finally:
                 os.close(sub)
@@ -302,7 +370,9 @@ class Backing:
 
     # -- file content ------------------------------------------------------------------
     def create_temp(self, dfd: int, tmpname: bytes) -> int:
-        return os.open(tmpname, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+        """Create a temporary file: exclusively (never someone else's file under a name it
+        guessed), private (0600 until ``finish_temp`` gives it its mode)."""
+        return os.open(tmpname, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                        0o600, dir_fd=dfd)
 
     def write_temp(self, dfd: int, tmpname: bytes, extents: Iterable[tuple[int, int, int]],
@@ -404,7 +474,7 @@ class Backing:
         """Open a staged file a dead daemon left: (directory fd, file fd), None if gone."""
         check_name(tmpname)
         try:
-            dfd = os.open(STAGING_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+            dfd = os.open(staging_dir_of(tmpname), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                           dir_fd=self.root_fd)
         except FileNotFoundError:
             return None
@@ -417,22 +487,28 @@ class Backing:
             os.close(dfd)
             raise
 
-    def list_staged(self) -> list[bytes]:
-        """Names in the staging directory (none if it does not exist)."""
+    def list_leftover_staged(self) -> list[bytes]:
+        """Staged files the dead daemon left in its staging directory (the one directory
+        of versions before instance names, if it died with no instance)."""
+        where = self.dead + b"staging" if self.dead is not None else OLD_STAGING_DIR
         try:
-            dfd = os.open(STAGING_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+            dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                           dir_fd=self.root_fd)
         except FileNotFoundError:
             return []
         try:
-            return [os.fsencode(n) for n in os.listdir(dfd)]
+            return [n for n in map(os.fsencode, os.listdir(dfd)) if staged_ino(n) is not None]
         finally:
             os.close(dfd)
+
+    def remove_leftover_staging_dir(self) -> None:
+        """Remove the dead daemon's staging directory if it is empty."""
+        self._remove_dir(self.dead + b"staging" if self.dead is not None else OLD_STAGING_DIR)
 
     def remove_staged(self, tmpname: bytes) -> None:
         check_name(tmpname)
         try:
-            os.unlink(STAGING_DIR + b"/" + tmpname, dir_fd=self.root_fd)
+            os.unlink(staging_dir_of(tmpname) + b"/" + tmpname, dir_fd=self.root_fd)
         except FileNotFoundError:
             pass
 
@@ -446,7 +522,8 @@ class Backing:
             except FileExistsError:
                 pass
         dst = RECOVERED_DIR + b"/" + stamp + b"/" + flat_name
-        os.rename(STAGING_DIR + b"/" + tmpname, dst, src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd)
+        os.rename(staging_dir_of(tmpname) + b"/" + tmpname, dst, src_dir_fd=self.root_fd,
+                  dst_dir_fd=self.root_fd)
         return os.fsdecode(dst)
 
     # -- helpers -----------------------------------------------------------------------

@@ -80,7 +80,6 @@ class Cache:
         self.flusher: OpSink | None = None    # attached by the daemon
         self.journal: Journal | None = None   # attached by the daemon; None in unit tests
         self.journaled: set[Node] = set()     # nodes whose journal_state is not NONE
-        self.stale_seq = 0                    # temp files with seqs up to this are a dead daemon's
 
     # -- positions -----------------------------------------------------------------------
     def present(self, node: Node) -> bool:
@@ -122,7 +121,7 @@ class Cache:
     def list_backing(self, node: Node) -> list:
         """Runs in a worker thread: the backing listing of a directory not yet loaded."""
         with self.position_lock:
-            return self.backing.listdir(self.backing_path(node), self.stale_seq)
+            return self.backing.listdir(self.backing_path(node))
 
     def attach_listing(self, node: Node, listing: list) -> None:
         if node.children is not None:

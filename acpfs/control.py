@@ -99,6 +99,7 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         "mountpoint": info.mountpoint,
         "backing": info.backing,
         "pid": info.pid,
+        "instance": cache.backing.instance,
         "cache_dir": info.cache_dir,
         "log_file": info.log_file,
         "uptime_s": round(now - info.started, 1),

@@ -93,7 +93,7 @@ class Daemon:
     def build(self) -> None:
         """Logging, locks, the mount record, the pool, and the core wired together."""
         from . import journal, recovery
-        from .backing import Backing
+        from .backing import Backing, new_instance
         from .cache import Cache
         from .control import MountInfo
         from .core import Core
@@ -130,16 +130,18 @@ class Daemon:
         self.pool = Pool(os.path.join(opts.cache_dir, "pool"), cache_size, block_size,
                          progress=self._allocating, mlock=opts.mlock)
         self.pool.claim(recovery.claimed_blocks(self.replay))
-        self.backing = Backing(opts.backing)
+        # a new identity for this daemon's temporary files; the dead one's leftovers are ours
+        self.backing = Backing(opts.backing, new_instance(), left.instance if left else None)
+        log.info("temporary files of this daemon: %s*", os.fsdecode(self.backing.mine))
         cache = self.cache = Cache(self.backing, self.pool)
         self.flusher = Flusher(cache, self.backing, opts.flush_workers)
         cache.flusher = self.flusher
         self.base_seq = left.last_seq if left else 0
-        cache.seq = self.flusher.applied_seq = cache.stale_seq = self.base_seq
+        cache.seq = self.flusher.applied_seq = self.base_seq
         # the dead daemon's applied counter stays until its journal is replayed (a crash during
         # the replay must find both as they were)
         cache.journal = journal.Journal(opts.cache_dir, self.pool.block_size, self.pool.size,
-                                        cache.live_file_records)
+                                        cache.live_file_records, self.backing.instance)
         self.info = MountInfo(opts.mountpoint, opts.backing, opts.cache_dir, opts.log_file,
                               opts.fsync_backing, opts.flush_workers, opts.cache_full_timeout,
                               opts.persist_open_after)

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Callable, TypeVar
 
-from .backing import TEMP_PREFIX, Backing, iter_extents
+from .backing import Backing, iter_extents
 from .cache import Cache
 from .journal import Record
 from .retry import describe, retry
@@ -265,7 +265,6 @@ class Flusher:
         try:
             snap = op.snap
             assert snap is not None
-            tmpname = TEMP_PREFIX + f"{op.node.ino}-{op.seq}".encode()
 
             def stopped() -> bool:
                 return op.state == OpState.VOID or self.abort.is_set()
@@ -279,6 +278,7 @@ class Flusher:
                     return True
                 with cache.position_lock:
                     dfd = self.backing.open_dir(cache.backing_path(op.parent))  # type: ignore[arg-type]
+                tmpname = self.backing.temp_name()   # fresh each attempt: created exclusively
                 try:
                     ok = self.backing.write_temp(
                         dfd, tmpname, iter_extents(snap.blocks, snap.size, cache.bs), cache.pool.fd,
@@ -325,7 +325,7 @@ class Flusher:
                 if not staged:
                     self.backing.close_fd(op.dir_fd)
                 else:
-                    self.backing.remove_staging_dir()
+                    self.backing.remove_staging_dir(op.temp_name)
             op.state = OpState.VOID
             return
         cache = self.cache
@@ -349,7 +349,7 @@ class Flusher:
             if not staged:
                 self.backing.close_fd(op.dir_fd)
         if staged:
-            self.backing.remove_staging_dir()
+            self.backing.remove_staging_dir(op.temp_name)
         op.state = OpState.DONE
 
     def discard_staged(self, sp: Staged) -> None:
@@ -359,5 +359,5 @@ class Flusher:
             self.backing.remove_temp(sp.dir_fd, sp.name)
             with self.lock:
                 sp.close(self.backing.close_fd)
-            self.backing.remove_staging_dir()
+            self.backing.remove_staging_dir(sp.name)
         self.pool.submit(run)

@@ -45,8 +45,10 @@ from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"ACPFSJ01"
-HEADER = struct.Struct("<8sQQ")     # magic, block size, pool size
+MAGIC = b"ACPFSJ02"
+HEADER = struct.Struct("<8sQQ16s")  # magic, block size, pool size, daemon instance
+MAGIC_01 = b"ACPFSJ01"              # before instance names: read, never written
+HEADER_01 = struct.Struct("<8sQQ")
 FRAME = struct.Struct("<II")        # payload length, crc32 of the payload
 JOURNAL = "journal"
 RECOVERING = "journal.recovering"   # the journal a recovery is replaying
@@ -137,9 +139,11 @@ class Journal:
     """
 
     def __init__(self, cache_dir: str, block_size: int, pool_size: int,
-                 live_records: Callable[[], list[Record]] = list) -> None:
+                 live_records: Callable[[], list[Record]] = list, instance: str = "") -> None:
         self.path = os.path.join(cache_dir, JOURNAL)
-        self.header = HEADER.pack(MAGIC, block_size, pool_size)
+        # the instance names the daemon's temporary files: the next daemon removes the
+        # leftovers of this one, and no one else's (backing.py)
+        self.header = HEADER.pack(MAGIC, block_size, pool_size, instance.encode())
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
                           0o600)
         os.write(self.fd, self.header)
@@ -210,7 +214,8 @@ class Leftover:
     """What a dead daemon left in a cache directory."""
 
     def __init__(self, block_size: int, pool_size: int, records: list[Record], applied: int,
-                 torn: int, direct: set[bytes] | None = None) -> None:
+                 torn: int, direct: set[bytes] | None = None, instance: str | None = None) -> None:
+        self.instance = instance   # the dead daemon's (None: a journal of format 01)
         self.block_size = block_size
         self.pool_size = pool_size
         self.records = records
@@ -243,13 +248,18 @@ def read_leftover(cache_dir: str) -> Leftover | None:
                 data = f.read()
         except FileNotFoundError:
             continue
-        if len(data) < HEADER.size:
+        if data[:8] == MAGIC_01 and len(data) >= HEADER_01.size:
+            _, block_size, pool_size = HEADER_01.unpack_from(data)
+            instance, start = None, HEADER_01.size
+        elif data[:8] == MAGIC and len(data) >= HEADER.size:
+            _, block_size, pool_size, raw = HEADER.unpack_from(data)
+            instance, start = raw.rstrip(b"\0").decode("ascii", "replace") or None, HEADER.size
+        elif len(data) < HEADER.size:
             return None
-        magic, block_size, pool_size = HEADER.unpack_from(data)
-        if magic != MAGIC:
+        else:
             raise ValueError(f"{path} is not an acpfs journal (or from an incompatible version)")
-        records, end = [], HEADER.size
-        for end, rec in _frames(data, HEADER.size):
+        records, end = [], start
+        for end, rec in _frames(data, start):
             records.append(rec)
         try:
             with open(os.path.join(cache_dir, APPLIED), "rb") as f:
@@ -257,7 +267,7 @@ def read_leftover(cache_dir: str) -> Leftover | None:
         except FileNotFoundError:
             applied = 0
         return Leftover(block_size, pool_size, records, applied, len(data) - end,
-                        read_direct_writes(cache_dir))
+                        read_direct_writes(cache_dir), instance)
     return None
 
 

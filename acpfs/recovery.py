@@ -40,7 +40,7 @@ import time
 import urllib.parse
 from typing import Callable
 
-from .backing import TEMP_PREFIX
+from .backing import staged_ino
 from .cache import Cache
 from .journal import CONTENT_KINDS, DIRTY, FLUSHED, Leftover, Record
 from .retry import retry
@@ -276,12 +276,10 @@ class Replayer:
         """Files open for writing at the crash: keep staged content aside, log the rest."""
         backing = self.cache.backing
         staged: dict[int, bytes] = {}
-        for raw in backing.list_staged():
-            if raw in self.taken_over or not raw.startswith(TEMP_PREFIX):
-                continue
-            ino = raw[len(TEMP_PREFIX):].split(b"-", 1)[0]
-            if ino.isdigit():
-                staged[int(ino)] = raw
+        for raw in backing.list_leftover_staged():
+            ino = staged_ino(raw)
+            if raw not in self.taken_over and ino is not None:
+                staged[ino] = raw
         stamp = time.strftime("%Y%m%dT%H%M%S").encode()
         for rec in dirty:
             path = rec.path
@@ -304,7 +302,7 @@ class Replayer:
                 backing.remove_staged(tmp)
             except OSError:
                 pass
-        backing.remove_staging_dir()
+        backing.remove_leftover_staging_dir()
 
 
 def recover(cache: Cache, left: Leftover, replay: list[Record], dirty: list[Record],

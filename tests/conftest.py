@@ -216,3 +216,9 @@ def faults(make_mount, tmp_path):
     f = Faults(tmp_path)
     yield f
     f.close()
+
+
+def staged_files(back: Path) -> list[Path]:
+    """The staged files (written through) in every daemon's staging directory of a backing
+    (``.acpfs-tmp-<instance>-staging``), sorted by name."""
+    return sorted(p for d in back.glob(".acpfs-tmp-*-staging") for p in d.iterdir())

@@ -86,7 +86,7 @@ def test_cache_full_with_nothing_to_free_gives_enospc_not_a_hang(make_mount):
     # The backing refuses the write-through (its staging directory cannot be created), so
     # the cache cannot make room for a file larger than itself: the writer gets ENOSPC
     # after --cache-full-timeout, it does not hang.
-    (m.back / ".acpfs-tmp-spill").write_bytes(b"in the way")
+    (m.back / f".acpfs-tmp-{m.status()['instance']}-staging").write_bytes(b"in the way")
     start = time.monotonic()
     err = None
     try:

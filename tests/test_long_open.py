@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from conftest import acpfs
+from conftest import acpfs, staged_files
 
 AGE = "1"
 
@@ -45,8 +45,7 @@ def test_a_file_rewritten_in_place_is_staged_never_published_while_open(make_mou
     f = open(m.mnt / "model.bin", "r+b")    # no O_APPEND: a partial version must not land
     f.write(b"PARTIAL!")
     f.flush()
-    staging = m.back / ".acpfs-tmp-spill"
-    wait_for(lambda: staging.exists() and any(p.stat().st_size == 8000 for p in staging.iterdir()))
+    wait_for(lambda: any(p.stat().st_size == 8000 for p in staged_files(m.back)))
     time.sleep(1.5)
     assert (m.back / "model.bin").read_bytes() == b"complete" * 1000
     # the daemon dies with the file open: the staged content is kept aside, the old version stays
@@ -71,13 +70,12 @@ def test_a_log_truncated_then_appended_is_not_published_as_a_prefix(make_mount):
     f.truncate(0)                           # the old content goes: a prefix rule no longer holds
     f.write("new run\n")
     f.flush()
-    staging = m.back / ".acpfs-tmp-spill"
-    wait_for(lambda: staging.exists() and any(staging.iterdir()))
+    wait_for(lambda: staged_files(m.back))
     assert (m.back / "events").read_bytes() == b"old complete run\n"
     f.close()
     m.sync()
     assert (m.back / "events").read_bytes() == b"new run\n"
-    assert not staging.exists()
+    assert not list(m.back.glob(".acpfs-tmp-*"))
 
 
 def test_a_log_written_through_stays_writable_and_staged_until_closed(make_mount):
@@ -96,8 +94,7 @@ def test_a_log_written_through_stays_writable_and_staged_until_closed(make_mount
             assert os.write(fd, chunk) == len(chunk)
             expect += chunk
             time.sleep(1.6)                        # past --persist-open-after, more than once
-        staging = m.back / ".acpfs-tmp-spill"
-        assert [p.stat().st_size for p in staging.iterdir()] == [len(expect)]
+        assert [p.stat().st_size for p in staged_files(m.back)] == [len(expect)]
         assert (m.back / "run.log").read_bytes() == b"first run\n"   # never a partial version
     finally:
         os.close(fd)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from conftest import acpfs
+from conftest import acpfs, staged_files
 
 
 def _kill(m):
@@ -119,9 +119,8 @@ def test_journal_cut_back_keeps_records_of_open_files(make_mount):
     f = open(m.mnt / "model.bin", "r+b")
     f.write(b"PARTIAL!")
     f.flush()
-    staging = m.back / ".acpfs-tmp-spill"
     deadline = time.time() + 20
-    while not (staging.exists() and any(p.stat().st_size == 8000 for p in staging.iterdir())):
+    while not any(p.stat().st_size == 8000 for p in staged_files(m.back)):
         assert time.time() < deadline
         time.sleep(0.1)
     (m.mnt / "other").write_bytes(b"x")   # a publish applied with the queue then empty: reset

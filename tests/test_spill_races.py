@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import staged_files
 from faultfs import Shim
 
 MiB = 1 << 20
-STAGING = ".acpfs-tmp-spill"
 
 
 class Mounted:
@@ -79,7 +79,7 @@ def written_through(rig: Mounted, data: bytes, name: str = "big") -> int:
     """Open NAME for writing and write DATA (larger than the cache); returns the descriptor."""
     fd = os.open(rig.m.mnt / name, os.O_WRONLY | os.O_CREAT, 0o644)
     assert os.write(fd, data) == len(data)
-    staged = [p.stat().st_size for p in (rig.src / STAGING).iterdir()]
+    staged = [p.stat().st_size for p in staged_files(rig.src)]
     assert staged == [len(data)], staged
     return fd
 

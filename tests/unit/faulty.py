@@ -25,12 +25,12 @@ import os
 import threading
 from typing import Any
 
-from acpfs.backing import Backing
+from acpfs.backing import Backing, staging_dir_of
 
 # methods whose result is a descriptor (or a pair of them) opened at the call's path
 OPENERS = {"open_dir", "open_file", "create_temp", "create_staged", "open_staged"}
 # methods left alone: no I/O (a name), or needed to tear a test down
-UNWRAPPED = {"staged_name", "close"}
+UNWRAPPED = {"staged_name", "temp_name", "is_leftover", "owns", "close"}
 
 
 class Fault:
@@ -99,13 +99,13 @@ def _path_of(backing: FaultyBacking, method: str, bound: inspect.BoundArguments)
         dst = [os.fsdecode(c) for c in args["dcomps"]] + [os.fsdecode(args["dname"])]
         return _join(*parts) + " -> " + _join(*dst)
     if method in ("create_staged", "open_staged", "remove_staged", "keep_aside"):
-        return _join(".acpfs-tmp-spill", *parts)
+        return _join(os.fsdecode(staging_dir_of(args["tmpname"])), *parts)
     return _join(*parts)
 
 
 class FaultyBacking(Backing):
-    def __init__(self, root: str) -> None:
-        super().__init__(root)
+    def __init__(self, root: str, instance: str | None = None, dead_instance: str | None = None) -> None:
+        super().__init__(root, instance, dead_instance)
         self.faults: list[Fault] = []
         self.calls: list[tuple[str, str]] = []
         self.fd_paths: dict[int, str] = {}

@@ -29,7 +29,7 @@ class Core:
         self.cache.flusher = self.flusher
         if journal:
             self.cache.journal = Journal(str(self.cache_dir), BS, self.pool.size,
-                                         self.cache.live_file_records)
+                                         self.cache.live_file_records, self.backing.instance)
         self.flusher.start()
         self.cache.attach_listing(self.cache.root, self.cache.list_backing(self.cache.root))
 

@@ -13,8 +13,8 @@ import zlib
 import pytest
 
 import acpfs.journal as jmod
-from acpfs.journal import (APPLIED, CLEAN, DIRECT, DIRTY, FLUSHED, FRAME, HEADER, JOURNAL, LAYOUT,
-                           MAGIC, RECOVERING, Journal, Record, pack_blocks, read_direct_writes,
+from acpfs.journal import (APPLIED, CLEAN, DIRECT, DIRTY, FLUSHED, FRAME, HEADER, HEADER_01, JOURNAL,
+                           LAYOUT, MAGIC, MAGIC_01, RECOVERING, Journal, Record, pack_blocks, read_direct_writes,
                            read_leftover, record_direct_write)
 
 BS = 4096
@@ -63,8 +63,8 @@ def frame(payload: bytes) -> bytes:
 
 
 def write_journal(cache_dir, payloads: list[bytes], applied: int | None = None,
-                  name: str = JOURNAL) -> bytes:
-    data = HEADER.pack(MAGIC, BS, POOL) + b"".join(frame(p) for p in payloads)
+                  name: str = JOURNAL, header: bytes | None = None) -> bytes:
+    data = (header or HEADER.pack(MAGIC, BS, POOL, b"a1b2c3")) + b"".join(frame(p) for p in payloads)
     (cache_dir / name).write_bytes(data)
     if applied is not None:
         (cache_dir / APPLIED).write_bytes(applied.to_bytes(8, "little"))
@@ -123,9 +123,11 @@ def test_records_written_by_the_previous_version_are_read(tmp_path):
         (0, "dirty", 7, b"o"),
         (0, "clean", 7),
     ]
-    write_journal(tmp_path, [marshal.dumps(t) for t in old], applied=3)
+    write_journal(tmp_path, [marshal.dumps(t) for t in old], applied=3,
+                  header=HEADER_01.pack(MAGIC_01, BS, POOL))
     left = read_leftover(str(tmp_path))
     assert left is not None and left.applied == 3 and left.torn == 0
+    assert left.instance is None     # format 01 named no instance
     assert (left.block_size, left.pool_size) == (BS, POOL)
     recs = left.records
     assert [r.kind for r in recs] == [t[1] for t in old]
@@ -191,18 +193,18 @@ def test_a_length_beyond_the_file_is_a_torn_tail(tmp_path):
 
 def test_header_only_short_and_missing_journals(tmp_path):
     assert read_leftover(str(tmp_path)) is None                     # no journal at all
-    (tmp_path / JOURNAL).write_bytes(HEADER.pack(MAGIC, BS, POOL))
+    (tmp_path / JOURNAL).write_bytes(HEADER.pack(MAGIC, BS, POOL, b""))
     left = read_leftover(str(tmp_path))
     assert left is not None and left.records == [] and left.torn == 0
     assert left.applied == 0 and left.last_seq == 0                # no applied file: 0
     assert (left.block_size, left.pool_size) == (BS, POOL)
     for n in (0, 1, HEADER.size - 1):                               # cut inside the header
-        (tmp_path / JOURNAL).write_bytes(HEADER.pack(MAGIC, BS, POOL)[:n])
+        (tmp_path / JOURNAL).write_bytes(HEADER.pack(MAGIC, BS, POOL, b"")[:n])
         assert read_leftover(str(tmp_path)) is None
 
 
 def test_wrong_magic_raises_a_clear_error(tmp_path):
-    (tmp_path / JOURNAL).write_bytes(HEADER.pack(b"ACPFSJ00", BS, POOL))
+    (tmp_path / JOURNAL).write_bytes(HEADER.pack(b"ACPFSJ00", BS, POOL, b""))
     with pytest.raises(ValueError, match=r"journal is not an acpfs journal \(or from an incompatible"):
         read_leftover(str(tmp_path))
 
@@ -388,7 +390,7 @@ def test_direct_writes_tolerate_a_line_cut_short(tmp_path):
         f.write(b'"ckpt/half-writ')                      # the daemon-less writer was killed here
     assert read_direct_writes(str(tmp_path)) == {b"ckpt/latest", b"ckpt/caf\xe9 \"q\"\n"}
     assert os.stat(tmp_path / DIRECT).st_mode & 0o777 == 0o600
-    (tmp_path / JOURNAL).write_bytes(HEADER.pack(MAGIC, BS, POOL))
+    (tmp_path / JOURNAL).write_bytes(HEADER.pack(MAGIC, BS, POOL, b""))
     assert read_leftover(str(tmp_path)).direct == {b"ckpt/latest", b"ckpt/caf\xe9 \"q\"\n"}
     jmod.forget_direct_writes(str(tmp_path))
     jmod.forget_direct_writes(str(tmp_path))            # twice: no error
@@ -405,3 +407,13 @@ def test_start_and_finish_recovery(tmp_path):
     jmod.finish_recovery(str(tmp_path))
     jmod.finish_recovery(str(tmp_path))
     assert read_leftover(str(tmp_path)).records == three_records()[1:2]
+
+
+def test_the_header_names_the_daemon_instance(tmp_path):
+    """The next daemon learns from the journal whose temporary files are leftovers."""
+    j = Journal(str(tmp_path), BS, POOL, instance="0a1b2c3d4e5f")
+    j.append(Record(1, "unlink", 2, b"f"))
+    j.close()
+    left = read_leftover(str(tmp_path))
+    assert left is not None and left.instance == "0a1b2c3d4e5f"
+    assert [r.seq for r in left.records] == [1]

@@ -147,14 +147,14 @@ class Restarted:
         jmod.start_recovery(str(cache_dir))
         self.pool = Pool(str(cache_dir / "pool"), left.pool_size, left.block_size)
         self.pool.claim(recovery.claimed_blocks(self.replay))
-        self.backing = FaultyBacking(str(back))
+        self.backing = FaultyBacking(str(back), dead_instance=left.instance)
         self.cache = Cache(self.backing, self.pool)
         self.flusher = Flusher(self.cache, self.backing, workers)
         self.cache.flusher = self.flusher
         self.base_seq = left.last_seq
-        self.cache.seq = self.flusher.applied_seq = self.cache.stale_seq = self.base_seq
+        self.cache.seq = self.flusher.applied_seq = self.base_seq
         self.cache.journal = Journal(str(cache_dir), self.pool.block_size, self.pool.size,
-                                     self.cache.live_file_records)
+                                     self.cache.live_file_records, self.backing.instance)
         self.report = None
 
     def recover(self, before_start=lambda: None) -> recovery.Recovered:
@@ -268,13 +268,18 @@ def killed_daemon(tmp_path, make_core):
     kill(c, h)
     assert tree(c.back) == {"d": "dir", "d/f": b"one" * 2000, "old": b"old bytes",
                             "o": b"o before"}
-    # an upload the dead daemon left half written (its op's seq is in the journal)
-    (c.back / "d" / (".acpfs-tmp-%d-%d" % (g.ino, c.applied_before + 1))).write_bytes(b"GG")
+    # an upload the dead daemon left half written (its instance is in the journal), and one
+    # of another daemon (another node's upload in flight): only the first is removed
+    (c.back / "d" / os.fsdecode(c.backing.temp_name())).write_bytes(b"GG")
+    (c.back / OTHER_NODES_UPLOAD).write_bytes(b"other node")
     return c
 
 
+OTHER_NODES_UPLOAD = "d/.acpfs-tmp-0123456789ab-00112233445566ff"
+
+
 def check_backing(back: Path) -> None:
-    assert tree(back) == EXPECTED
+    assert tree(back) == {**EXPECTED, OTHER_NODES_UPLOAD: b"other node"}
     assert stat.S_IMODE(os.stat(back / "d" / "g").st_mode) == 0o600
     assert stat.S_IMODE(os.stat(back / "e").st_mode) == 0o750
     assert os.getxattr(back / "e", "user.k") == b"v"
@@ -335,7 +340,7 @@ def test_written_through_files_are_published_or_kept_aside(tmp_path, make_core, 
     aside in .acpfs-recovered/."""
     import trio
 
-    from acpfs.backing import RECOVERED_DIR, STAGING_DIR
+    from acpfs.backing import RECOVERED_DIR
     from triocore import ROOT, create, pattern, run, write
 
     back = tmp_path / "w" / "back"
@@ -359,7 +364,7 @@ def test_written_through_files_are_published_or_kept_aside(tmp_path, make_core, 
         await trio.sleep(0)
     run(c, test)
     c.flusher.stop(drain=False, timeout=5)             # killed: nothing was queued anyway
-    assert sorted(os.listdir(c.back)) == [os.fsdecode(STAGING_DIR), "open"]
+    assert sorted(os.listdir(c.back)) == [os.fsdecode(c.backing.staging_dir), "open"]
 
     r = restart(c)
     report = r.recover()

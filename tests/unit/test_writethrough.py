@@ -11,7 +11,6 @@ import time
 import pytest
 import trio
 
-from acpfs.backing import STAGING_DIR
 from acpfs.types import FsError
 from harness import BS
 from triocore import ROOT, close, create, drain, pattern, read, run, write
@@ -27,7 +26,7 @@ def h(make_core):
 
 
 def staged_files(h) -> list[str]:
-    d = h.back / os.fsdecode(STAGING_DIR)
+    d = h.back / os.fsdecode(h.backing.staging_dir)
     return sorted(os.listdir(d)) if d.exists() else []
 
 
@@ -60,7 +59,7 @@ def test_a_write_larger_than_the_free_cache_is_written_through(h):
     run(h, test)
     assert (h.back / "big").read_bytes() == data + b"tail"
     assert (h.back / "other").read_bytes() == other
-    assert not (h.back / os.fsdecode(STAGING_DIR)).exists()
+    assert not (h.back / os.fsdecode(h.backing.staging_dir)).exists()
 
 
 def test_a_full_cache_writes_the_largest_open_file_through_and_only_it(h):

@@ -444,6 +444,8 @@ def test_file_deleted_before_persist_never_reaches_backing(make_mount, cache_siz
         # big enough that its upload is under way when it is deleted, behind a new blocker
         (m.mnt / "blocker2.bin").write_bytes(src.make("blocker2", 200 * MiB, 8))
         blocker_seq = seq_of("blocker2.bin")
+        (m.mnt / "eph-closed2.bin").write_bytes(src.make("c2", 3 * MiB, 9))
+        gone("eph-closed2.bin")
         (m.mnt / "eph-big.bin").write_bytes(src.make("b", 48 * MiB, 4))
         time.sleep(0.05)
         gone("eph-big.bin")

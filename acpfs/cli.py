@@ -314,6 +314,12 @@ def cmd_status(a: argparse.Namespace) -> int:
     return 0
 
 
+def safe(text: str) -> str:
+    """``text`` with control characters escaped, for a line a human reads (a name holding a
+    newline must not print a line of its own)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _age(s: float) -> str:
     s = int(s)
     if s < 120:
@@ -472,6 +478,7 @@ def cmd_umount(a: argparse.Namespace) -> int:
         return 0
     st = client.read_status(mountpoint)
     pid = st["pid"]
+    dev = next((m.dev for m in client.mounts() if m.mountpoint == mountpoint), "")
     wait_durable(mountpoint, st["queue"]["last_seq"], a.timeout, f"umount {mountpoint}: persisting")
     cmd = ["fusermount3", "-u"] + (["-z"] if a.lazy else []) + [mountpoint]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -481,9 +488,20 @@ def cmd_umount(a: argparse.Namespace) -> int:
                       f"detaches now and persists after they are closed)")
     prog = Progress()
     start = time.monotonic()
+    told = False
     while pid_alive(pid):
+        waited = time.monotonic() - start
+        if waited > 0.5 and not told and dev:
+            told = True
+            holders = client.holders_elsewhere(dev)
+            if holders:
+                prog.done()
+                print(f"acpfs: {mountpoint} is unmounted here, but still mounted in "
+                      + "; ".join(f"the mount namespace of pid {p} ({safe(c)}) at {safe(w)}"
+                                  for p, c, w in holders)
+                      + ": its daemon serves that until it is unmounted there", file=sys.stderr)
         prog.update(f"umount {mountpoint}: waiting for the daemon (pid {pid}) to persist the rest "
-                    f"({_age(time.monotonic() - start)})")
+                    f"({_age(waited)})")
         if a.timeout is not None and time.monotonic() - start > a.timeout:
             prog.done()
             raise Failure(f"unmounted {mountpoint}, but its daemon (pid {pid}) is still persisting "

@@ -60,6 +60,7 @@ class Mount:
     id: str            # the mount ID: new for every mount, even at the same mount point
     mountpoint: str    # unescaped
     fstype: str        # "fuse.acpfs" for an acpfs mount (live or stale)
+    dev: str = ""      # "major:minor" of its filesystem: the same in every mount namespace
 
 
 _ESCAPE = re.compile(r"\\(040|011|012|134)")   # what the kernel escapes: space, tab, newline, \
@@ -81,7 +82,39 @@ def parse_mountinfo(text: str) -> list[Mount]:
         except ValueError:
             continue
         if len(parts) > sep + 1:
-            out.append(Mount(parts[0], unescape(parts[4]), parts[sep + 1]))
+            out.append(Mount(parts[0], unescape(parts[4]), parts[sep + 1], parts[2]))
+    return out
+
+
+def holders_elsewhere(dev: str) -> list[tuple[int, str, str]]:
+    """Other mount namespaces that still hold a mount of the filesystem ``dev``
+    ("major:minor"): one (pid, command, mount point) per namespace. A FUSE filesystem lives
+    until every copy of its mount is gone, so a daemon whose mount was unmounted here keeps
+    serving those (a process started with ``unshare --mount``, a container)."""
+    try:
+        own = os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        return []
+    seen: set[int] = {own}
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            ns = os.stat(f"/proc/{entry}/ns/mnt").st_ino
+            if ns in seen:
+                continue
+            with open(f"/proc/{entry}/mountinfo", "rb") as f:
+                text = os.fsdecode(f.read())
+            with open(f"/proc/{entry}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue   # gone, or not ours to read
+        seen.add(ns)
+        for m in parse_mountinfo(text):
+            if m.dev == dev and m.fstype == FSTYPE:
+                out.append((int(entry), comm, m.mountpoint))
+                break
     return out
 
 

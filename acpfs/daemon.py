@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import logging
+import math
 import os
 import shutil
 import signal
@@ -207,6 +208,7 @@ class Daemon:
                     await trio.sleep(1.0)   # after the kernel's INIT, which sets its own value
                     set_read_ahead(opts.mountpoint)
                 nursery.start_soon(read_ahead)
+                nursery.start_soon(watch_detached, opts.mountpoint)
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
                 nursery.cancel_scope.cancel()
 
@@ -258,18 +260,45 @@ def run(opts: Options, notify: Callable[[str], None]) -> int:
 READ_AHEAD_KB = 1024   # measured: torch.load of a cached 1 GiB file 1.18 -> 1.43 GB/s (128 -> 1024)
 
 
-def set_read_ahead(mountpoint: str) -> None:
-    """Larger read-ahead for the mount's backing device info (the kernel's default is 128 KiB).
-
-    The device number comes from /proc/self/mountinfo: a stat of the mount point would ask
-    this very daemon, which does not serve requests yet.
-    """
+def own_dev(mountpoint: str) -> str | None:
+    """The device ("major:minor") of this daemon's mount, from /proc/self/mountinfo: a stat of
+    the mount point would ask this very daemon, which may not serve requests yet."""
+    from . import client
     dev = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 4 and fields[4].replace("\\040", " ") == mountpoint:
-                dev = fields[2]
+    for m in client.mounts():
+        if m.mountpoint == mountpoint and m.fstype == client.FSTYPE:
+            dev = m.dev
+    return dev
+
+
+async def watch_detached(mountpoint: str) -> None:
+    """Say so when the mount was unmounted here but the kernel keeps the filesystem alive,
+    because other mount namespaces hold copies of it: the daemon serves them (and does not
+    drain and exit) until they let go. That wait used to be silent (issue 10.6)."""
+    import trio
+
+    from . import client
+    await trio.sleep(0.5)
+    dev = own_dev(mountpoint)
+    if dev is None:
+        return
+    said = -math.inf
+    while True:
+        await trio.sleep(1.0)
+        if any(m.dev == dev for m in client.mounts()):
+            continue
+        holders = await trio.to_thread.run_sync(client.holders_elsewhere, dev)
+        if holders and time.monotonic() - said > 60:
+            said = time.monotonic()
+            log.warning("%s was unmounted here, but %d other mount namespace(s) still hold it (%s): "
+                        "serving them until they let go; unmount it there or end those processes, "
+                        "then this daemon persists what is left and exits", mountpoint, len(holders),
+                        ", ".join(f"pid {pid} {comm} at {where}" for pid, comm, where in holders))
+
+
+def set_read_ahead(mountpoint: str) -> None:
+    """Larger read-ahead for the mount's backing device info (the kernel's default is 128 KiB)."""
+    dev = own_dev(mountpoint)
     if dev is None:
         return
     path = f"/sys/class/bdi/{dev}/read_ahead_kb"

@@ -135,6 +135,54 @@ def test_umount_drains_with_progress(make_mount):
     assert not m.cache_dir.exists()
 
 
+def test_idle_unmount_is_quick(make_mount):
+    """Issue 10.6: an idle mount unmounts well under a second (5 s here: a loaded CI
+    machine); it used to take 8 to 30 s when another mount namespace held a copy."""
+    m = make_mount()
+    (m.mnt / "f").write_bytes(b"x")
+    m.sync()
+    for how in ("acpfs", "fusermount"):
+        start = time.monotonic()
+        if how == "acpfs":
+            assert m.umount().returncode == 0
+        else:
+            subprocess.run(["fusermount3", "-u", str(m.mnt)], check=True)
+        while os.path.exists(f"/proc/{m.pid}"):
+            assert time.monotonic() - start < 5, f"idle unmount ({how}) took more than 5 s"
+            time.sleep(0.02)
+        if how == "acpfs":
+            m.mount()
+
+
+def test_unmount_names_another_mount_namespace_that_holds_the_mount(make_mount):
+    """A copy of the mount in another mount namespace keeps the filesystem alive after it is
+    unmounted here: the daemon serves it until that copy goes. Both the daemon's log and
+    'acpfs umount' say so, naming the process, instead of waiting silently."""
+    m = make_mount()
+    (m.mnt / "f").write_bytes(b"x")
+    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "120"])
+    try:
+        time.sleep(0.5)                       # the namespace exists, with its copy of the mount
+        um = subprocess.Popen(ACPFS + ["umount", str(m.mnt), "--timeout", "60"],
+                              stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 20
+        while f"pid {holder.pid}" not in m.log.read_text():
+            assert time.monotonic() < deadline, "the daemon did not say who holds the mount"
+            time.sleep(0.1)
+        assert "other mount namespace(s) still hold it" in m.log.read_text()
+        time.sleep(1.5)                       # 'acpfs umount' looks after a second of waiting
+        assert um.poll() is None and os.path.exists(f"/proc/{m.pid}")   # still serving it
+    finally:
+        holder.kill()
+        holder.wait()
+    _, err = um.communicate(timeout=60)
+    assert um.returncode == 0, err
+    assert f"the mount namespace of pid {holder.pid} (unshare)" in err or \
+        f"the mount namespace of pid {holder.pid} (sleep)" in err, err
+    assert "everything is persisted" in err
+    assert (m.back / "f").read_bytes() == b"x"
+
+
 @pytest.mark.parametrize("how", ["fusermount", "sigterm"])
 def test_plain_unmount_or_sigterm_still_drains(make_mount, how):
     m = make_mount()

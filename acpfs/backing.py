@@ -46,8 +46,22 @@ OLD_STAGED = re.compile(re.escape(TEMP_PREFIX) + rb"(\d+)-w\d+")
 STAGED = re.compile(re.escape(TEMP_PREFIX) + rb"([0-9a-f]+)-[0-9a-f]+-i(\d+)")
 RECOVERED_DIR = b".acpfs-recovered"   # content acpfs could not put in place, kept aside
 IS_ROOT = os.geteuid() == 0
+# what a descriptor of a backing that went away and came back (a remounted NFS, SFS or FUSE
+# store) answers: the root and every directory must be opened again by path
+STALE = frozenset({errno.ENOTCONN, errno.ESTALE, errno.ENODEV})
 
 Comps = list[bytes]
+
+
+class MissingDir(OSError):
+    """A directory on the way to a path is not in the backing (ENOENT): removed or moved
+    behind acpfs's back. ``comps[:depth]`` were found; ``comps[depth]`` was not."""
+
+    def __init__(self, comps: Comps, depth: int) -> None:
+        where = os.fsdecode(b"/".join(comps[:depth + 1]))
+        super().__init__(errno.ENOENT, f"directory {where!r} is missing from the backing")
+        self.comps = comps
+        self.depth = depth
 
 
 def is_temp_name(name: bytes) -> bool:
@@ -111,19 +125,33 @@ class Backing:
 
     # -- reaching directories -------------------------------------------------------------
     def open_dir(self, comps: Comps) -> int:
-        """Open the directory at ``comps`` (names from the root) without following symlinks."""
+        """Open the directory at ``comps`` (names from the root) without following symlinks.
+        Raises MissingDir when a component does not exist."""
         fd = os.dup(self.root_fd)
         try:
-            for name in comps:
+            for depth, name in enumerate(comps):
                 check_name(name)
-                nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                              dir_fd=fd)
+                try:
+                    nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                  dir_fd=fd)
+                except FileNotFoundError:
+                    raise MissingDir(comps, depth) from None
                 os.close(fd)
                 fd = nfd
         except BaseException:
             os.close(fd)
             raise
         return fd
+
+    def temp_exists(self, dfd: int, tmpname: bytes) -> bool:
+        """Is the temporary file still there? (False also when its directory is gone.)"""
+        try:
+            os.stat(tmpname, dir_fd=dfd, follow_symlinks=False)
+            return True
+        except OSError as e:
+            if e.errno in STALE or e.errno in (errno.ENOENT, errno.EBADF):
+                return False
+            raise
 
     def listdir(self, comps: Comps) -> list[tuple[bytes, os.stat_result, bytes | None]]:
         """(name, lstat result, symlink target) of each entry, without acpfs temporary files.
@@ -166,12 +194,13 @@ class Backing:
         that an idle backing equals the mount's view; ``_staging_lock`` keeps creation and
         removal from crossing.
         """
+        where = staging_dir_of(tmpname)
         with self._staging_lock:
             try:
-                os.mkdir(self.staging_dir, 0o700, dir_fd=self.root_fd)
+                os.mkdir(where, 0o700, dir_fd=self.root_fd)
             except FileExistsError:
                 pass
-            dfd = os.open(self.staging_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+            dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                           dir_fd=self.root_fd)
             try:
                 return dfd, self.create_temp(dfd, tmpname)
@@ -281,9 +310,12 @@ class Backing:
             os.close(dfd)
 
     def unlink(self, comps: Comps, name: bytes, is_dir: bool) -> None:
-        """Remove an entry; a missing entry counts as removed (the result is the same)."""
+        """Remove an entry; a missing entry (or directory) counts as removed: same result."""
         check_name(name)
-        dfd = self.open_dir(comps)
+        try:
+            dfd = self.open_dir(comps)
+        except MissingDir:
+            return
         try:
             try:
                 if is_dir:
@@ -447,7 +479,7 @@ class Backing:
         check_name(name)
         os.rename(tmpname, name, src_dir_fd=src_dfd, dst_dir_fd=dst_dfd)
         os.fsync(dst_dfd)
-        if dst_dfd != src_dfd:
+        if dst_dfd != src_dfd and not os.path.samestat(os.fstat(src_dfd), os.fstat(dst_dfd)):
             os.fsync(src_dfd)
 
     # -- descriptors opened here (backing copies being read, staged files) ----------------

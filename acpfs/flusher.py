@@ -22,17 +22,20 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import errno
+import functools
 import itertools
 import logging
+import os
 import threading
 import time
 from typing import Callable, TypeVar
 
-from .backing import Backing, iter_extents
+from .backing import Backing, MissingDir, iter_extents
 from .cache import Cache
 from .journal import Record
 from .retry import describe, retry
-from .types import Op, OpKind, OpState, Staged
+from .types import Node, Op, OpKind, OpState, Staged
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -179,11 +182,20 @@ class Flusher:
             self._rate.append((time.time(), op.nbytes))
             self.cache.note_persisted(node)
 
-    def _retry(self, fn: Callable[[], T], op: Op, what: str) -> T:
+    def _retry(self, fn: Callable[[], T], op: Op, what: str,
+               repair: Callable[[BaseException], None] | None = None) -> T:
+        """``fn`` until it succeeds. Every failure shows in ``status``; ``repair(exc)`` runs
+        before the next attempt and redoes what the failure showed is missing (a directory,
+        a temporary file), so that an error retrying alone cannot cure does not spin."""
         def failed(exc: BaseException, attempt: int, delay: float) -> None:
             op.error = describe(exc)
             op.attempts = attempt
             op.next_retry = time.time() + delay
+            if repair is not None:
+                try:
+                    repair(exc)
+                except OSError as e:
+                    log.warning("%s %r: repair failed (%s); retrying", what, op.path, describe(e))
 
         def recovered() -> None:
             op.error = None
@@ -233,8 +245,39 @@ class Flusher:
                 else:
                     raise AssertionError(f"unknown op {kind}")
 
-        self._retry(run, op, op.kind)
+        repair = None
+        if op.kind in (OpKind.MKDIR, OpKind.SYMLINK, OpKind.RENAME):
+            repair = functools.partial(self._restore_dirs, op.parent)
+        self._retry(run, op, op.kind, repair)
         op.state = OpState.DONE
+
+    def _restore_dirs(self, where: Node, exc: BaseException) -> None:
+        """A directory the mount has, and the flusher put in the backing, is missing there
+        (MissingDir): removed or moved behind acpfs's back. Changes made through the mount
+        still go into it, so it is made again, from the mount's view (mode, owner), with
+        every directory below it on the way to ``where``. What else it held in the backing
+        went with it; the mount is the truth for what it acknowledged (issue 10.3)."""
+        if not isinstance(exc, MissingDir):
+            return
+        cache = self.cache
+        with cache.position_lock:
+            chain: list[Node] = []
+            n: Node | None = where
+            while n is not cache.root:
+                if n is None:
+                    return   # not in the backing yet: an earlier op makes it
+                chain.append(n)
+                n = n.backing_parent
+            chain.reverse()
+            comps = [c.backing_name for c in chain]
+            if comps[:exc.depth + 1] != exc.comps[:exc.depth + 1]:
+                return       # moved meanwhile: the next attempt sees afresh
+            for i in range(exc.depth, len(chain)):
+                d = chain[i]
+                self.backing.mkdir(comps[:i], comps[i], d.mode, d.uid, d.gid)
+                log.warning("recreated directory %r in the backing: it was removed or moved there "
+                            "by something other than this mount, and changes made through the "
+                            "mount still go into it", os.fsdecode(b"/".join(comps[:i + 1])))
 
     def _rename(self, op: Op) -> None:
         """Apply a rename (hold position_lock).
@@ -250,53 +293,112 @@ class Flusher:
         node, dst, name, replaced = op.node, op.parent, op.name, op.replaced
         there = replaced is not None and replaced.backing_parent is dst and replaced.backing_name == name
         if node.backing_parent is not None:
-            self.backing.rename(cache.backing_path(node.backing_parent), node.backing_name,
-                                cache.backing_path(dst), name)   # type: ignore[arg-type]
-            node.backing_parent, node.backing_name = dst, name
-        elif there:
-            self.backing.unlink(cache.backing_path(dst), name, replaced.is_dir)  # type: ignore[arg-type,union-attr]
+            src = cache.backing_path(node.backing_parent)
+            try:
+                self.backing.rename(src, node.backing_name, cache.backing_path(dst), name)  # type: ignore[arg-type]
+            except OSError as e:
+                if e.errno != errno.ENOENT or (isinstance(e, MissingDir) and e.comps is not src):
+                    raise   # a missing destination directory: _restore_dirs makes it
+                # The source is gone from the backing, removed by something else: the node
+                # is absent there now, and its next snapshot lands under the new name.
+                log.warning("rename %r: its source is gone from the backing (removed by something "
+                            "other than this mount)", op.path)
+                node.backing_parent = None
+                if node.is_dir:   # the mount still has it, and ops into it follow: make it again
+                    if there:
+                        self.backing.unlink(cache.backing_path(dst), name, True)  # type: ignore[arg-type]
+                        replaced.backing_parent = None  # type: ignore[union-attr]
+                    self.backing.mkdir(cache.backing_path(dst), name, node.mode, node.uid, node.gid)  # type: ignore[arg-type]
+                    node.backing_parent, node.backing_name = dst, name
+                    return
+            else:
+                node.backing_parent, node.backing_name = dst, name
+                if there:
+                    replaced.backing_parent = None  # type: ignore[union-attr]
+                return
         if there:
+            self.backing.unlink(cache.backing_path(dst), name, replaced.is_dir)  # type: ignore[arg-type,union-attr]
             replaced.backing_parent = None  # type: ignore[union-attr]
 
     # -- uploads ------------------------------------------------------------------------
     def _upload(self, op: Op) -> bool:
         """Worker thread: write the snapshot to a temporary file next to its final name."""
-        cache = self.cache
         try:
-            snap = op.snap
-            assert snap is not None
-
-            def stopped() -> bool:
-                return op.state == OpState.VOID or self.abort.is_set()
-
-            def attempt() -> bool:
-                if stopped():
-                    return False
-                if snap.staged is not None:  # already in the backing: finish it in place
-                    self.backing.finish_temp(snap.staged.fd, snap.size, snap.mode, snap.uid, snap.gid,
-                                             snap.times, snap.xattrs)
-                    return True
-                with cache.position_lock:
-                    dfd = self.backing.open_dir(cache.backing_path(op.parent))  # type: ignore[arg-type]
-                tmpname = self.backing.temp_name()   # fresh each attempt: created exclusively
-                try:
-                    ok = self.backing.write_temp(
-                        dfd, tmpname, iter_extents(snap.blocks, snap.size, cache.bs), cache.pool.fd,
-                        snap.size, snap.mode, snap.uid, snap.gid, snap.times, snap.xattrs, stopped)
-                except BaseException:
-                    self.backing.close_fd(dfd)
-                    raise
-                if not ok:
-                    self.backing.close_fd(dfd)
-                    return False
-                op.dir_fd, op.temp_name = dfd, tmpname
-                return True
-
-            return self._retry(attempt, op, "upload of")
+            return self._retry(lambda: self._write_upload(op), op, "upload of",
+                               functools.partial(self._restore_dirs, op.parent))
         finally:
             with self.lock:
                 self.uploading -= 1
                 self.lock.notify_all()
+
+    def _write_upload(self, op: Op) -> bool:
+        """One attempt at the temporary file of a publish; False if the op went void (or
+        the daemon is stopping) meanwhile."""
+        cache = self.cache
+        snap = op.snap
+        assert snap is not None
+
+        def stopped() -> bool:
+            return op.state == OpState.VOID or self.abort.is_set()
+
+        if stopped():
+            return False
+        if snap.staged is not None:  # already in the backing: finish it in place
+            self.backing.finish_temp(snap.staged.fd, snap.size, snap.mode, snap.uid, snap.gid,
+                                     snap.times, snap.xattrs)
+            return True
+        with cache.position_lock:
+            dfd = self.backing.open_dir(cache.backing_path(op.parent))  # type: ignore[arg-type]
+        tmpname = self.backing.temp_name()   # fresh each attempt: created exclusively
+        try:
+            ok = self.backing.write_temp(
+                dfd, tmpname, iter_extents(snap.blocks, snap.size, cache.bs), cache.pool.fd,
+                snap.size, snap.mode, snap.uid, snap.gid, snap.times, snap.xattrs, stopped)
+        except BaseException:
+            self.backing.close_fd(dfd)
+            raise
+        if not ok:
+            self.backing.close_fd(dfd)
+            return False
+        op.dir_fd, op.temp_name = dfd, tmpname
+        return True
+
+    def _redo_upload(self, op: Op) -> None:
+        """The temporary file of a publish is gone (removed behind acpfs's back, or with its
+        directory, or on a backing that was remounted): write it again from the snapshot,
+        which is still here. A staged file is reopened by its name, or copied back under it
+        from the descriptor this op holds (the journal names it)."""
+        snap = op.snap
+        assert snap is not None
+        log.warning("publish of %r: its temporary file is gone from the backing; writing it again",
+                    op.path)
+        sp = snap.staged
+        if sp is None:
+            if op.dir_fd >= 0:
+                self.backing.close_fd(op.dir_fd)
+                op.dir_fd = -1
+            if not self._write_upload(op):
+                raise Aborted()
+            return
+        fds = self.backing.open_staged(sp.name)
+        if fds is None:
+            fds = self.backing.create_staged(sp.name)
+            try:
+                self.backing.copy_file(sp.fd, fds[1], snap.size)
+                self.backing.finish_temp(fds[1], snap.size, snap.mode, snap.uid, snap.gid,
+                                         snap.times, snap.xattrs)
+            except BaseException:
+                self.backing.remove_temp(fds[0], sp.name)
+                for fd in fds:
+                    self.backing.close_fd(fd)
+                raise
+        with self.lock:
+            old = (sp.fd, sp.dir_fd)
+            sp.dir_fd, sp.fd = fds
+            if not sp.users:          # a reader pinned to the old descriptor closes nothing
+                for fd in old:
+                    self.backing.close_fd(fd)
+        op.dir_fd, op.temp_name = sp.dir_fd, sp.name
 
     def _apply_publish(self, op: Op) -> None:
         while True:
@@ -329,24 +431,36 @@ class Flusher:
             op.state = OpState.VOID
             return
         cache = self.cache
+        redo = False
 
         def run() -> None:
+            nonlocal redo
+            if redo:
+                self._redo_upload(op)
+                redo = False
             with cache.position_lock:
-                # a staged file sits in the staging directory; move it to where the file is now
-                dst = self.backing.open_dir(cache.backing_path(op.parent)) if staged else op.dir_fd  # type: ignore[arg-type]
+                # the directory where the file is now, by path: the one the temporary file
+                # was written in may have been moved away meanwhile
+                dst = self.backing.open_dir(cache.backing_path(op.parent))  # type: ignore[arg-type]
                 try:
                     self.backing.publish(op.dir_fd, op.temp_name, dst, op.name)
                 finally:
-                    if dst != op.dir_fd:
-                        self.backing.close_fd(dst)
+                    self.backing.close_fd(dst)
                 node = op.node
                 node.backing_parent, node.backing_name = op.parent, op.name
                 node.versions += 1
 
+        def repair(exc: BaseException) -> None:
+            nonlocal redo
+            if isinstance(exc, MissingDir):
+                self._restore_dirs(op.parent, exc)  # type: ignore[arg-type]
+            elif isinstance(exc, OSError) and not self.backing.temp_exists(op.dir_fd, op.temp_name):
+                redo = True
+
         try:
-            self._retry(run, op, "publish of")
+            self._retry(run, op, "publish of", repair)
         finally:
-            if not staged:
+            if not staged and op.dir_fd >= 0:
                 self.backing.close_fd(op.dir_fd)
         if staged:
             self.backing.remove_staging_dir(op.temp_name)

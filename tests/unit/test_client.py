@@ -51,13 +51,13 @@ def test_parse_mountinfo_keeps_every_mount_with_its_id_and_type():
     ])
     got = client.parse_mountinfo(text)
     assert got == [
-        client.Mount("22", "/proc", "proc"),
-        client.Mount("40", "/mnt/ckpt", "fuse.acpfs"),
-        client.Mount("41", "/mnt/with space", "fuse.acpfs"),
-        client.Mount("42", "/mnt/tab\there", "fuse.acpfs"),
-        client.Mount("43", "/mnt/new\nline", "fuse.acpfs"),
-        client.Mount("44", "/mnt/back\\slash", "fuse.acpfs"),
-        client.Mount("45", "/mnt/other", "fuse.sshfs"),
+        client.Mount("22", "/proc", "proc", "0:21"),
+        client.Mount("40", "/mnt/ckpt", "fuse.acpfs", "0:40"),
+        client.Mount("41", "/mnt/with space", "fuse.acpfs", "0:41"),
+        client.Mount("42", "/mnt/tab\there", "fuse.acpfs", "0:42"),
+        client.Mount("43", "/mnt/new\nline", "fuse.acpfs", "0:43"),
+        client.Mount("44", "/mnt/back\\slash", "fuse.acpfs", "0:44"),
+        client.Mount("45", "/mnt/other", "fuse.sshfs", "0:45"),
     ]
     assert client.acpfs_mounts(text) == ["/mnt/ckpt", "/mnt/with space", "/mnt/tab\there",
                                          "/mnt/new\nline", "/mnt/back\\slash"]

@@ -544,19 +544,62 @@ class Backing:
         except FileNotFoundError:
             pass
 
-    def keep_aside(self, tmpname: bytes, stamp: bytes, flat_name: bytes) -> str:
-        """Move a staged file to ``.acpfs-recovered/<stamp>/<flat_name>``; returns that path."""
-        for name in (stamp, flat_name):
-            check_name(name)
-        for d in (RECOVERED_DIR, RECOVERED_DIR + b"/" + stamp):
+    def _recovered_dir(self, stamp: bytes) -> int:
+        """Open ``.acpfs-recovered/<stamp>`` (made private if new), never through a symlink."""
+        check_name(stamp)
+        for comps, name in (([], RECOVERED_DIR), ([RECOVERED_DIR], stamp)):
+            dfd = self.open_dir(comps)
             try:
-                os.mkdir(d, 0o700, dir_fd=self.root_fd)
+                os.mkdir(name, 0o700, dir_fd=dfd)
             except FileExistsError:
                 pass
-        dst = RECOVERED_DIR + b"/" + stamp + b"/" + flat_name
-        os.rename(staging_dir_of(tmpname) + b"/" + tmpname, dst, src_dir_fd=self.root_fd,
-                  dst_dir_fd=self.root_fd)
-        return os.fsdecode(dst)
+            finally:
+                os.close(dfd)
+        return self.open_dir([RECOVERED_DIR, stamp])
+
+    @staticmethod
+    def _free_name(dfd: int, name: bytes) -> bytes:
+        """``name``, or ``name~N`` if taken: content kept aside never replaces other content."""
+        check_name(name)
+        candidate, n = name, 0
+        while True:
+            try:
+                os.stat(candidate, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                return candidate
+            n += 1
+            candidate = name + b"~%d" % n
+
+    def keep_aside(self, tmpname: bytes, stamp: bytes, flat_name: bytes) -> str:
+        """Move a staged file to ``.acpfs-recovered/<stamp>/<flat_name>``; returns that path."""
+        dfd = self._recovered_dir(stamp)
+        try:
+            flat_name = self._free_name(dfd, flat_name)
+            sfd = os.open(staging_dir_of(tmpname), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                          | os.O_CLOEXEC, dir_fd=self.root_fd)
+            try:
+                os.rename(tmpname, flat_name, src_dir_fd=sfd, dst_dir_fd=dfd)
+                os.fsync(dfd)
+            finally:
+                os.close(sfd)
+        finally:
+            os.close(dfd)
+        return os.fsdecode(b"/".join((RECOVERED_DIR, stamp, flat_name)))
+
+    def keep_aside_content(self, stamp: bytes, flat_name: bytes, extents: Iterable[tuple[int, int, int]],
+                           src_fd: int, size: int, mode: int, uid: int, gid: int,
+                           times: tuple[int, int], xattrs: dict[bytes, bytes]) -> str:
+        """Write content from the cache pool to ``.acpfs-recovered/<stamp>/<flat_name>``
+        (atomically, like any upload); returns that path."""
+        dfd = self._recovered_dir(stamp)
+        try:
+            flat_name = self._free_name(dfd, flat_name)
+            tmp = self.temp_name()
+            self.write_temp(dfd, tmp, extents, src_fd, size, mode, uid, gid, times, xattrs)
+            self.publish(dfd, tmp, dfd, flat_name)
+        finally:
+            os.close(dfd)
+        return os.fsdecode(b"/".join((RECOVERED_DIR, stamp, flat_name)))
 
     # -- helpers -----------------------------------------------------------------------
     def _chown(self, fd: int, uid: int, gid: int) -> None:

@@ -14,6 +14,10 @@ Which records are replayed:
   its source gone or its target present and is skipped, which is also what it would do);
 - a "flushed" record that is the last word on its file: its close() was acknowledged but
   the dead daemon never queued it; it is published like a snapshot;
+- never dropped: content (a publish or "flushed" record) whose directory is gone from the
+  backing, or whose name a directory holds now, is kept aside in
+  ``.acpfs-recovered/<time>/`` (``Replayer.keep_aside``), logged at ERROR and listed in the
+  status document; if even that fails, the recovery fails and the journal stays;
 - never over a newer file: a path that ``acpfs.torch`` saved straight to the backing while
   the daemon was dead (listed in the cache directory's ``direct-writes``) is newer than
   anything the journal holds for it; records that would replace, rename over or delete it
@@ -40,7 +44,7 @@ import time
 import urllib.parse
 from typing import Callable
 
-from .backing import staged_ino
+from .backing import iter_extents, staged_ino
 from .cache import Cache
 from .journal import CONTENT_KINDS, DIRTY, FLUSHED, Leftover, Record
 from .retry import retry
@@ -115,6 +119,7 @@ class Replayer:
         self.report = report
         self.direct = direct              # paths saved straight to the backing meanwhile
         self.taken_over: set[bytes] = set()   # staged files taken over by replayed files
+        self.stamp = time.strftime("%Y%m%dT%H%M%S").encode()   # .acpfs-recovered/<stamp>/
 
     def newer(self, *paths: bytes | None) -> bool:
         """Was one of ``paths`` saved straight to the backing after the daemon died?"""
@@ -175,7 +180,10 @@ class Replayer:
         parent, name, node = self.resolve(rec.path)
         if kind in (OpKind.MKDIR, OpKind.SYMLINK):
             if parent is None or node is not None:
-                self.skip(rec, "already present" if node is not None else "parent gone")
+                if node is not None:
+                    self.skip(rec, "already present")
+                else:   # what was to go into it is kept aside (Replayer.keep_aside)
+                    self.skip(rec, "its parent is gone from the backing", logging.WARNING)
                 return
             assert rec.uid is not None and rec.gid is not None
             if kind == OpKind.MKDIR:
@@ -229,14 +237,20 @@ class Replayer:
         """A file's content at its last close: make it the file's content, queue it."""
         cache = self.cache
         blocks = rec.blocks
-        parent, name, node = self.resolve(rec.path)
         staged = self._open_staged(rec.staged_name) if rec.staged_name else None
-        if parent is None or (node is not None and not node.is_reg) or (rec.staged_name and staged is None):
+        if rec.staged_name and staged is None:
             with cache.lock:
                 cache.pool.decref(blocks)
-            self.skip(rec, "its directory is gone" if parent is None else
-                      "its staged file is gone: published before the crash" if node is None or node.is_reg
-                      else "replaced by a directory")
+            self.skip(rec, "its staged file is gone: published before the crash")
+            return
+        try:
+            parent, name, node = self.resolve(rec.path)
+        except OSError as e:
+            self.keep_aside(rec, staged, f"its directory cannot be read ({e.strerror or e})")
+            return
+        if parent is None or (node is not None and not node.is_reg):
+            self.keep_aside(rec, staged, "its directory is gone from the backing" if parent is None
+                            else "a directory stands under its name in the backing now")
             return
         if self.newer(rec.path):
             with cache.lock:
@@ -265,6 +279,30 @@ class Replayer:
         cache.snapshot(node)
         self.report.files += 1
 
+    def keep_aside(self, rec: Record, staged: Staged | None, why: str) -> None:
+        """Content whose close() was acknowledged cannot go where the mount had it: keep it
+        in ``.acpfs-recovered/<time>/`` instead, never drop it (issue 10.3). Raises if even
+        that fails: the mount is then refused and the journal kept for the next try."""
+        cache, backing = self.cache, self.cache.backing
+        shown = os.fsdecode(rec.path) if rec.path is not None else f"(inode {rec.ino})"
+        flat = urllib.parse.quote(shown, safe="").encode()
+        if staged is not None:
+            with cache.lock:
+                staged.close(backing.close_fd)
+            self.taken_over.discard(rec.staged_name)
+            aside = backing.keep_aside(rec.staged_name, self.stamp, flat)
+        else:
+            assert rec.mode is not None and rec.uid is not None and rec.gid is not None
+            assert rec.times is not None
+            aside = backing.keep_aside_content(
+                self.stamp, flat, iter_extents(rec.blocks, rec.size, cache.bs), cache.pool.fd,
+                rec.size, rec.mode, rec.uid, rec.gid, rec.times, rec.xattrs)
+        with cache.lock:
+            cache.pool.decref(rec.blocks)
+        self.report.kept_aside.append(aside)
+        log.error("recovery: %s: %s; the content its close() acknowledged is kept aside as %s in "
+                  "the backing", shown, why, aside)
+
     def _open_staged(self, tmpname: bytes) -> Staged | None:
         fds = self.cache.backing.open_staged(tmpname)
         if fds is None:
@@ -280,7 +318,7 @@ class Replayer:
             ino = staged_ino(raw)
             if raw not in self.taken_over and ino is not None:
                 staged[ino] = raw
-        stamp = time.strftime("%Y%m%dT%H%M%S").encode()
+        stamp = self.stamp
         for rec in dirty:
             path = rec.path
             shown = os.fsdecode(path) if path is not None else f"(inode {rec.ino}, deleted)"
@@ -315,8 +353,8 @@ def recover(cache: Cache, left: Leftover, replay: list[Record], dirty: list[Reco
         try:
             r.apply(rec)
         except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise
+            if e.errno == errno.ENOSPC or rec.kind in CONTENT_KINDS:
+                raise   # acknowledged content is never dropped: the mount fails, the journal stays
             r.skip(rec, str(e), logging.ERROR)
         except Exception as e:   # a bug: one record must not stop the rest from being recovered
             log.exception("recovery: cannot replay %s %s (seq %d)", rec.kind, rec.path, rec.seq)

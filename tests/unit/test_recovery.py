@@ -380,3 +380,30 @@ def test_written_through_files_are_published_or_kept_aside(tmp_path, make_core, 
     assert aside.name == "open"
     assert aside.read_bytes() == partial
     assert sorted(os.listdir(c.back)) == [os.fsdecode(RECOVERED_DIR), "big", "open"]
+
+
+@pytest.mark.parametrize("how", ["moved away", "a symlink now"])
+def test_acknowledged_content_whose_directory_is_gone_is_kept_aside(tmp_path, make_core, restart,
+                                                                     how):
+    """Issue 10.3: the backing lost a pending file's directory behind acpfs's back before the
+    crash. The content its close() acknowledged is kept aside, never dropped as 'already done'."""
+    from acpfs.backing import RECOVERED_DIR
+
+    c = make_core("k", journal=True)
+    cache = c.cache
+    d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
+    c.drain()
+    h = hold(c)
+    cache.release(write_file(cache, b"f", b"acknowledged", parent=d), True)
+    assert h.entered.wait(5)
+    kill(c, h)
+    os.rename(c.back / "d", c.back / "d.away")
+    if how == "a symlink now":
+        os.symlink("d.away", c.back / "d")
+    r = restart(c)
+    report = r.recover()
+    r.drain()
+    assert report.kept_aside and report.kept_aside[0].startswith(os.fsdecode(RECOVERED_DIR) + "/")
+    assert (c.back / report.kept_aside[0]).read_bytes() == b"acknowledged"
+    assert os.path.basename(report.kept_aside[0]) == "d%2Ff"
+    assert os.listdir(c.back / "d.away") == []        # nothing went through the symlink

@@ -1,0 +1,96 @@
+"""Changes made to the backing behind acpfs's back never lose acknowledged data and never wedge
+the flusher (issue 10, points 3 and 4), on real mounts: the reproductions of the issue.
+
+- A pending file's directory is moved away (or swapped for a symlink) and the daemon is
+  killed before the file landed: the next mount keeps the content aside in
+  ``.acpfs-recovered/`` (ERROR in the log, listed in ``status``), where it used to be
+  skipped as "already done".
+- The first queued op fails (a directory swapped for a symlink) while later uploads run
+  ahead; the temporary file of one of them is removed; the directory is repaired: the
+  flusher writes the removed file again and ``acpfs sync`` returns, where it used to time out
+  for ever on ``publish ... ENOENT``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import acpfs
+
+
+def wait_for(pred, timeout: float = 30, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("how", ["moved away", "swapped for a symlink"])
+def test_recovery_keeps_aside_content_whose_directory_is_gone(make_mount, faults, tmp_path, how):
+    m = make_mount("m", mount=False)
+    src = tmp_path / "src"
+    shim = faults.shim(src, m.back)
+    faults.mount(m)
+    (m.mnt / "d").mkdir()
+    os.listdir(m.mnt / "d")
+    m.sync()
+    shim.set("hang")                                   # nothing lands from here on
+    (m.mnt / "d" / "f").write_bytes(b"acknowledged")   # close() returned
+    os.kill(m.pid, signal.SIGKILL)
+    wait_for(lambda: not os.path.exists(f"/proc/{m.pid}") or
+             open(f"/proc/{m.pid}/stat").read().split(") ")[1][0] == "Z", what="the daemon to die")
+    os.rename(src / "d", src / "d.away")               # behind acpfs's back
+    if how == "swapped for a symlink":
+        os.symlink("d.away", src / "d")
+    shim.set("ok")
+    acpfs(*m.args())                                   # recovers over the stale mount
+    m.pid = m.status()["pid"]
+    m.sync()
+    rec = m.status()["recovery"]
+    assert rec is not None and len(rec["kept_aside"]) == 1, rec
+    aside = rec["kept_aside"][0]
+    assert aside.startswith(".acpfs-recovered/") and aside.endswith("/d%2Ff")
+    assert (src / aside).read_bytes() == b"acknowledged"
+    assert f"kept aside as {aside}" in m.log.read_text()
+    assert "ERROR" in [line.split()[2] for line in m.log.read_text().splitlines()
+                       if f"kept aside as {aside}" in line]
+    assert os.listdir(src / "d.away") == []            # nothing went through a symlink
+
+
+def test_a_removed_temporary_file_is_written_again_and_sync_returns(make_mount, faults, tmp_path):
+    m = make_mount("m", mount=False)
+    src = tmp_path / "src"
+    faults.shim(src, m.back)
+    faults.mount(m)
+    (m.mnt / "d0").mkdir()
+    m.sync()
+    os.rmdir(src / "d0")                               # the first queued op will fail
+    os.symlink("/nonexistent", src / "d0")
+    (m.mnt / "d0" / "x").write_bytes(b"x")
+    (m.mnt / "d1").mkdir()
+    model = os.urandom(3 << 20)
+    (m.mnt / "d1" / "model.pt").write_bytes(model)
+    (m.mnt / "latest").write_text("d1")
+    # latest's upload runs ahead of the failing op; remove its temporary file
+    temps = wait_for(lambda: [n for n in os.listdir(src) if n.startswith(".acpfs-tmp-")
+                              and not n.endswith("-staging")], what="latest's upload")
+    for n in temps:
+        os.unlink(src / n)
+    st = m.status()
+    assert st["errors"] and st["errors"][0]["path"] == "d0/x", st["errors"]
+    os.unlink(src / "d0")                              # repaired
+    os.mkdir(src / "d0")
+    m.sync(timeout=60)                                 # used to time out for ever (ENOENT)
+    assert (src / "latest").read_text() == "d1"
+    assert (src / "d1" / "model.pt").read_bytes() == model
+    assert (src / "d0" / "x").read_bytes() == b"x"
+    assert json.loads(os.getxattr(m.mnt, "user.acpfs.status"))["errors"] == []
+    assert "its temporary file is gone from the backing; writing it again" in m.log.read_text()

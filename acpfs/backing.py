@@ -26,6 +26,7 @@ import re
 import secrets
 import stat as statmod
 import threading
+import time
 from typing import Iterable, Iterator
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,15 @@ class Backing:
     def __init__(self, root: str, instance: str | None = None, dead_instance: str | None = None) -> None:
         self.root = root
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        # A backing that is itself a mount (NFS, SFS, a FUSE store) can go away and be mounted
+        # again at the same path; its descriptors then answer ENOTCONN/ESTALE/ENODEV, and the
+        # root is opened again by path (``reopen``), but only once a filesystem is mounted
+        # there again: never the empty directory under it.
+        self._root_is_mount = self._is_mount_point(self.root_fd)
+        self._old_roots: list[int] = []   # closed at close(): another thread may hold one
+        self._reopen_lock = threading.Lock()
+        self.reopened = 0
+        self.last_reopen: dict | None = None
         self._xattr_warned = False
         self._staging_lock = threading.Lock()
         self.instance = instance or new_instance()
@@ -121,13 +131,73 @@ class Backing:
         return name.startswith(self.mine) or self.is_leftover(name)
 
     def close(self) -> None:
-        os.close(self.root_fd)
+        for fd in [self.root_fd, *self._old_roots]:
+            os.close(fd)
+
+    # -- a backing that went away and came back -------------------------------------------
+    def _is_mount_point(self, fd: int) -> bool:
+        parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+        try:
+            return os.fstat(parent).st_dev != os.fstat(fd).st_dev
+        finally:
+            os.close(parent)
+
+    def reopen(self, why: BaseException) -> bool:
+        """The root descriptor went stale (``why``): open the root again by path. True if it
+        was; False while nothing is mounted there again (the caller retries later)."""
+        stale = self.root_fd
+        with self._reopen_lock:
+            if self.root_fd != stale:
+                return True                    # another thread did it meanwhile
+            try:
+                os.fstat(self.root_fd)
+                return True                    # the root is fine: another descriptor was stale
+            except OSError:
+                pass
+            try:
+                fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as e:
+                log.warning("the backing %s is not reachable (%s); trying again later", self.root, e)
+                return False
+            try:
+                if self._root_is_mount and not self._is_mount_point(fd):
+                    log.warning("the backing %s is not mounted again yet (%s); trying again later",
+                                self.root, why)
+                    os.close(fd)
+                    return False
+            except OSError:
+                os.close(fd)
+                return False
+            self._old_roots.append(self.root_fd)
+            self.root_fd = fd
+            self.reopened += 1
+            self.last_reopen = {"at": round(time.time(), 3), "why": str(why)}
+            log.warning("the backing %s went away and is back (%s): opened it again by path",
+                        self.root, why)
+            return True
+
+    def _stale_retry(self, fn, *args):
+        try:
+            return fn(*args)
+        except OSError as e:
+            if e.errno not in STALE or not self.reopen(e):
+                raise
+            return fn(*args)
 
     # -- reaching directories -------------------------------------------------------------
     def open_dir(self, comps: Comps) -> int:
         """Open the directory at ``comps`` (names from the root) without following symlinks.
-        Raises MissingDir when a component does not exist."""
+        Raises MissingDir when a component does not exist. A stale root is opened again."""
+        return self._stale_retry(self._open_dir, comps)
+
+    def _open_dir(self, comps: Comps) -> int:
         fd = os.dup(self.root_fd)
+        if not comps:
+            try:
+                os.fstat(fd)                   # a stale root shows here, not at the dup
+            except OSError:
+                os.close(fd)
+                raise
         try:
             for depth, name in enumerate(comps):
                 check_name(name)
@@ -220,10 +290,10 @@ class Backing:
                 pass
 
     def stat_root(self) -> os.stat_result:
-        return os.fstat(self.root_fd)
+        return self._stale_retry(lambda: os.fstat(self.root_fd))
 
     def statvfs(self) -> os.statvfs_result:
-        return os.fstatvfs(self.root_fd)
+        return self._stale_retry(lambda: os.fstatvfs(self.root_fd))
 
     def open_file(self, comps: Comps, name: bytes) -> int:
         """Open a regular file of the backing for reading (never through a symlink)."""

@@ -100,6 +100,7 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         "backing": info.backing,
         "pid": info.pid,
         "instance": cache.backing.instance,
+        "backing_reopened": {"count": cache.backing.reopened, "last": cache.backing.last_reopen},
         "cache_dir": info.cache_dir,
         "log_file": info.log_file,
         "uptime_s": round(now - info.started, 1),

@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Callable, TypeVar
 
-from .backing import Backing, MissingDir, iter_extents
+from .backing import STALE, Backing, MissingDir, iter_extents
 from .cache import Cache
 from .journal import Record
 from .retry import describe, retry
@@ -191,6 +191,8 @@ class Flusher:
             op.error = describe(exc)
             op.attempts = attempt
             op.next_retry = time.time() + delay
+            if isinstance(exc, OSError) and exc.errno in STALE:
+                self.backing.reopen(exc)   # a remounted backing: its root again, by path
             if repair is not None:
                 try:
                     repair(exc)
@@ -377,6 +379,15 @@ class Flusher:
             if op.dir_fd >= 0:
                 self.backing.close_fd(op.dir_fd)
                 op.dir_fd = -1
+                try:   # still there by name if only its descriptor went stale (a remount)
+                    with self.cache.position_lock:
+                        dfd = self.backing.open_dir(self.cache.backing_path(op.parent))  # type: ignore[arg-type]
+                    try:
+                        self.backing.remove_temp(dfd, op.temp_name)
+                    finally:
+                        self.backing.close_fd(dfd)
+                except OSError:
+                    pass
             if not self._write_upload(op):
                 raise Aborted()
             return

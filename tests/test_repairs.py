@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -94,3 +95,33 @@ def test_a_removed_temporary_file_is_written_again_and_sync_returns(make_mount, 
     assert (src / "d0" / "x").read_bytes() == b"x"
     assert json.loads(os.getxattr(m.mnt, "user.acpfs.status"))["errors"] == []
     assert "its temporary file is gone from the backing; writing it again" in m.log.read_text()
+
+
+def test_a_backing_that_goes_away_and_comes_back(make_mount, faults, tmp_path):
+    """Issue 10.2: the backing is itself a mount (a FUSE store here; NFS and SFS behave the
+    same) that dies and is mounted again at the same path. The daemon's descriptors answer
+    ENOTCONN; it opens the root again by path once a filesystem is mounted there again (never
+    the empty directory under it meanwhile), shows it in status, and carries on."""
+    m = make_mount("m", mount=False)
+    src = tmp_path / "src"
+    shim = faults.shim(src, m.back)
+    faults.mount(m)
+    (m.mnt / "d").mkdir()
+    (m.mnt / "d" / "before").write_bytes(b"1")
+    m.sync()
+    shim.proc.kill()                                   # the store dies
+    shim.proc.wait()
+    subprocess.run(["fusermount3", "-u", "-z", str(m.back)], check=True)
+    (m.mnt / "d" / "while_gone").write_bytes(b"2")     # acknowledged, waits in RAM
+    time.sleep(1.5)
+    assert os.listdir(m.back) == []                    # never written under the mount point
+    assert m.status()["errors"], "the failing backing does not show in status"
+    faults.shim(src, m.back)                           # mounted again at the same path
+    (m.mnt / "after").write_bytes(b"3")
+    m.sync(timeout=60)
+    assert (src / "d" / "while_gone").read_bytes() == b"2"
+    assert (src / "after").read_bytes() == b"3"
+    st = m.status()
+    assert st["backing_reopened"]["count"] >= 1 and st["errors"] == []
+    assert "went away and is back" in m.log.read_text()
+    assert not [n for n in os.listdir(src) if n.startswith(".acpfs-tmp-")]

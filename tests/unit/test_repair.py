@@ -45,8 +45,8 @@ def test_a_directory_moved_away_is_made_again_and_the_file_lands_in_it(core):
     core.drain()
     held = core.backing.inject("write_temp", hang=True, times=1)   # the first: z
     cache.release(write_file(cache, b"z", b"z"), True)   # holds the sequencer; uploads go on
-    cache.release(write_file(cache, b"f", b"acknowledged", parent=d), True)
     assert held.entered.wait(WAIT)
+    cache.release(write_file(cache, b"f", b"acknowledged", parent=d), True)
     deadline = time.monotonic() + WAIT
     while not temps(back / "d"):                     # d/f is uploaded, waiting for its turn
         assert time.monotonic() < deadline

@@ -92,21 +92,25 @@ class Mount:
         shutil.rmtree(self.cache_dir.parent, ignore_errors=True)
 
     def print_log_problems(self, limit: int = 60) -> None:
-        """Print the daemon's warnings and errors (with tracebacks). pytest shows a test's
-        captured output only when it fails, so a CI failure comes with the daemon's side."""
-        try:
-            lines = self.log.read_text(errors="replace").splitlines()
-        except OSError:
-            return
-        keep, in_problem = [], False
-        for line in lines:
-            if line[:4].isdigit():    # a new record: "2026-11-21 06:49:44,847 LEVEL ..."
-                in_problem = line.split(" ", 3)[2:3] in (["WARNING"], ["ERROR"], ["CRITICAL"])
-            if in_problem:
-                keep.append(line)
-        if keep:
-            print(f"--- {self.log}: {len(keep)} warning/error lines, the last {limit}:")
-            print("\n".join(keep[-limit:]))
+        print_log_problems(self.log, limit)
+
+
+def print_log_problems(log: Path, limit: int = 60) -> None:
+    """Print the daemon's warnings and errors (with tracebacks). pytest shows a test's
+    captured output only when it fails, so a CI failure comes with the daemon's side."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return
+    keep, in_problem = [], False
+    for line in lines:
+        if line[:4].isdigit():    # a new record: "2026-11-21 06:49:44,847 LEVEL ..."
+            in_problem = line.split(" ", 3)[2:3] in (["WARNING"], ["ERROR"], ["CRITICAL"])
+        if in_problem:
+            keep.append(line)
+    if keep:
+        print(f"--- {log}: {len(keep)} warning/error lines, the last {limit}:")
+        print("\n".join(keep[-limit:]))
 
 
 @pytest.fixture
@@ -222,3 +226,107 @@ def staged_files(back: Path) -> list[Path]:
     """The staged files (written through) in every daemon's staging directory of a backing
     (``.acpfs-tmp-<instance>-staging``), sorted by name."""
     return sorted(p for d in back.glob(".acpfs-tmp-*-staging") for p in d.iterdir())
+
+
+class Node:
+    """A simulated node of a job: its own mount namespace (``unshare --mount --propagation
+    private``) with its own /run/acpfs and cache directory, mounting acpfs at ``mnt`` (the same
+    path on every node, as on a real cluster) over a ``backing`` that all nodes share.
+
+    A holder process keeps the namespace; ``run`` executes a command inside it (nsenter), and
+    ``path`` reaches the node's mount from the test through ``/proc/<holder>/root``."""
+
+    def __init__(self, name: str, root: Path, backing: Path, mnt: Path, cache_size: str = "256M",
+                 extra: tuple[str, ...] = ()) -> None:
+        self.name, self.backing, self.mnt = name, backing, mnt
+        self.cache_dir = Path(tempfile.mkdtemp(prefix=f"acpfs-node-{name}-", dir="/dev/shm")) / "cache"
+        self.log = root / f"{name}.log"
+        self.cache_size, self.extra = cache_size, extra
+        self.pid: int | None = None          # the daemon's
+        os.makedirs("/run/acpfs", exist_ok=True)
+        self.holder = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+             "mount -t tmpfs -o mode=0700 tmpfs /run/acpfs && echo ready && exec sleep infinity"],
+            stdout=subprocess.PIPE, text=True)
+        assert self.holder.stdout is not None and self.holder.stdout.readline() == "ready\n", \
+            f"node {name}: its mount namespace did not start"
+
+    def run(self, *cmd: str, check: bool = True, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+        r = subprocess.run(["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", "--", *cmd],
+                           capture_output=True, text=True, timeout=timeout, **kw)
+        if check and r.returncode != 0:
+            raise AssertionError(f"node {self.name}: {' '.join(cmd)} failed ({r.returncode}): {r.stderr}")
+        return r
+
+    def popen(self, *cmd: str, **kw) -> subprocess.Popen:
+        return subprocess.Popen(["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", "--", *cmd], **kw)
+
+    def path(self, rel: str = "") -> Path:
+        """A path on this node's mount, as the test can use it."""
+        return Path(f"/proc/{self.holder.pid}/root{self.mnt}") / rel
+
+    def mount(self) -> "Node":
+        self.run(*ACPFS, "mount", str(self.mnt), "--backing", str(self.backing), "--cache-size",
+                 self.cache_size, "--cache-dir", str(self.cache_dir), "--log-file", str(self.log),
+                 "--log-level", "debug", *self.extra)
+        self.pid = self.status()["pid"]
+        return self
+
+    def status(self) -> dict:
+        return json.loads(os.getxattr(self.path(), "user.acpfs.status"))
+
+    def sync(self, timeout: float = 120) -> None:
+        self.run(*ACPFS, "sync", str(self.mnt), "--timeout", str(timeout), timeout=timeout + 30)
+
+    def mounted(self) -> bool:
+        try:
+            with open(f"/proc/{self.holder.pid}/mountinfo") as f:
+                return any(line.split()[4] == str(self.mnt) for line in f)
+        except OSError:
+            return False
+
+    def cleanup(self) -> None:
+        if self.holder.poll() is None and self.mounted():
+            r = self.run(*ACPFS, "umount", str(self.mnt), "--timeout", "60", "--lazy", check=False,
+                         timeout=120)
+            if r.returncode != 0 and self.mounted():
+                self.run("fusermount3", "-u", "-z", str(self.mnt), check=False)
+        if self.pid:
+            deadline = time.time() + 30
+            while time.time() < deadline and os.path.exists(f"/proc/{self.pid}"):
+                time.sleep(0.1)
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.holder.kill()
+        self.holder.wait()
+        shutil.rmtree(self.cache_dir.parent, ignore_errors=True)
+
+
+@pytest.fixture
+def make_nodes(tmp_path):
+    """``make_nodes(n)``: n simulated nodes (``Node``), each mounted over one shared backing
+    directory; unmounted and their namespaces ended at teardown, also when a test fails."""
+    made: list[Node] = []
+
+    def make(n: int, mount: bool = True, **kw) -> list[Node]:
+        backing = tmp_path / "shared"
+        backing.mkdir(exist_ok=True)
+        mnt = tmp_path / "ckpt"
+        mnt.mkdir(exist_ok=True)
+        nodes = []
+        for i in range(n):
+            node = Node(f"node{len(made)}", tmp_path, backing, mnt, **kw)
+            made.append(node)
+            nodes.append(node)
+        if mount:
+            for node in nodes:
+                node.mount()
+        return nodes
+
+    yield make
+    for node in made:
+        node.cleanup()
+    for node in made:
+        print_log_problems(node.log)

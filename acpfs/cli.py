@@ -1,4 +1,4 @@
-"""The ``acpfs`` command: mount, status, sync, umount.
+"""The ``acpfs`` command: mount, status, sync, preload, temps, umount.
 
 Every user error ends in one line on stderr (``acpfs: ...``) and a non-zero exit status:
 2 for bad usage, 1 when the operation failed or timed out (``client.Failure``). The commands
@@ -512,6 +512,49 @@ def cmd_umount(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_temps(a: argparse.Namespace) -> int:
+    from . import leftovers
+    backing = os.path.realpath(a.backing)
+    if not os.path.isdir(backing):
+        raise UsageError(f"{a.backing} is not a directory")
+    try:
+        older = leftovers.parse_age(a.older_than)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if a.remove and not a.yes and not sys.stdin.isatty():
+        raise UsageError("--remove asks for confirmation: run it on a terminal, or add --yes")
+    live = {}   # instance -> mount point, of the daemons on this host over this backing
+    for mp in client.acpfs_mounts():
+        try:
+            st = client.read_status(mp)
+        except Failure:
+            continue
+        if st.get("instance") and os.path.realpath(st["backing"]) == backing:
+            live[st["instance"]] = mp
+    found = leftovers.scan(backing)
+    old = [t for t in found if t.age_s >= older and t.instance not in live]
+    for t in found:
+        note = (f"  (live: {safe(live[t.instance])})" if t.instance in live
+                else "" if t.age_s >= older else "  (too recent)")
+        print(f"{_age(t.age_s):>8} {format_size(t.size):>10}  {t.instance or '-':12}  "
+              f"{safe(t.path)}{'/' if t.is_dir else ''}{note}")
+    total = sum(t.size for t in old)
+    print(f"acpfs: {len(found)} temporary files in {backing}; {len(old)} older than {a.older_than} "
+          f"and of no daemon on this host ({format_size(total)})", file=sys.stderr)
+    if not a.remove or not old:
+        return 0
+    if not a.yes:
+        answer = input(f"remove {len(old)} temporary files ({format_size(total)})? A daemon of "
+                       f"another node that is still alive loses its upload in flight. [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("acpfs: nothing removed", file=sys.stderr)
+            return 1
+    for t in old:
+        leftovers.remove(backing, t)
+    print(f"acpfs: removed {len(old)} temporary files ({format_size(total)})", file=sys.stderr)
+    return 0
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -591,6 +634,21 @@ def build_parser() -> argparse.ArgumentParser:
                        "status is 1.")
     r.add_argument("paths", nargs="+", metavar="PATH", help="files or directories on an acpfs mount")
     r.set_defaults(fn=cmd_preload)
+
+    t = sub.add_parser("temps", help="list, and remove, temporary files that dead daemons left in a backing",
+                       description="List the acpfs temporary files under a backing directory "
+                       "(.acpfs-tmp-<instance>-*: uploads, staging directories) with their age, "
+                       "size and daemon instance, and with --remove remove those older than "
+                       "--older-than that belong to no daemon on this host. A daemon only removes "
+                       "its own; those of a daemon whose cache directory is gone stay until "
+                       "removed here. Daemons of other nodes cannot be seen from here: the age "
+                       "is the guard.")
+    t.add_argument("backing", help="the backing directory (shared by every node)")
+    t.add_argument("--older-than", default="1d", metavar="AGE",
+                   help="only temporaries unchanged for this long: 90s, 30m, 6h, 2d (default 1d)")
+    t.add_argument("--remove", action="store_true", help="remove them (asks first)")
+    t.add_argument("--yes", "-y", action="store_true", help="do not ask")
+    t.set_defaults(fn=cmd_temps)
 
     u = sub.add_parser("umount", help="persist everything, unmount, wait for the daemon",
                        description="Persist every change, unmount, and wait until the daemon has "

@@ -24,7 +24,7 @@ def one_line_error(r: subprocess.CompletedProcess) -> str:
 
 def test_help_is_complete():
     r = acpfs("--help")
-    for cmd in ("mount", "status", "sync", "umount"):
+    for cmd in ("mount", "status", "sync", "preload", "temps", "umount"):
         assert cmd in r.stdout
     r = acpfs("mount", "--help")
     for opt in ("--backing", "--cache-dir", "--cache-size", "--fsync", "--flush-workers", "--log-level",
@@ -41,6 +41,8 @@ def test_help_is_complete():
     (["status", "/tmp"], "not on an acpfs mount"),
     (["umount", "/tmp"], "not an acpfs mount"),
     (["sync", "--timeout", "-1"], "negative"),
+    (["temps", "/nonexistent-backing"], "not a directory"),
+    (["temps", "/tmp", "--older-than", "soon"], "bad age"),
 ])
 def test_usage_errors_are_one_line(args, needle):
     r = acpfs(*args, check=False)
@@ -262,3 +264,37 @@ def test_stale_mount_is_detected_and_cleaned(make_mount):
     # and mounting again over the same backing works
     m.mount()
     assert is_mounted(m.mnt)
+
+
+def test_temps_lists_and_removes_only_old_leftovers_of_no_live_daemon(make_mount):
+    """Issue 11: temporary files of a daemon whose cache directory is gone stay in a shared
+    backing for good; 'acpfs temps' lists them with their age and removes, when asked and
+    confirmed, those old enough that belong to no daemon on this host."""
+    m = make_mount()
+    inst = m.status()["instance"]
+    back = m.back
+    (back / "d").mkdir()
+    dead_old = back / "d" / ".acpfs-tmp-0123456789ab-00112233445566ff"
+    dead_old.write_bytes(b"x" * 5000)
+    os.utime(dead_old, (time.time() - 3 * 86400,) * 2)
+    staging = back / ".acpfs-tmp-0123456789ab-staging"     # with a file in it
+    staging.mkdir()
+    (staging / ".acpfs-tmp-0123456789ab-aabbccddeeff0011-i7").write_bytes(b"y" * 100)
+    for p in (staging / ".acpfs-tmp-0123456789ab-aabbccddeeff0011-i7", staging):
+        os.utime(p, (time.time() - 3 * 86400,) * 2)
+    recent = back / ".acpfs-tmp-fedcba987654-0011223344556677"   # another node's upload in flight?
+    recent.write_bytes(b"z")
+    live = back / f".acpfs-tmp-{inst}-8899aabbccddeeff"           # this host's live daemon
+    live.write_bytes(b"w")
+    os.utime(live, (time.time() - 3 * 86400,) * 2)
+    r = acpfs("temps", str(back), "--older-than", "1d")
+    assert "live: " in r.stdout and "too recent" in r.stdout and len(r.stdout.splitlines()) == 4
+    assert "2 older than 1d and of no daemon on this host" in r.stderr
+    r = acpfs("temps", str(back), "--older-than", "1d", "--remove", check=False, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "--yes" in one_line_error(r)     # no terminal: no silent removal
+    assert dead_old.exists() and staging.exists()
+    r = acpfs("temps", str(back), "--older-than", "1d", "--remove", "--yes")
+    assert "removed 2 temporary files" in r.stderr
+    assert not dead_old.exists() and not staging.exists()
+    assert recent.exists() and live.exists()
+    live.unlink()

@@ -213,6 +213,40 @@ class Backing:
             raise
         return fd
 
+    def exists(self, comps: Comps, name: bytes) -> bool:
+        """Is there an entry ``name`` in the directory at ``comps``?"""
+        check_name(name)
+        try:
+            dfd = self.open_dir(comps)
+        except MissingDir:
+            return False
+        try:
+            os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+        finally:
+            os.close(dfd)
+
+    def restage(self, src_fd: int, tmpname: bytes, size: int) -> tuple[int, int]:
+        """Copy ``size`` bytes of ``src_fd`` into a staged file named ``tmpname`` (its own
+        staging directory): complete and fsynced under a fresh name first, then renamed over
+        ``tmpname``. Returns (directory fd, file fd)."""
+        copy = self.temp_name()
+        dfd, fd = self.create_staged(copy, staging_dir_of(tmpname))
+        try:
+            self.copy_file(src_fd, fd, size)
+            os.fsync(fd)
+            os.rename(copy, tmpname, src_dir_fd=dfd, dst_dir_fd=dfd)
+            return dfd, fd
+        except BaseException:
+            try:
+                self.remove_temp(dfd, copy)
+            finally:
+                os.close(fd)
+                os.close(dfd)
+            raise
+
     def temp_exists(self, dfd: int, tmpname: bytes) -> bool:
         """Is the temporary file still there? (False also when its directory is gone.)"""
         try:
@@ -257,14 +291,15 @@ class Backing:
         finally:
             os.close(fd)
 
-    def create_staged(self, tmpname: bytes) -> tuple[int, int]:
-        """Create the staged file of a written-through file: (directory fd, file fd).
+    def create_staged(self, tmpname: bytes, where: bytes | None = None) -> tuple[int, int]:
+        """Create the staged file of a written-through file: (directory fd, file fd), in the
+        staging directory its name gives (or ``where``).
 
         The staging directory exists only while it holds files (``remove_staging_dir``), so
         that an idle backing equals the mount's view; ``_staging_lock`` keeps creation and
         removal from crossing.
         """
-        where = staging_dir_of(tmpname)
+        where = where or staging_dir_of(tmpname)
         with self._staging_lock:
             try:
                 os.mkdir(where, 0o700, dir_fd=self.root_fd)
@@ -411,7 +446,10 @@ class Backing:
             try:
                 for ent in os.listdir(sub):
                     if self.owns(os.fsencode(ent)):
-                        os.unlink(ent, dir_fd=sub)
+                        try:
+                            os.unlink(ent, dir_fd=sub)
+                        except IsADirectoryError:   # a mkdir cut short
+                            os.rmdir(ent, dir_fd=sub)
             finally:
                 os.close(sub)
             os.rmdir(name, dir_fd=dfd)

@@ -478,7 +478,7 @@ def cmd_umount(a: argparse.Namespace) -> int:
         return 0
     st = client.read_status(mountpoint)
     pid = st["pid"]
-    dev = next((m.dev for m in client.mounts() if m.mountpoint == mountpoint), "")
+    dev = next((m.dev for m in client.mounts() if m.mountpoint == mountpoint and m.fstype == FSTYPE), "")
     wait_durable(mountpoint, st["queue"]["last_seq"], a.timeout, f"umount {mountpoint}: persisting")
     cmd = ["fusermount3", "-u"] + (["-z"] if a.lazy else []) + [mountpoint]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -527,20 +527,23 @@ def cmd_temps(a: argparse.Namespace) -> int:
     for mp in client.acpfs_mounts():
         try:
             st = client.read_status(mp)
-        except Failure:
+        except (Failure, OSError, ValueError):
             continue
         if st.get("instance") and os.path.realpath(st["backing"]) == backing:
             live[st["instance"]] = mp
+    waiting = leftovers.awaiting_recovery(backing)   # a dead daemon's journal names them
     found = leftovers.scan(backing)
-    old = [t for t in found if t.age_s >= older and t.instance not in live]
+    old = [t for t in found if t.age_s >= older and t.instance not in live and t.instance not in waiting]
     for t in found:
         note = (f"  (live: {safe(live[t.instance])})" if t.instance in live
+                else f"  (awaiting recovery from {safe(waiting[t.instance])})" if t.instance in waiting
                 else "" if t.age_s >= older else "  (too recent)")
         print(f"{_age(t.age_s):>8} {format_size(t.size):>10}  {t.instance or '-':12}  "
               f"{safe(t.path)}{'/' if t.is_dir else ''}{note}")
     total = sum(t.size for t in old)
     print(f"acpfs: {len(found)} temporary files in {backing}; {len(old)} older than {a.older_than} "
-          f"and of no daemon on this host ({format_size(total)})", file=sys.stderr)
+          f"and of no daemon on this host, live or awaiting recovery ({format_size(total)})",
+          file=sys.stderr)
     if not a.remove or not old:
         return 0
     if not a.yes:

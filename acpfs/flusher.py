@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import errno
-import functools
 import itertools
 import logging
 import os
@@ -234,24 +233,50 @@ class Flusher:
                         node.backing_parent = None
                 elif kind == OpKind.RENAME:
                     self._rename(op)
-                elif kind == OpKind.SETATTR:
-                    if node.backing_parent is not None:
-                        mode, uid, gid, times = op.attrs
-                        backing.setattr(cache.backing_path(node.backing_parent), node.backing_name, node.is_link,
-                                        mode, uid, gid, times)
-                elif kind == OpKind.XATTR:
+                elif kind in (OpKind.SETATTR, OpKind.XATTR):
                     if node is cache.root:
                         backing.set_xattr([], b".", *op.attrs)
                     elif node.backing_parent is not None:
-                        backing.set_xattr(cache.backing_path(node.backing_parent), node.backing_name, *op.attrs)
+                        try:
+                            self._set_attrs(op)
+                        except FileNotFoundError as e:
+                            if isinstance(e, MissingDir):
+                                raise    # its directory: the repair makes it again
+                            self._gone(node, op.path)
+                            if node.backing_parent is not None:   # a directory, made again
+                                self._set_attrs(op)
                 else:
                     raise AssertionError(f"unknown op {kind}")
 
-        repair = None
-        if op.kind in (OpKind.MKDIR, OpKind.SYMLINK, OpKind.RENAME):
-            repair = functools.partial(self._restore_dirs, op.parent)
+        def repair(exc: BaseException) -> None:
+            if op.kind in (OpKind.MKDIR, OpKind.SYMLINK, OpKind.RENAME):
+                self._restore_dirs(op.parent, exc)  # type: ignore[arg-type]
+            elif op.kind in (OpKind.SETATTR, OpKind.XATTR) and node.backing_parent is not None:
+                self._restore_dirs(node.backing_parent, exc)
         self._retry(run, op, op.kind, repair)
         op.state = OpState.DONE
+
+    def _set_attrs(self, op: Op) -> None:
+        """Apply a setattr or xattr op to the node's place in the backing (hold position_lock)."""
+        node = op.node
+        comps = self.cache.backing_path(node.backing_parent)  # type: ignore[arg-type]
+        if op.kind == OpKind.SETATTR:
+            mode, uid, gid, times = op.attrs
+            self.backing.setattr(comps, node.backing_name, node.is_link, mode, uid, gid, times)
+        else:
+            self.backing.set_xattr(comps, node.backing_name, *op.attrs)
+
+    def _gone(self, node: Node, path: str) -> None:
+        """The node's copy is gone from the backing, removed by something other than this
+        mount (hold position_lock). A directory is made again in its place (ops into it
+        follow); a file counts as absent there, and its next snapshot lands again."""
+        log.warning("%r is gone from the backing (removed by something other than this mount)%s",
+                    path, "; made again" if node.is_dir else "")
+        if node.is_dir:
+            self.backing.mkdir(self.cache.backing_path(node.backing_parent), node.backing_name,  # type: ignore[arg-type]
+                               node.mode, node.uid, node.gid)
+        else:
+            node.backing_parent = None
 
     def _restore_dirs(self, where: Node, exc: BaseException) -> None:
         """A directory the mount has, and the flusher put in the backing, is missing there
@@ -294,40 +319,45 @@ class Flusher:
         cache = self.cache
         node, dst, name, replaced = op.node, op.parent, op.name, op.replaced
         there = replaced is not None and replaced.backing_parent is dst and replaced.backing_name == name
+        dcomps = cache.backing_path(dst)  # type: ignore[arg-type]
         if node.backing_parent is not None:
             src = cache.backing_path(node.backing_parent)
             try:
-                self.backing.rename(src, node.backing_name, cache.backing_path(dst), name)  # type: ignore[arg-type]
+                self.backing.rename(src, node.backing_name, dcomps, name)
             except OSError as e:
                 if e.errno != errno.ENOENT or (isinstance(e, MissingDir) and e.comps is not src):
                     raise   # a missing destination directory: _restore_dirs makes it
-                # The source is gone from the backing, removed by something else: the node
-                # is absent there now, and its next snapshot lands under the new name.
+                if not isinstance(e, MissingDir) and self.backing.exists(src, node.backing_name):
+                    raise   # not the source: the destination went away meanwhile; retried
+                # The source is gone from the backing, removed by something else. Everything
+                # below is safe to redo: the node changes only once it is all done.
                 log.warning("rename %r: its source is gone from the backing (removed by something "
                             "other than this mount)", op.path)
-                node.backing_parent = None
+                if there:
+                    self.backing.unlink(dcomps, name, replaced.is_dir)  # type: ignore[union-attr]
                 if node.is_dir:   # the mount still has it, and ops into it follow: make it again
-                    if there:
-                        self.backing.unlink(cache.backing_path(dst), name, True)  # type: ignore[arg-type]
-                        replaced.backing_parent = None  # type: ignore[union-attr]
-                    self.backing.mkdir(cache.backing_path(dst), name, node.mode, node.uid, node.gid)  # type: ignore[arg-type]
+                    self.backing.mkdir(dcomps, name, node.mode, node.uid, node.gid)
                     node.backing_parent, node.backing_name = dst, name
-                    return
+                else:             # absent; its next snapshot lands under the new name
+                    node.backing_parent = None
             else:
                 node.backing_parent, node.backing_name = dst, name
-                if there:
-                    replaced.backing_parent = None  # type: ignore[union-attr]
-                return
+        elif there:
+            self.backing.unlink(dcomps, name, replaced.is_dir)  # type: ignore[union-attr]
         if there:
-            self.backing.unlink(cache.backing_path(dst), name, replaced.is_dir)  # type: ignore[arg-type,union-attr]
             replaced.backing_parent = None  # type: ignore[union-attr]
 
     # -- uploads ------------------------------------------------------------------------
     def _upload(self, op: Op) -> bool:
         """Worker thread: write the snapshot to a temporary file next to its final name."""
+        def repair(exc: BaseException) -> None:
+            sp = op.snap.staged  # type: ignore[union-attr]
+            if sp is not None and isinstance(exc, OSError) and exc.errno in STALE:
+                self._reopen_staged(op, sp)    # a remounted backing: the same file, by name
+            else:
+                self._restore_dirs(op.parent, exc)  # type: ignore[arg-type]
         try:
-            return self._retry(lambda: self._write_upload(op), op, "upload of",
-                               functools.partial(self._restore_dirs, op.parent))
+            return self._retry(lambda: self._write_upload(op), op, "upload of", repair)
         finally:
             with self.lock:
                 self.uploading -= 1
@@ -343,6 +373,11 @@ class Flusher:
         def stopped() -> bool:
             return op.state == OpState.VOID or self.abort.is_set()
 
+        # Invariant: an upload cut short by an abort raises Aborted, never returns False:
+        # False means void, and the sequencer would record a void op as applied (its
+        # content then lost at the next start).
+        if self.abort.is_set():
+            raise Aborted()
         if stopped():
             return False
         if snap.staged is not None:  # already in the backing: finish it in place
@@ -361,6 +396,8 @@ class Flusher:
             raise
         if not ok:
             self.backing.close_fd(dfd)
+            if self.abort.is_set():
+                raise Aborted()
             return False
         op.dir_fd, op.temp_name = dfd, tmpname
         return True
@@ -391,18 +428,29 @@ class Flusher:
             if not self._write_upload(op):
                 raise Aborted()
             return
+        if self._reopen_staged(op, sp):
+            return
+        # copied complete under a fresh name, then renamed over its own: a copy cut short
+        # never stands under the name the journal gives
+        fds = self.backing.restage(sp.fd, sp.name, snap.size)
+        try:
+            self.backing.finish_temp(fds[1], snap.size, snap.mode, snap.uid, snap.gid,
+                                     snap.times, snap.xattrs)
+        except BaseException:
+            for fd in fds:
+                self.backing.close_fd(fd)
+            raise
+        self._swap_staged(op, sp, fds)
+
+    def _reopen_staged(self, op: Op, sp: Staged) -> bool:
+        """Open the staged file again by name (its descriptors went stale); False if gone."""
         fds = self.backing.open_staged(sp.name)
         if fds is None:
-            fds = self.backing.create_staged(sp.name)
-            try:
-                self.backing.copy_file(sp.fd, fds[1], snap.size)
-                self.backing.finish_temp(fds[1], snap.size, snap.mode, snap.uid, snap.gid,
-                                         snap.times, snap.xattrs)
-            except BaseException:
-                self.backing.remove_temp(fds[0], sp.name)
-                for fd in fds:
-                    self.backing.close_fd(fd)
-                raise
+            return False
+        self._swap_staged(op, sp, fds)
+        return True
+
+    def _swap_staged(self, op: Op, sp: Staged, fds: tuple[int, int]) -> None:
         with self.lock:
             old = (sp.fd, sp.dir_fd)
             sp.dir_fd, sp.fd = fds
@@ -434,7 +482,11 @@ class Flusher:
         staged = op.snap.staged is not None  # type: ignore[union-attr]
         if void:
             if op.dir_fd >= 0:
-                self.backing.remove_temp(op.dir_fd, op.temp_name)
+                try:
+                    self.backing.remove_temp(op.dir_fd, op.temp_name)
+                except OSError as e:   # our own leftover: 'acpfs temps' finds it
+                    log.warning("%r: cannot remove its temporary file %r (%s)", op.path,
+                                os.fsdecode(op.temp_name), describe(e))
                 if not staged:
                     self.backing.close_fd(op.dir_fd)
                 else:

@@ -271,6 +271,21 @@ def read_leftover(cache_dir: str) -> Leftover | None:
     return None
 
 
+def read_instance(cache_dir: str) -> str | None:
+    """The daemon instance named by the journal in ``cache_dir`` (one being recovered first),
+    without reading the records; None if there is none (or it is of format 01)."""
+    for name in (RECOVERING, JOURNAL):
+        try:
+            with open(os.path.join(cache_dir, name), "rb") as f:
+                head = f.read(HEADER.size)
+        except OSError:
+            continue
+        if len(head) == HEADER.size and head[:8] == MAGIC:
+            return HEADER.unpack(head)[3].rstrip(b"\0").decode("ascii", "replace") or None
+        return None
+    return None
+
+
 def start_recovery(cache_dir: str) -> None:
     """Keep the dead daemon's journal aside while a new one is written (a crash during the
     recovery then recovers from the same journal again)."""

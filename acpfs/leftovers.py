@@ -73,6 +73,32 @@ def scan(backing: str) -> list[Temp]:
     return out
 
 
+def awaiting_recovery(backing: str) -> dict[str, str]:
+    """Instances of daemons on this host that died over ``backing`` and whose journal waits
+    for the next mount: instance -> cache directory. Their temporary files (staged content
+    of files acknowledged before the crash) must stay until that mount recovers them."""
+    import glob
+    import json
+
+    from .config import default_cache_dir, runtime_dir
+    from .journal import read_instance
+    dirs = {default_cache_dir(backing)}
+    for rec in glob.glob(os.path.join(runtime_dir(), "mount-*.json")):
+        try:
+            with open(rec) as f:
+                r = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if os.path.realpath(r.get("backing", "")) == backing and r.get("cache_dir"):
+            dirs.add(r["cache_dir"])
+    out = {}
+    for d in dirs:
+        inst = read_instance(d)
+        if inst:
+            out[inst] = d
+    return out
+
+
 def remove(backing: str, temp: Temp) -> None:
     """Remove one temporary file or directory (a symlink itself, never what it names)."""
     full = os.path.join(backing, temp.path)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import logging
 import os
 import time
@@ -101,6 +102,15 @@ def plan(left: Leftover) -> tuple[list[Record], list[Record]]:
             moved.append(rec)
             (replay if r.kind == FLUSHED else open_at_crash).append(rec)
     return replay, open_at_crash
+
+
+def flat_name(path: str) -> bytes:
+    """A mount path as one file name for ``.acpfs-recovered/<time>/`` ("/" as %2F): within
+    NAME_MAX, with a digest of the whole path where it had to be cut."""
+    flat = urllib.parse.quote(path, safe="").encode()
+    if len(flat) > 200:
+        flat = flat[:160] + b"~" + hashlib.sha1(flat).hexdigest()[:16].encode()
+    return flat
 
 
 def claimed_blocks(records: list[Record]) -> list[int]:
@@ -241,7 +251,8 @@ class Replayer:
         if rec.staged_name and staged is None:
             with cache.lock:
                 cache.pool.decref(blocks)
-            self.skip(rec, "its staged file is gone: published before the crash")
+            self.skip(rec, "its staged file is gone: published before the crash, or removed "
+                      "from the backing by something else", logging.WARNING)
             return
         try:
             parent, name, node = self.resolve(rec.path)
@@ -285,7 +296,7 @@ class Replayer:
         that fails: the mount is then refused and the journal kept for the next try."""
         cache, backing = self.cache, self.cache.backing
         shown = os.fsdecode(rec.path) if rec.path is not None else f"(inode {rec.ino})"
-        flat = urllib.parse.quote(shown, safe="").encode()
+        flat = flat_name(shown)
         if staged is not None:
             with cache.lock:
                 staged.close(backing.close_fd)
@@ -324,7 +335,7 @@ class Replayer:
             shown = os.fsdecode(path) if path is not None else f"(inode {rec.ino}, deleted)"
             tmp = staged.pop(rec.ino, None)
             if tmp is not None and path is not None:
-                flat = urllib.parse.quote(os.fsdecode(path), safe="").encode()
+                flat = flat_name(os.fsdecode(path))
                 aside = backing.keep_aside(tmp, stamp, flat)
                 self.report.kept_aside.append(aside)
                 log.error("recovery: %s was open for writing when the daemon died; its content "

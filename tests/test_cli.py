@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -290,11 +291,25 @@ def test_temps_lists_and_removes_only_old_leftovers_of_no_live_daemon(make_mount
     r = acpfs("temps", str(back), "--older-than", "1d")
     assert "live: " in r.stdout and "too recent" in r.stdout and len(r.stdout.splitlines()) == 4
     assert "2 older than 1d and of no daemon on this host" in r.stderr
+    # a daemon of this host that died over this backing: its journal names its instance,
+    # and its staged files wait for the next mount's recovery
+    waiting = Path(str(m.cache_dir) + "-dead")
+    waiting.mkdir()
+    (waiting / "journal").write_bytes(b"ACPFSJ02" + bytes(16) + b"123456789abc".ljust(16, b"\0"))
+    rec = Path("/run/acpfs") / "mount-test-temps-dead.json"
+    rec.write_text(json.dumps({"backing": str(back), "cache_dir": str(waiting)}))
+    pending = back / ".acpfs-tmp-123456789abc-staging"
+    pending.mkdir()
+    os.utime(pending, (time.time() - 3 * 86400,) * 2)
     r = acpfs("temps", str(back), "--older-than", "1d", "--remove", check=False, stdin=subprocess.DEVNULL)
     assert r.returncode == 2 and "--yes" in one_line_error(r)     # no terminal: no silent removal
     assert dead_old.exists() and staging.exists()
-    r = acpfs("temps", str(back), "--older-than", "1d", "--remove", "--yes")
+    try:
+        r = acpfs("temps", str(back), "--older-than", "1d", "--remove", "--yes")
+        assert "awaiting recovery from" in r.stdout
+    finally:
+        rec.unlink()
     assert "removed 2 temporary files" in r.stderr
     assert not dead_old.exists() and not staging.exists()
-    assert recent.exists() and live.exists()
+    assert recent.exists() and live.exists() and pending.exists()
     live.unlink()

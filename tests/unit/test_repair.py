@@ -118,3 +118,46 @@ def test_a_staged_file_removed_before_its_publish_is_copied_back(make_core):
 async def trio_sleep() -> None:
     import trio
     await trio.sleep(0.01)
+
+
+def test_an_upload_cut_short_by_an_abort_is_not_recorded_as_applied(make_core):
+    """A second signal aborts the drain. An upload it cuts short is not 'void': recording it
+    as applied would lose its content at the next start (found in review)."""
+    c = make_core("ab", journal=True)
+    held = c.backing.inject("copy_extents", hang=True, times=1)
+    node = write_file(c.cache, b"f", b"x" * (3 * BS))
+    c.cache.release(node, True)
+    assert held.entered.wait(WAIT)
+    c.flusher.abort.set()                        # what stop(drain=False) does
+    held.release()
+    c.flusher.stop(drain=False, timeout=10)
+    applied = int.from_bytes((c.cache_dir / "applied").read_bytes()[:8] or b"\0", "little")
+    assert applied < node.last_seq, "the cut-short upload was recorded as applied"
+    assert not (c.back / "f").exists()
+
+
+def test_a_chmod_in_a_removed_directory_makes_it_again(core):
+    cache, back = core.cache, core.back
+    d = cache.mkdir(cache.root, b"d", 0o750, 0, 0)
+    f = write_file(cache, b"f", b"F", parent=d)
+    cache.release(f, True)
+    core.drain()
+    shutil.rmtree(back / "d")
+    cache.setattr(f, mode=0o600)                 # its file is gone with the directory
+    cache.setattr(d, mode=0o700)
+    core.drain()
+    assert stat.S_IMODE(os.stat(back / "d").st_mode) == 0o700
+    assert core.flusher.failing_op() is None
+
+
+def test_a_directory_renamed_after_its_parent_was_removed_is_made_again(core):
+    cache, back = core.cache, core.back
+    p = cache.mkdir(cache.root, b"p", 0o755, 0, 0)
+    x = cache.mkdir(p, b"x", 0o755, 0, 0)
+    core.drain()
+    shutil.rmtree(back / "p")
+    cache.rename(p, b"x", p, b"y")
+    cache.release(write_file(cache, b"f", b"into y", parent=x), True)
+    core.drain()
+    assert (back / "p" / "y" / "f").read_bytes() == b"into y"
+    assert core.flusher.failing_op() is None

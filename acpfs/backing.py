@@ -247,6 +247,26 @@ class Backing:
                 os.close(dfd)
             raise
 
+    @staticmethod
+    def version(dfd: int, name: bytes) -> tuple[int, int, int]:
+        """(inode, size, mtime) of a file: what tells another writer's version from ours."""
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    def stat_entry(self, comps: Comps, name: bytes) -> os.stat_result | None:
+        """lstat of an entry; None if it (or its directory) is gone."""
+        check_name(name)
+        try:
+            dfd = self.open_dir(comps)
+        except MissingDir:
+            return None
+        try:
+            return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(dfd)
+
     def temp_exists(self, dfd: int, tmpname: bytes) -> bool:
         """Is the temporary file still there? (False also when its directory is gone.)"""
         try:

@@ -42,6 +42,7 @@ import os
 import stat as statmod
 import threading
 import time
+from typing import Callable
 
 from .backing import Backing, check_name, is_temp_name
 from .journal import CLEAN, DIRTY, FLUSHED, Journal, Record
@@ -80,6 +81,8 @@ class Cache:
         self.flusher: OpSink | None = None    # attached by the daemon
         self.journal: Journal | None = None   # attached by the daemon; None in unit tests
         self.journaled: set[Node] = set()     # nodes whose journal_state is not NONE
+        # tells the kernel to forget a name another node removed (set by fs; None in tests)
+        self.forget_entry: Callable[[int, bytes], None] | None = None
 
     # -- positions -----------------------------------------------------------------------
     def present(self, node: Node) -> bool:
@@ -126,19 +129,100 @@ class Cache:
     def attach_listing(self, node: Node, listing: list) -> None:
         if node.children is not None:
             return
-        kids: dict[bytes, Node] = {}
+        node.children = {}
         for name, st, target in listing:
-            fmt = statmod.S_IFMT(st.st_mode)
-            child = self._new_node(st.st_mode, st.st_uid, st.st_gid, node, name)
-            child.size = st.st_size
-            self._stat_times(child, st)
-            child.backing_parent, child.backing_name = node, name
-            if target is not None:
-                child.target = target
-            if fmt == statmod.S_IFDIR:
-                child.nlink = 2
-            kids[name] = child
-        node.children = kids
+            self._attach(node, name, st, target)
+        node.listed_at = time.monotonic()
+
+    def _attach(self, node: Node, name: bytes, st: os.stat_result, target: bytes | None) -> Node:
+        """A child found in the backing."""
+        child = self._new_node(st.st_mode, st.st_uid, st.st_gid, node, name)
+        child.size = st.st_size
+        self._stat_times(child, st)
+        child.backing_parent, child.backing_name = node, name
+        child.backing_version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        child.checked_at = time.monotonic()
+        if target is not None:
+            child.target = target
+        if statmod.S_ISDIR(st.st_mode):
+            child.nlink = 2
+        node.children[name] = child  # type: ignore[index]
+        return child
+
+    # -- other writers of the backing (other nodes) -----------------------------------------
+    def relist_backing(self, node: Node) -> tuple[list, set[bytes], int]:
+        """Worker thread: the backing's entries of a loaded directory, with the names there
+        that belong to nodes this mount knows (its own, a removal or rename of theirs still
+        queued) and the seq applied, all at one moment (under position_lock, so that no op of
+        this mount lands in between)."""
+        with self.position_lock:
+            listing = self.backing.listdir(self.backing_path(node))
+            known = {n.backing_name for n in list(self.nodes.values()) if n.backing_parent is node}
+            assert self.flusher is not None
+            return listing, known, self.flusher.applied_seq
+
+    def merge_listing(self, node: Node, listing: list, known: set[bytes], applied: int) -> None:
+        """Close-to-open coherence: merge the backing's current entries (``relist_backing``)
+        into a loaded directory. Entries another writer made appear; entries another writer
+        removed disappear, if this mount has nothing of its own pending on them. This mount's
+        own changes always win in its own view (docs/semantics.md, section 10)."""
+        kids = node.children
+        assert kids is not None, "directory not loaded"
+        seen = {}
+        for name, st, target in listing:
+            seen[name] = st
+            if name not in kids and name not in known:
+                self._attach(node, name, st, target)
+        for name, child in list(kids.items()):
+            if name in seen or child.backing_parent is not node or child.backing_name != name:
+                continue
+            if child.dirty or child.writers or child.staged is not None or child.last_seq > applied \
+                    or (child.is_dir and child.children):
+                continue    # something of this mount is pending on it, or under it
+            self._removed_elsewhere(node, name, child)
+        node.listed_at = time.monotonic()
+
+    def quiescent(self, node: Node) -> bool:
+        """Nothing of this mount is pending on the node: its content is the backing copy's."""
+        assert self.flusher is not None
+        return (not node.dirty and not node.writers and not node.publish_ops and node.staged is None
+                and node.last_seq <= self.flusher.applied_seq)
+
+    def stat_backing(self, node: Node) -> os.stat_result | None:
+        """Worker thread: lstat of the node's backing copy; None if it is gone."""
+        with self.position_lock:
+            if node.backing_parent is None:
+                return None
+            return self.backing.stat_entry(self.backing_path(node.backing_parent), node.backing_name)
+
+    def replaced_elsewhere(self, node: Node, st: os.stat_result) -> None:
+        """Another writer put a new version of a clean file in the backing: this mount's
+        copy is stale. Its cached content is dropped (it is read from the backing again),
+        unless someone has it open (it is dropped at a later open); the attributes follow
+        the backing."""
+        if node.opens == 0 and node.blocks is not None:
+            with self.lock:
+                self.pool.decref(node.blocks)
+                node.blocks = None
+                self.lru.pop(node.ino, None)
+        elif node.blocks is not None:
+            return
+        node.mode, node.uid, node.gid = st.st_mode, st.st_uid, st.st_gid
+        node.size = st.st_size
+        self._stat_times(node, st)
+        node.backing_version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        node.versions += 1    # readers that open it again read the new version
+
+    def _removed_elsewhere(self, parent: Node, name: bytes, node: Node) -> None:
+        """Another writer removed ``node`` from the backing: it leaves this mount's view."""
+        del parent.children[name]  # type: ignore[union-attr]
+        node.parent = None
+        node.nlink = 0
+        node.backing_parent = None
+        if node.opens == 0:
+            self.drop(node)
+        if self.forget_entry is not None:
+            self.forget_entry(parent.ino, name)
 
     def _stat_times(self, node: Node, st: os.stat_result) -> None:
         node.atime, node.mtime, node.ctime = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns
@@ -186,6 +270,7 @@ class Cache:
         node.children = {}
         node.xattrs = {}
         node.nlink = 2
+        node.listed_at = time.monotonic()
         kids[name] = node
         parent.mtime = parent.ctime = node.mtime
         # the mode and owner it was made with: a later chmod is an op of its own, after it

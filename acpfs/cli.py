@@ -132,8 +132,11 @@ def cmd_mount(a: argparse.Namespace) -> int:
         else float_env("cache_full_timeout", 300.0)
     persist_open = a.persist_open_after if a.persist_open_after is not None \
         else float_env("persist_open_after", 120.0)
-    if persist_open < 0 or full_timeout < 0:
-        raise UsageError("--cache-full-timeout and --persist-open-after must not be negative")
+    coherence = a.coherence_timeout if a.coherence_timeout is not None \
+        else float_env("coherence_timeout", 1.0)
+    if persist_open < 0 or full_timeout < 0 or coherence < 0:
+        raise UsageError("--cache-full-timeout, --persist-open-after and --coherence-timeout must "
+                         "not be negative")
     block_size = parse_size(a.block_size or env("block_size") or "64K", "block size")
     if block_size < 4096 or block_size & (block_size - 1) or block_size > (16 << 20):
         raise UsageError("--block-size must be a power of two between 4K and 16M")
@@ -170,7 +173,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
                        flush_workers=workers, log_level=level, log_file=log_file,
                        allow_other=a.allow_other or env_flag("allow_other"),
                        cache_full_timeout=full_timeout, block_size=block_size,
-                       persist_open_after=persist_open,
+                       persist_open_after=persist_open, coherence_timeout=coherence,
                        mlock=a.mlock or env_flag("mlock"), foreground=foreground)
         if foreground:
             return run_foreground(opts, lock)
@@ -606,6 +609,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="persist the content of a file still open for writing after S seconds of "
                    "unsaved changes: published if it is only appended to (O_APPEND), else staged "
                    "in the backing without replacing the file (default 120; 0: never)")
+    m.add_argument("--coherence-timeout", type=float, metavar="S",
+                   help="how long this node trusts what it knows of a directory before it looks "
+                   "at the backing again for entries other nodes made or removed (default 1; "
+                   "0: at every lookup of a missing name and every listing)")
     m.add_argument("--block-size", help="cache block size, a power of two (default 64K)")
     m.add_argument("--mlock", action="store_true", help="lock the cache pool in RAM")
     m.add_argument("--log-level", help="debug, info (default), warning or error")

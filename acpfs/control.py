@@ -50,6 +50,7 @@ class MountInfo:
     flush_workers: int
     cache_full_timeout: float
     persist_open_after: float
+    coherence_timeout: float = 1.0   # see Core.refreshed
     recovery: dict | None = None   # what this daemon recovered from a dead one (recovery.py)
     pid: int = dataclasses.field(default_factory=os.getpid)
     started: float = dataclasses.field(default_factory=time.time)
@@ -107,7 +108,8 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         "options": {"fsync": "backing" if info.fsync_backing else "memory",
                     "flush_workers": info.flush_workers,
                     "cache_full_timeout_s": info.cache_full_timeout,
-                    "persist_open_after_s": info.persist_open_after},
+                    "persist_open_after_s": info.persist_open_after,
+                    "coherence_timeout_s": info.coherence_timeout},
         "cache": {"used_bytes": used, "limit_bytes": pool.size, "peak_used_bytes": peak,
                   "block_size": pool.block_size, "cached_files": cached_files},
         "dirty": {"files": len(cache.dirty_nodes), "bytes": dirty_bytes},

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import stat as statmod
+import time
 from typing import Callable, Protocol
 
 import trio
@@ -128,9 +129,60 @@ class Core:
     async def dir(self, ino: int) -> Node:
         return await self.loaded(self.node(ino))
 
+    async def refreshed(self, node: Node) -> Node:
+        """A loaded directory whose backing entries were merged in at most
+        ``coherence_timeout`` seconds ago: other nodes' changes show (close-to-open
+        coherence, as on NFS). Only directories this mount has put in the backing are looked
+        at again; one listing at a time per directory."""
+        cache = self.cache
+        if time.monotonic() - node.listed_at <= self.info.coherence_timeout \
+                or not cache.present(node) or node.children is None:
+            return node
+        lk = self._list_locks.get(node.ino)
+        if lk is None:
+            lk = self._list_locks[node.ino] = trio.Lock()
+        async with lk:
+            if time.monotonic() - node.listed_at > self.info.coherence_timeout and cache.present(node):
+                try:
+                    listing, known, applied = await trio.to_thread.run_sync(cache.relist_backing, node)
+                except OSError as e:   # a failing backing: what this mount knows stands
+                    log.debug("relisting %s: %s", cache.path(node), e)
+                    node.listed_at = time.monotonic()
+                else:
+                    if node.children is not None and node.parent is not None or node is cache.root:
+                        cache.merge_listing(node, listing, known, applied)
+        self._list_locks.pop(node.ino, None)
+        return node
+
+    async def revalidated(self, node: Node) -> Node:
+        """A clean file whose backing copy was compared with this mount's at most
+        ``coherence_timeout`` seconds ago (inode, size, mtime): a version another node
+        published since replaces a stale cached copy and its attributes (close-to-open)."""
+        cache = self.cache
+        if not node.is_reg or node.backing_parent is None \
+                or time.monotonic() - node.checked_at <= self.info.coherence_timeout \
+                or not cache.quiescent(node):
+            return node
+        try:
+            st = await trio.to_thread.run_sync(cache.stat_backing, node)
+        except OSError as e:
+            log.debug("revalidating %s: %s", cache.path(node), e)
+            return node
+        node.checked_at = time.monotonic()
+        if st is not None and statmod.S_ISREG(st.st_mode) and cache.quiescent(node) \
+                and node.backing_version is not None \
+                and (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version:
+            cache.replaced_elsewhere(node, st)
+        return node
+
+    async def getattr(self, ino: int) -> Node:
+        return await self.revalidated(self.node(ino))
+
     # -- the namespace ---------------------------------------------------------------------
     async def lookup(self, parent_ino: int, name: bytes) -> Node:
-        return self.cache.lookup(await self.dir(parent_ino), name)
+        # another node may have made or removed it since this directory was last looked at
+        parent = await self.refreshed(await self.dir(parent_ino))
+        return self.cache.lookup(parent, name)
 
     @staticmethod
     def _gid(parent: Node, caller: Caller) -> int:
@@ -190,7 +242,7 @@ class Core:
 
     # -- directories -----------------------------------------------------------------------
     async def opendir(self, ino: int) -> int:
-        node = await self.dir(ino)
+        node = await self.refreshed(await self.dir(ino))
         fh = self._new_fh()
         self.dirs[fh] = list(node.children.items())  # type: ignore[union-attr]
         return fh
@@ -211,7 +263,7 @@ class Core:
     # -- files -----------------------------------------------------------------------------
     async def open(self, ino: int, flags: int) -> tuple[int, bool]:
         """Open a file: (file handle, whether the kernel should bypass its page cache)."""
-        node = self.node(ino)
+        node = await self.revalidated(self.node(ino))
         if node.is_dir:
             raise err(errno.EISDIR)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY

@@ -44,6 +44,7 @@ class Options:
     block_size: int
     mlock: bool
     foreground: bool
+    coherence_timeout: float = 1.0
 
 
 def setup_logging(opts: Options) -> None:
@@ -145,7 +146,7 @@ class Daemon:
                                         cache.live_file_records, self.backing.instance)
         self.info = MountInfo(opts.mountpoint, opts.backing, opts.cache_dir, opts.log_file,
                               opts.fsync_backing, opts.flush_workers, opts.cache_full_timeout,
-                              opts.persist_open_after)
+                              opts.persist_open_after, coherence_timeout=opts.coherence_timeout)
         self.core = Core(cache, self.info)
 
     def _allocating(self, done: int, total: int) -> None:

@@ -507,10 +507,12 @@ class Flusher:
                 dst = self.backing.open_dir(cache.backing_path(op.parent))  # type: ignore[arg-type]
                 try:
                     self.backing.publish(op.dir_fd, op.temp_name, dst, op.name)
+                    version = self.backing.version(dst, op.name)
                 finally:
                     self.backing.close_fd(dst)
                 node = op.node
                 node.backing_parent, node.backing_name = op.parent, op.name
+                node.backing_version, node.checked_at = version, time.monotonic()
                 node.versions += 1
 
         def repair(exc: BaseException) -> None:

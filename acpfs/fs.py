@@ -96,7 +96,7 @@ class Operations(pyfuse3.Operations):
 
     @replies
     async def getattr(self, inode, ctx=None):
-        return attrs(self.core.node(inode))
+        return attrs(await self.core.getattr(inode))
 
     @replies
     async def setattr(self, inode, attr, fields, fh, ctx):
@@ -237,5 +237,9 @@ class Operations(pyfuse3.Operations):
 def make_operations(core: Core) -> Operations:
     """The adapter over ``core``; readers' direct_io follows the kernel's INIT reply."""
     core.readers_direct_io = fastwrite.readers_direct_io
+    # a name another node removed leaves the kernel's dentry cache at once, not after
+    # ATTR_TIMEOUT (Cache.merge_listing)
+    core.cache.forget_entry = lambda parent_ino, name: pyfuse3.invalidate_entry_async(
+        parent_ino, name, ignore_enoent=True)
     return Operations(core)
 

@@ -78,7 +78,7 @@ class Node:
                  "children", "target", "blocks", "backing_parent", "backing_name",
                  "writers", "appenders", "opens", "nlink", "lookups", "dirty", "dirty_since",
                  "publish_ops", "last_seq", "xattrs", "staged", "versions", "journal_state",
-                 "journal_blocks", "truncated")
+                 "journal_blocks", "truncated", "listed_at", "backing_version", "checked_at")
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, parent: Node | None, name: bytes) -> None:
         self.ino = ino
@@ -110,6 +110,12 @@ class Node:
         self.journal_state = JournalState.NONE           # (lock) its last journal record
         self.journal_blocks: list[int] | None = None     # (lock) blocks held for a FLUSHED record
         self.truncated = False                           # shrunk since its last snapshot
+        self.listed_at = 0.0                             # directories: when the backing's
+                                                         # entries were last merged in (monotonic)
+        self.backing_version: tuple[int, int, int] | None = None   # (position lock) files:
+                                                         # (ino, size, mtime_ns) of the backing
+                                                         # copy that matches this node's content
+        self.checked_at = 0.0                            # when that was last compared (monotonic)
 
     @property
     def is_dir(self) -> bool:

@@ -252,14 +252,19 @@ class Node:
             f"node {name}: its mount namespace did not start"
 
     def run(self, *cmd: str, check: bool = True, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
-        r = subprocess.run(["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", "--", *cmd],
-                           capture_output=True, text=True, timeout=timeout, **kw)
+        r = subprocess.run(self.enter() + list(cmd), capture_output=True, text=True,
+                           timeout=timeout, **kw)
         if check and r.returncode != 0:
             raise AssertionError(f"node {self.name}: {' '.join(cmd)} failed ({r.returncode}): {r.stderr}")
         return r
 
     def popen(self, *cmd: str, **kw) -> subprocess.Popen:
-        return subprocess.Popen(["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", "--", *cmd], **kw)
+        return subprocess.Popen(self.enter() + list(cmd), **kw)
+
+    def enter(self) -> list[str]:
+        """The command prefix that runs inside the node (in the test's working directory:
+        ``python -m acpfs`` then runs this checkout's acpfs)."""
+        return ["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", f"--wd={os.getcwd()}", "--"]
 
     def path(self, rel: str = "") -> Path:
         """A path on this node's mount, as the test can use it."""

@@ -155,11 +155,16 @@ class Cache:
         that belong to nodes this mount knows (its own, a removal or rename of theirs still
         queued) and the seq applied, all at one moment (under position_lock, so that no op of
         this mount lands in between)."""
+        fl = self.flusher
+        assert fl is not None
         with self.position_lock:
             listing = self.backing.listdir(self.backing_path(node))
-            known = {n.backing_name for n in list(self.nodes.values()) if n.backing_parent is node}
-            assert self.flusher is not None
-            return listing, known, self.flusher.applied_seq
+            with self.lock:                  # lock order: position_lock, then lock
+                queued = [op.node for op in fl.queue] + [op.replaced for op in fl.queue if op.replaced]
+                applied = fl.applied_seq
+            mine = list((node.children or {}).values()) + queued
+            known = {n.backing_name for n in mine if n.backing_parent is node}
+            return listing, known, applied
 
     def merge_listing(self, node: Node, listing: list, known: set[bytes], applied: int) -> None:
         """Close-to-open coherence: merge the backing's current entries (``relist_backing``)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -130,3 +131,39 @@ def test_applied_seq_moves_only_after_the_op_is_finished(core):
     assert len(seen) == 6
     assert all(applied < seq for seq, applied in seen), seen
     assert flusher.applied_seq == cache.seq
+
+
+def test_merging_the_backing_listing_shows_others_changes_and_keeps_own_pending_ones(make_core):
+    """Close-to-open coherence (Cache.merge_listing): entries another writer made appear,
+    entries it removed disappear, and this mount's own pending changes win."""
+    c = make_core("m")
+    cache, back = c.cache, c.back
+    d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
+    for name in (b"mine", b"clean", b"dirty"):
+        cache.release(write_file(cache, name, name, parent=d), True)
+    c.drain()
+    (back / "d" / "theirs").write_bytes(b"t")       # another node's new file
+    os.unlink(back / "d" / "clean")                  # another node removed a clean file
+    os.unlink(back / "d" / "dirty")                  # ... and one this mount changes now
+    dirty = cache.lookup(d, b"dirty")
+    cache.open(dirty, True, False)
+    cache.write(dirty, 0, b"changed")
+    with cache.position_lock:                        # the flusher applies nothing meanwhile
+        cache.unlink(d, b"mine")                     # this mount's removal, still queued
+        listing, known, applied = _relist(cache, d)
+    cache.merge_listing(d, listing, known, applied)
+    assert sorted(d.children) == [b"dirty", b"theirs"]
+    assert cache.read(d.children[b"dirty"], 0, 100) == b"changed"
+    c.drain()
+    cache.release(dirty, True)
+    c.drain()
+    assert sorted(os.listdir(back / "d")) == ["dirty", "theirs"]
+
+
+def _relist(cache, d):
+    """Cache.relist_backing, with position_lock already held by the test."""
+    lock, cache.position_lock = cache.position_lock, threading.Lock()
+    try:
+        return cache.relist_backing(d)
+    finally:
+        cache.position_lock = lock

@@ -191,13 +191,10 @@ class Backing:
         return self._stale_retry(self._open_dir, comps)
 
     def _open_dir(self, comps: Comps) -> int:
-        fd = os.dup(self.root_fd)
-        if not comps:
-            try:
-                os.fstat(fd)                   # a stale root shows here, not at the dup
-            except OSError:
-                os.close(fd)
-                raise
+        # a new open file description, not a dup: a listing reads from its own offset (a
+        # dup shares the root's, and a second listing of the root came back empty), and a
+        # stale root shows here
+        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.root_fd)
         try:
             for depth, name in enumerate(comps):
                 check_name(name)

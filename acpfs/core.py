@@ -33,6 +33,9 @@ from .writethrough import WriteThrough
 log = logging.getLogger(__name__)
 
 STATFS_WAIT = 2.0  # seconds statfs waits for the backing before answering from memory
+# seconds a lookup, listing, open or stat waits for the backing to say what other nodes changed
+# before it answers from what this mount knows (a hung backing must not block cached work)
+COHERENCE_WAIT = 0.5
 
 
 class Caller(Protocol):
@@ -66,6 +69,8 @@ class Core:
         self.dirs: dict[int, list[tuple[bytes, Node]]] = {}
         self._next_fh = 1
         self._list_locks: dict[int, trio.Lock] = {}
+        self._checking: set[int] = set()   # inos with a coherence check in a worker thread
+        self.check_threads = trio.CapacityLimiter(8)   # checks stuck on a hung backing stop here
         self._statfs: os.statvfs_result | None = self.backing.statvfs()   # answers at mount
         self._statfs_call: trio.Event | None = None
         self.nursery: trio.Nursery | None = None
@@ -136,21 +141,23 @@ class Core:
         at again; one listing at a time per directory."""
         cache = self.cache
         if time.monotonic() - node.listed_at <= self.info.coherence_timeout \
-                or not cache.present(node) or node.children is None:
+                or not cache.present(node) or node.children is None or node.ino in self._checking:
             return node
         lk = self._list_locks.get(node.ino)
         if lk is None:
             lk = self._list_locks[node.ino] = trio.Lock()
         async with lk:
             if time.monotonic() - node.listed_at > self.info.coherence_timeout and cache.present(node):
+                got = None
                 try:
-                    listing, known, applied = await trio.to_thread.run_sync(cache.relist_backing, node)
+                    with trio.move_on_after(COHERENCE_WAIT):
+                        got = await self._check(node, cache.relist_backing)
                 except OSError as e:   # a failing backing: what this mount knows stands
                     log.debug("relisting %s: %s", cache.path(node), e)
+                if got is None:        # failing or not answering: look again after the timeout
                     node.listed_at = time.monotonic()
-                else:
-                    if node.children is not None and node.parent is not None or node is cache.root:
-                        cache.merge_listing(node, listing, known, applied)
+                elif node.children is not None and (node.parent is not None or node is cache.root):
+                    cache.merge_listing(node, *got)
         self._list_locks.pop(node.ino, None)
         return node
 
@@ -161,19 +168,40 @@ class Core:
         cache = self.cache
         if not node.is_reg or node.backing_parent is None \
                 or time.monotonic() - node.checked_at <= self.info.coherence_timeout \
-                or not cache.quiescent(node):
+                or node.ino in self._checking or not cache.quiescent(node):
             return node
+        st = None
+        node.checked_at = time.monotonic()   # failing or not answering: look again later
         try:
-            st = await trio.to_thread.run_sync(cache.stat_backing, node)
+            with trio.move_on_after(COHERENCE_WAIT):
+                st = await self._check(node, cache.stat_backing)
         except OSError as e:
             log.debug("revalidating %s: %s", cache.path(node), e)
             return node
-        node.checked_at = time.monotonic()
         if st is not None and statmod.S_ISREG(st.st_mode) and cache.quiescent(node) \
                 and node.backing_version is not None \
                 and (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version:
             cache.replaced_elsewhere(node, st)
         return node
+
+    async def _check(self, node: Node, fn):
+        """``fn(node)`` in a worker thread that may be abandoned (a hung backing): at most one
+        per node at a time, and at most ``check_threads`` in all, so that stuck checks never
+        take the threads that cached work needs."""
+        self._checking.add(node.ino)
+        started = []
+
+        def job():
+            started.append(True)
+            try:
+                return fn(node)
+            finally:
+                self._checking.discard(node.ino)
+        try:
+            return await trio.to_thread.run_sync(job, abandon_on_cancel=True, limiter=self.check_threads)
+        finally:
+            if not started:      # cancelled while waiting for a thread: it never ran
+                self._checking.discard(node.ino)
 
     async def getattr(self, ino: int) -> Node:
         return await self.revalidated(self.node(ino))

@@ -181,17 +181,19 @@ class Cache:
         for name, child in list(kids.items()):
             if name in seen or child.backing_parent is not node or child.backing_name != name:
                 continue
-            if child.dirty or child.writers or child.staged is not None or child.last_seq > applied \
-                    or (child.is_dir and child.children):
+            if not self.quiescent(child, applied) or (child.is_dir and child.children):
                 continue    # something of this mount is pending on it, or under it
             self._removed_elsewhere(node, name, child)
         node.listed_at = time.monotonic()
 
-    def quiescent(self, node: Node) -> bool:
-        """Nothing of this mount is pending on the node: its content is the backing copy's."""
-        assert self.flusher is not None
+    def quiescent(self, node: Node, applied: int | None = None) -> bool:
+        """Nothing of this mount is pending on the node (as of op ``applied``, by default the
+        flusher's last): its content is the backing copy's."""
+        if applied is None:
+            assert self.flusher is not None
+            applied = self.flusher.applied_seq
         return (not node.dirty and not node.writers and not node.publish_ops and node.staged is None
-                and node.last_seq <= self.flusher.applied_seq)
+                and node.last_seq <= applied)
 
     def stat_backing(self, node: Node) -> os.stat_result | None:
         """Worker thread: lstat of the node's backing copy; None if it is gone."""

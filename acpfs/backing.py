@@ -20,6 +20,7 @@ files included), so a test can wrap a ``Backing`` to fail or hang any one call
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import re
@@ -27,6 +28,7 @@ import secrets
 import stat as statmod
 import threading
 import time
+import urllib.parse
 from typing import Iterable, Iterator
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ OLD_STAGING_DIR = TEMP_PREFIX + b"spill"
 OLD_STAGED = re.compile(re.escape(TEMP_PREFIX) + rb"(\d+)-w\d+")
 STAGED = re.compile(re.escape(TEMP_PREFIX) + rb"([0-9a-f]+)-[0-9a-f]+-i(\d+)")
 RECOVERED_DIR = b".acpfs-recovered"   # content acpfs could not put in place, kept aside
+CONFLICTS_DIR = b".acpfs-conflicts"   # entries of other writers moved out of the way (conflicts.py)
 IS_ROOT = os.geteuid() == 0
 # what a descriptor of a backing that went away and came back (a remounted NFS, SFS or FUSE
 # store) answers: the root and every directory must be opened again by path
@@ -56,13 +59,33 @@ Comps = list[bytes]
 
 class MissingDir(OSError):
     """A directory on the way to a path is not in the backing (ENOENT): removed or moved
-    behind acpfs's back. ``comps[:depth]`` were found; ``comps[depth]`` was not."""
+    behind acpfs's back. ``comps[:depth]`` were found; ``comps[depth]`` was not, or
+    (``blocked``) something else, not a directory, stands under its name."""
 
-    def __init__(self, comps: Comps, depth: int) -> None:
+    def __init__(self, comps: Comps, depth: int, blocked: bool = False) -> None:
         where = os.fsdecode(b"/".join(comps[:depth + 1]))
-        super().__init__(errno.ENOENT, f"directory {where!r} is missing from the backing")
+        why = "is not a directory in" if blocked else "is missing from"
+        super().__init__(errno.ENOENT, f"directory {where!r} {why} the backing")
         self.comps = comps
         self.depth = depth
+        self.blocked = blocked
+
+
+class NotEmpty(OSError):
+    """An rmdir found entries this daemon did not put there (``entries``: their names)."""
+
+    def __init__(self, name: bytes, entries: list[bytes]) -> None:
+        super().__init__(errno.ENOTEMPTY, f"directory {os.fsdecode(name)!r} is not empty")
+        self.entries = entries
+
+
+def flat_name(path: str) -> bytes:
+    """A path as one file name for ``.acpfs-recovered/<time>/`` or ``.acpfs-conflicts/...``
+    ("/" as %2F): within NAME_MAX, with a digest of the whole path where it had to be cut."""
+    flat = urllib.parse.quote(path, safe="").encode()
+    if len(flat) > 200:
+        flat = flat[:160] + b"~" + hashlib.sha1(flat).hexdigest()[:16].encode()
+    return flat
 
 
 def is_temp_name(name: bytes) -> bool:
@@ -203,6 +226,10 @@ class Backing:
                                   dir_fd=fd)
                 except FileNotFoundError:
                     raise MissingDir(comps, depth) from None
+                except OSError as e:
+                    if e.errno not in (errno.ENOTDIR, errno.ELOOP):
+                        raise
+                    raise MissingDir(comps, depth, blocked=True) from None
                 os.close(fd)
                 fd = nfd
         except BaseException:
@@ -431,6 +458,19 @@ class Backing:
         finally:
             os.close(dfd)
 
+    def read_link(self, comps: Comps, name: bytes) -> bytes | None:
+        """The target of a symlink; None if it is gone or not a symlink."""
+        check_name(name)
+        dfd = self.open_dir(comps)
+        try:
+            return os.readlink(name, dir_fd=dfd)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.EINVAL):
+                return None
+            raise
+        finally:
+            os.close(dfd)
+
     def unlink(self, comps: Comps, name: bytes, is_dir: bool) -> None:
         """Remove an entry; a missing entry (or directory) counts as removed: same result."""
         check_name(name)
@@ -460,6 +500,7 @@ class Backing:
             # with it; anything else (another daemon's upload in flight, a file someone else
             # put there) means the directory is not empty, and we refuse to delete it.
             sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            others = []
             try:
                 for ent in os.listdir(sub):
                     if self.owns(os.fsencode(ent)):
@@ -467,9 +508,16 @@ class Backing:
                             os.unlink(ent, dir_fd=sub)
                         except IsADirectoryError:   # a mkdir cut short
                             os.rmdir(ent, dir_fd=sub)
+                    else:
+                        others.append(os.fsencode(ent))
             finally:
                 os.close(sub)
-            os.rmdir(name, dir_fd=dfd)
+            try:
+                os.rmdir(name, dir_fd=dfd)
+            except OSError as e2:
+                if e2.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise NotEmpty(name, others) from None
+                raise
 
     def rename(self, scomps: Comps, sname: bytes, dcomps: Comps, dname: bytes) -> None:
         check_name(sname)
@@ -669,10 +717,10 @@ class Backing:
         except FileNotFoundError:
             pass
 
-    def _recovered_dir(self, stamp: bytes) -> int:
-        """Open ``.acpfs-recovered/<stamp>`` (made private if new), never through a symlink."""
+    def _aside_dir(self, stamp: bytes, top: bytes = RECOVERED_DIR) -> int:
+        """Open ``<top>/<stamp>`` (made private if new), never through a symlink."""
         check_name(stamp)
-        for comps, name in (([], RECOVERED_DIR), ([RECOVERED_DIR], stamp)):
+        for comps, name in (([], top), ([top], stamp)):
             dfd = self.open_dir(comps)
             try:
                 os.mkdir(name, 0o700, dir_fd=dfd)
@@ -680,7 +728,7 @@ class Backing:
                 pass
             finally:
                 os.close(dfd)
-        return self.open_dir([RECOVERED_DIR, stamp])
+        return self.open_dir([top, stamp])
 
     @staticmethod
     def _free_name(dfd: int, name: bytes) -> bytes:
@@ -697,7 +745,7 @@ class Backing:
 
     def keep_aside(self, tmpname: bytes, stamp: bytes, flat_name: bytes) -> str:
         """Move a staged file to ``.acpfs-recovered/<stamp>/<flat_name>``; returns that path."""
-        dfd = self._recovered_dir(stamp)
+        dfd = self._aside_dir(stamp)
         try:
             flat_name = self._free_name(dfd, flat_name)
             sfd = os.open(staging_dir_of(tmpname), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
@@ -716,7 +764,7 @@ class Backing:
                            times: tuple[int, int], xattrs: dict[bytes, bytes]) -> str:
         """Write content from the cache pool to ``.acpfs-recovered/<stamp>/<flat_name>``
         (atomically, like any upload); returns that path."""
-        dfd = self._recovered_dir(stamp)
+        dfd = self._aside_dir(stamp)
         try:
             flat_name = self._free_name(dfd, flat_name)
             tmp = self.temp_name()
@@ -725,6 +773,39 @@ class Backing:
         finally:
             os.close(dfd)
         return os.fsdecode(b"/".join((RECOVERED_DIR, stamp, flat_name)))
+
+    def move_aside(self, comps: Comps, name: bytes, stamp: bytes, flat: bytes) -> str:
+        """Move the entry at ``comps``/``name`` (another writer's, in the way of this
+        node's) to ``.acpfs-conflicts/<stamp>/<flat>``; returns that path."""
+        check_name(name)
+        afd = self._aside_dir(stamp, CONFLICTS_DIR)
+        try:
+            dfd = self.open_dir(comps)
+            try:
+                flat = self._free_name(afd, flat)
+                os.rename(name, flat, src_dir_fd=dfd, dst_dir_fd=afd)
+                os.fsync(afd)
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(afd)
+        return os.fsdecode(b"/".join((CONFLICTS_DIR, stamp, flat)))
+
+    def remove_empty_dir(self, comps: Comps, name: bytes) -> bool:
+        """rmdir; False if the directory is not empty."""
+        check_name(name)
+        dfd = self.open_dir(comps)
+        try:
+            os.rmdir(name, dir_fd=dfd)
+            os.fsync(dfd)
+            return True
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                return False
+            raise
+        finally:
+            os.close(dfd)
 
     # -- helpers -----------------------------------------------------------------------
     def _chown(self, fd: int, uid: int, gid: int) -> None:

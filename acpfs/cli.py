@@ -367,6 +367,13 @@ def render_status(d: dict[str, Any]) -> str:
                          f"({e['attempts']} attempts, next in {e['next_retry_in_s']}s)")
     else:
         lines.append("  errors     none")
+    cf = d.get("conflicts")
+    if cf and cf["total"]:
+        kinds = ", ".join(f"{n} {k}" for k, n in cf["by_kind"].items() if n)
+        lines.append(f"  conflicts  {cf['total']} with other writers of the backing ({kinds}); "
+                     f"see {d['log_file']}")
+        for c in cf["recent"][-3:]:
+            lines.append(f"    {c['kind']:<13} {safe(c['path'])}: {safe(c['resolution'])}")
     for f in d.get("files", {}).get("files", []):
         lines.append(f"    {f['state']:<10} {format_size(f['size']):>10}  {f['path']}")
     if d.get("files", {}).get("truncated"):

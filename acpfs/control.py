@@ -119,6 +119,7 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         "flush_rate_bytes_per_s": round(fl.rate()),
         "oldest_dirty_age_s": None if oldest is None else round(now - oldest, 1),
         "errors": errors,
+        "conflicts": fl.conflicts.status(),
         "flusher_alive": fl.thread.is_alive(),
         "journal_error": cache.journal.error if cache.journal is not None else None,
         "recovery": info.recovery,

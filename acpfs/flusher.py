@@ -26,12 +26,14 @@ import errno
 import itertools
 import logging
 import os
+import stat as statmod
 import threading
 import time
 from typing import Callable, TypeVar
 
-from .backing import STALE, Backing, MissingDir, iter_extents
+from .backing import STALE, Backing, Comps, MissingDir, NotEmpty, flat_name, iter_extents
 from .cache import Cache
+from .conflicts import Conflicts, describe_entry
 from .journal import Record
 from .retry import describe, retry
 from .types import Node, Op, OpKind, OpState, Staged
@@ -67,6 +69,7 @@ class Flusher:
         self.persisted_files = 0
         self.persisted_bytes = 0
         self.uploading = 0
+        self.conflicts = Conflicts(backing.instance)
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
 
     def start(self) -> None:
@@ -222,6 +225,7 @@ class Flusher:
                 if kind in (OpKind.MKDIR, OpKind.SYMLINK):
                     comps = cache.backing_path(op.parent)  # type: ignore[arg-type]
                     mode, uid, gid = op.attrs   # as made: later changes are ops of their own
+                    self._make_way(op, comps, op.name, None)
                     if kind == OpKind.MKDIR:
                         backing.mkdir(comps, op.name, mode, uid, gid)
                     else:
@@ -229,7 +233,7 @@ class Flusher:
                     node.backing_parent, node.backing_name = op.parent, op.name
                 elif kind in (OpKind.UNLINK, OpKind.RMDIR):
                     if node.backing_parent is not None:
-                        backing.unlink(cache.backing_path(node.backing_parent), node.backing_name, kind == OpKind.RMDIR)
+                        self._remove(op.path, cache.backing_path(node.backing_parent), node.backing_name, node)
                         node.backing_parent = None
                 elif kind == OpKind.RENAME:
                     self._rename(op)
@@ -263,6 +267,10 @@ class Flusher:
         if op.kind == OpKind.SETATTR:
             mode, uid, gid, times = op.attrs
             self.backing.setattr(comps, node.backing_name, node.is_link, mode, uid, gid, times)
+            if times is not None and node.is_reg and node.backing_version is not None:
+                st = self.backing.stat_entry(comps, node.backing_name)   # its own new mtime:
+                if st is not None:                                       # not another's version
+                    node.backing_version = (st.st_ino, st.st_size, st.st_mtime_ns)
         else:
             self.backing.set_xattr(comps, node.backing_name, *op.attrs)
 
@@ -270,8 +278,9 @@ class Flusher:
         """The node's copy is gone from the backing, removed by something other than this
         mount (hold position_lock). A directory is made again in its place (ops into it
         follow); a file counts as absent there, and its next snapshot lands again."""
-        log.warning("%r is gone from the backing (removed by something other than this mount)%s",
-                    path, "; made again" if node.is_dir else "")
+        self.conflicts.note("gone", path, f"changes the attributes of this {_kind(node)}", "nothing",
+                            "the directory is made again" if node.is_dir
+                            else "its next snapshot lands again")
         if node.is_dir:
             self.backing.mkdir(self.cache.backing_path(node.backing_parent), node.backing_name,  # type: ignore[arg-type]
                                node.mode, node.uid, node.gid)
@@ -301,10 +310,82 @@ class Flusher:
                 return       # moved meanwhile: the next attempt sees afresh
             for i in range(exc.depth, len(chain)):
                 d = chain[i]
+                path = os.fsdecode(b"/".join(comps[:i + 1]))
+                if i == exc.depth and exc.blocked:   # another kind of entry stands there
+                    self._make_way_for_dir(path, comps[:i], comps[i])
                 self.backing.mkdir(comps[:i], comps[i], d.mode, d.uid, d.gid)
-                log.warning("recreated directory %r in the backing: it was removed or moved there "
-                            "by something other than this mount, and changes made through the "
-                            "mount still go into it", os.fsdecode(b"/".join(comps[:i + 1])))
+                self.conflicts.note("dir_recreated", path, "writes into this directory",
+                                    "nothing there (removed or moved by another writer)",
+                                    "made again from this node's view")
+
+    # -- conflicts: the backing changed by another writer (conflicts.py) -------------------
+    def _make_way(self, op: Op, comps: Comps, name: bytes, known: Node | None) -> None:
+        """Before ``op`` puts its node's entry at ``comps``/``name`` (hold position_lock):
+        resolve what another writer left there. ``known`` is the node whose backing copy
+        this node expects at the name (the one it replaces), or None."""
+        node = op.node
+        st = self.backing.stat_entry(comps, name)
+        if st is None:
+            return
+        path = op.path
+        theirs_dir = statmod.S_ISDIR(st.st_mode)
+        if node.is_dir and theirs_dir:
+            # mkdir adopts a directory that is there (ranks make the same one); a directory
+            # renamed over another replaces it only if it is empty, as rename(2) does
+            if op.kind == OpKind.RENAME and not self.backing.remove_empty_dir(comps, name):
+                self._move_aside(op.path, comps, name, st, f"renames a directory to {path!r}")
+            return
+        if node.is_dir or theirs_dir:
+            self._move_aside(path, comps, name, st, f"puts a {_kind(node)} at {path!r}")
+            return
+        # a file or symlink over a file or symlink: the last publisher wins, whole files only
+        if known is not None and known.backing_version in (None, _version(st)):
+            return        # its own copy, or one it saw
+        if node.is_link and statmod.S_ISLNK(st.st_mode) and op.kind == OpKind.SYMLINK:
+            if self.backing.read_link(comps, name) == node.target:
+                return    # the same symlink, made by another node too
+        ours = f"{'publishes' if op.kind == OpKind.PUBLISH else 'puts'} a {_kind(node)}"
+        if op.kind == OpKind.PUBLISH:
+            ours += f" of {op.nbytes} bytes"
+        self.conflicts.note("replaced", path, ours, f"{describe_entry(st)} it never saw",
+                            "the last publisher wins: this node's replaces it")
+        if op.kind == OpKind.SYMLINK:
+            self.backing.unlink(comps, name, False)    # symlink(2) does not replace
+
+    def _make_way_for_dir(self, path: str, comps: Comps, name: bytes) -> None:
+        st = self.backing.stat_entry(comps, name)
+        if st is not None and not statmod.S_ISDIR(st.st_mode):
+            self._move_aside(path, comps, name, st, "writes into a directory of this name")
+
+    def _move_aside(self, path: str, comps: Comps, name: bytes, st: os.stat_result, ours: str) -> None:
+        aside = self.backing.move_aside(comps, name, self.conflicts.aside_stamp,
+                                        flat_name(os.fsdecode(b"/".join(comps + [name]))))
+        self.conflicts.note("moved_aside", path, ours, describe_entry(st),
+                            f"it was moved to {aside!r}")
+
+    def _remove(self, path: str, comps: Comps, name: bytes, node: Node) -> None:
+        """Remove ``node``'s backing copy at ``comps``/``name`` (hold position_lock), unless
+        another writer changed that name meanwhile: what this node never saw is kept."""
+        st = self.backing.stat_entry(comps, name)
+        what = f"removes this {_kind(node)}"
+        if st is None:
+            self.conflicts.note("gone", path, what, "nothing (removed by another writer)",
+                                "nothing to remove")
+            return
+        theirs_dir = statmod.S_ISDIR(st.st_mode)
+        if theirs_dir != node.is_dir or (node.is_reg and node.backing_version is not None
+                                         and _version(st) != node.backing_version):
+            self.conflicts.note("kept", path, what, f"{describe_entry(st)} it never saw",
+                                "left in place: newer than what this node removed")
+            return
+        try:
+            self.backing.unlink(comps, name, node.is_dir)
+        except NotEmpty as e:
+            names = ", ".join(repr(os.fsdecode(n)) for n in e.entries[:5])
+            more = f" and {len(e.entries) - 5} more" if len(e.entries) > 5 else ""
+            self.conflicts.note("not_empty", path, what,
+                                f"{len(e.entries)} entries it never had in it: {names}{more}",
+                                "the directory stays, holding them")
 
     def _rename(self, op: Op) -> None:
         """Apply a rename (hold position_lock).
@@ -322,6 +403,7 @@ class Flusher:
         dcomps = cache.backing_path(dst)  # type: ignore[arg-type]
         if node.backing_parent is not None:
             src = cache.backing_path(node.backing_parent)
+            self._make_way(op, dcomps, name, replaced if there else None)
             try:
                 self.backing.rename(src, node.backing_name, dcomps, name)
             except OSError as e:
@@ -331,10 +413,13 @@ class Flusher:
                     raise   # not the source: the destination went away meanwhile; retried
                 # The source is gone from the backing, removed by something else. Everything
                 # below is safe to redo: the node changes only once it is all done.
-                log.warning("rename %r: its source is gone from the backing (removed by something "
-                            "other than this mount)", op.path)
+                self.conflicts.note("gone", op.path, f"renames this {_kind(node)} from "
+                                    f"{os.fsdecode(b'/'.join(src + [node.backing_name]))!r}",
+                                    "nothing at the source",
+                                    "the directory is made again at the new name" if node.is_dir
+                                    else "its next snapshot lands under the new name")
                 if there:
-                    self.backing.unlink(dcomps, name, replaced.is_dir)  # type: ignore[union-attr]
+                    self._remove(op.path, dcomps, name, replaced)  # type: ignore[arg-type]
                 if node.is_dir:   # the mount still has it, and ops into it follow: make it again
                     self.backing.mkdir(dcomps, name, node.mode, node.uid, node.gid)
                     node.backing_parent, node.backing_name = dst, name
@@ -343,7 +428,7 @@ class Flusher:
             else:
                 node.backing_parent, node.backing_name = dst, name
         elif there:
-            self.backing.unlink(dcomps, name, replaced.is_dir)  # type: ignore[union-attr]
+            self._remove(op.path, dcomps, name, replaced)  # type: ignore[arg-type]
         if there:
             replaced.backing_parent = None  # type: ignore[union-attr]
 
@@ -502,15 +587,18 @@ class Flusher:
                 self._redo_upload(op)
                 redo = False
             with cache.position_lock:
+                node = op.node
+                comps = cache.backing_path(op.parent)  # type: ignore[arg-type]
+                mine = node.backing_parent is op.parent and node.backing_name == op.name
+                self._make_way(op, comps, op.name, node if mine else None)
                 # the directory where the file is now, by path: the one the temporary file
                 # was written in may have been moved away meanwhile
-                dst = self.backing.open_dir(cache.backing_path(op.parent))  # type: ignore[arg-type]
+                dst = self.backing.open_dir(comps)
                 try:
                     self.backing.publish(op.dir_fd, op.temp_name, dst, op.name)
                     version = self.backing.version(dst, op.name)
                 finally:
                     self.backing.close_fd(dst)
-                node = op.node
                 node.backing_parent, node.backing_name = op.parent, op.name
                 node.backing_version, node.checked_at = version, time.monotonic()
                 node.versions += 1
@@ -540,3 +628,11 @@ class Flusher:
                 sp.close(self.backing.close_fd)
             self.backing.remove_staging_dir(sp.name)
         self.pool.submit(run)
+
+
+def _version(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _kind(node: Node) -> str:
+    return "directory" if node.is_dir else "symlink" if node.is_link else "file"

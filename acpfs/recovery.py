@@ -38,14 +38,12 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import logging
 import os
 import time
-import urllib.parse
 from typing import Callable
 
-from .backing import iter_extents, staged_ino
+from .backing import flat_name, iter_extents, staged_ino
 from .cache import Cache
 from .journal import CONTENT_KINDS, DIRTY, FLUSHED, Leftover, Record
 from .retry import retry
@@ -102,15 +100,6 @@ def plan(left: Leftover) -> tuple[list[Record], list[Record]]:
             moved.append(rec)
             (replay if r.kind == FLUSHED else open_at_crash).append(rec)
     return replay, open_at_crash
-
-
-def flat_name(path: str) -> bytes:
-    """A mount path as one file name for ``.acpfs-recovered/<time>/`` ("/" as %2F): within
-    NAME_MAX, with a digest of the whole path where it had to be cut."""
-    flat = urllib.parse.quote(path, safe="").encode()
-    if len(flat) > 200:
-        flat = flat[:160] + b"~" + hashlib.sha1(flat).hexdigest()[:16].encode()
-    return flat
 
 
 def claimed_blocks(records: list[Record]) -> list[int]:

@@ -181,7 +181,7 @@ class Cache:
         for name, child in list(kids.items()):
             if name in seen or child.backing_parent is not node or child.backing_name != name:
                 continue
-            if not self.quiescent(child, applied) or (child.is_dir and child.children):
+            if not self._subtree_quiescent(child, applied):
                 continue    # something of this mount is pending on it, or under it
             self._removed_elsewhere(node, name, child)
         node.listed_at = time.monotonic()
@@ -194,6 +194,10 @@ class Cache:
             applied = self.flusher.applied_seq
         return (not node.dirty and not node.writers and not node.publish_ops and node.staged is None
                 and node.last_seq <= applied)
+
+    def _subtree_quiescent(self, node: Node, applied: int) -> bool:
+        return self.quiescent(node, applied) and all(
+            self._subtree_quiescent(c, applied) for c in (node.children or {}).values())
 
     def stat_backing(self, node: Node) -> os.stat_result | None:
         """Worker thread: lstat of the node's backing copy; None if it is gone."""
@@ -221,15 +225,22 @@ class Cache:
         node.versions += 1    # readers that open it again read the new version
 
     def _removed_elsewhere(self, parent: Node, name: bytes, node: Node) -> None:
-        """Another writer removed ``node`` from the backing: it leaves this mount's view."""
+        """Another writer removed ``node`` (with all below it) from the backing: it leaves
+        this mount's view."""
         del parent.children[name]  # type: ignore[union-attr]
-        node.parent = None
-        node.nlink = 0
-        node.backing_parent = None
-        if node.opens == 0:
-            self.drop(node)
         if self.forget_entry is not None:
             self.forget_entry(parent.ino, name)
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+                n.children = {}
+            n.parent = None
+            n.nlink = 0
+            n.backing_parent = None
+            if n.opens == 0:
+                self.drop(n)
 
     def _stat_times(self, node: Node, st: os.stat_result) -> None:
         node.atime, node.mtime, node.ctime = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns

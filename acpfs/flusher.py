@@ -200,6 +200,8 @@ class Flusher:
                     repair(exc)
                 except OSError as e:
                     log.warning("%s %r: repair failed (%s); retrying", what, op.path, describe(e))
+            with self.lock:   # while an op waits for its next attempt, later uploads go on
+                self._launch()
 
         def recovered() -> None:
             op.error = None

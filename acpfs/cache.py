@@ -83,6 +83,7 @@ class Cache:
         self.journaled: set[Node] = set()     # nodes whose journal_state is not NONE
         # tells the kernel to forget a name another node removed (set by fs; None in tests)
         self.forget_entry: Callable[[int, bytes], None] | None = None
+        self.forget_attrs: Callable[[int], None] | None = None    # the kernel's, of an inode
 
     # -- positions -----------------------------------------------------------------------
     def present(self, node: Node) -> bool:
@@ -223,6 +224,8 @@ class Cache:
         self._stat_times(node, st)
         node.backing_version = (st.st_ino, st.st_size, st.st_mtime_ns)
         node.versions += 1    # readers that open it again read the new version
+        if self.forget_attrs is not None:
+            self.forget_attrs(node.ino)
 
     def _removed_elsewhere(self, parent: Node, name: bytes, node: Node) -> None:
         """Another writer removed ``node`` (with all below it) from the backing: it leaves

@@ -597,8 +597,11 @@ class Flusher:
                 # was written in may have been moved away meanwhile
                 dst = self.backing.open_dir(comps)
                 try:
+                    # the version as written, taken before the rename (which keeps it): read
+                    # at the name after it, it may already be another node's, published
+                    # right after ours, and this node would take that for its own
+                    version = self.backing.version(op.dir_fd, op.temp_name)
                     self.backing.publish(op.dir_fd, op.temp_name, dst, op.name)
-                    version = self.backing.version(dst, op.name)
                 finally:
                     self.backing.close_fd(dst)
                 node.backing_parent, node.backing_name = op.parent, op.name

@@ -26,6 +26,10 @@ from .types import Node  # noqa: E402
 log = logging.getLogger(__name__)
 
 ATTR_TIMEOUT = 5.0
+# How long the kernel may answer from its own caches of names and attributes: ATTR_TIMEOUT,
+# or less where coherence checks look more often (make_operations). A stat or lookup that the
+# kernel answers itself never reaches Core.revalidated/refreshed.
+kernel_timeout = ATTR_TIMEOUT
 BLKSIZE = 1 << 20  # what stat reports: programs size their buffers by it
 STATVFS_FIELDS = ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree",
                   "f_favail", "f_namemax")
@@ -56,8 +60,8 @@ def replies(fn: Callable) -> Callable:
 def attrs(node: Node) -> pyfuse3.EntryAttributes:
     a = pyfuse3.EntryAttributes()
     a.st_ino = node.ino
-    a.entry_timeout = ATTR_TIMEOUT
-    a.attr_timeout = ATTR_TIMEOUT
+    a.entry_timeout = kernel_timeout
+    a.attr_timeout = kernel_timeout
     a.st_mode = node.mode
     a.st_nlink = node.nlink if not node.is_dir else 2
     a.st_uid = node.uid
@@ -236,10 +240,15 @@ class Operations(pyfuse3.Operations):
 
 def make_operations(core: Core) -> Operations:
     """The adapter over ``core``; readers' direct_io follows the kernel's INIT reply."""
+    global kernel_timeout
+    kernel_timeout = min(ATTR_TIMEOUT, core.info.coherence_timeout)
     core.readers_direct_io = fastwrite.readers_direct_io
     # a name another node removed leaves the kernel's dentry cache at once, not after
     # ATTR_TIMEOUT (Cache.merge_listing)
     core.cache.forget_entry = lambda parent_ino, name: pyfuse3.invalidate_entry_async(
         parent_ino, name, ignore_enoent=True)
+    # another node's version of a file: the kernel asks for its size again before it reads
+    # (Cache.replaced_elsewhere); attributes only, which takes no lock a request may hold
+    core.cache.forget_attrs = lambda ino: pyfuse3.invalidate_inode(ino, attr_only=True)
     return Operations(core)
 

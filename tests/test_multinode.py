@@ -20,6 +20,8 @@ import time
 
 import pytest
 
+from conftest import ACPFS
+
 ROUNDS = int(os.environ.get("MULTINODE_ROUNDS", "50"))
 
 # A rank: for each line "<round>" on stdin, make step_<round>/ if missing and write its shard
@@ -130,3 +132,239 @@ def test_a_node_reads_the_version_another_node_published(make_nodes):
     assert a.path("model.pt").read_bytes() == b"v3"
     a.sync()
     assert (a.backing / "model.pt").read_bytes() == b"v3"
+
+
+# A process of the job on one node, driven line by line from the test:
+#   write PATH TAG UNITS   a file of UNITS x 32 bytes derived from TAG (makes its directory)
+#   point PATH TEXT        a pointer file such as `latest`, written in place as frameworks do
+#   rmtree PATH            shutil.rmtree, as a trainer's checkpoint rotation does
+#   sha PATH / cat PATH / ls PATH   what this node reads there
+# Each answers "ok [RESULT]", or "error ..." if the call failed.
+WORKER = textwrap.dedent("""
+    import hashlib, os, shutil, sys
+    mnt = sys.argv[1]
+    for line in sys.stdin:
+        cmd, rel, *args = line.split()
+        path = os.path.join(mnt, rel)
+        try:
+            out = ""
+            if cmd == "write":
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(hashlib.sha256(args[0].encode()).digest() * int(args[1]))
+            elif cmd == "point":
+                with open(path, "w") as f:
+                    f.write(args[0])
+            elif cmd == "rmtree":
+                shutil.rmtree(path)
+            elif cmd == "sha":
+                with open(path, "rb") as f:
+                    out = hashlib.sha256(f.read()).hexdigest()
+            elif cmd == "cat":
+                with open(path) as f:
+                    out = f.read()
+            elif cmd == "ls":
+                out = ",".join(sorted(os.listdir(path)))
+            print("ok", out, flush=True)
+        except Exception as e:
+            print("error", repr(e).replace(chr(10), " "), flush=True)
+""")
+
+
+def content(tag: str, units: int) -> bytes:
+    return hashlib.sha256(tag.encode()).digest() * units
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class Worker:
+    def __init__(self, node) -> None:
+        self.node = node
+        self.proc = node.popen(sys.executable, "-c", WORKER, str(node.mnt), stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+
+    def send(self, *words) -> None:
+        self.proc.stdin.write(" ".join(map(str, words)) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self) -> str:
+        line = self.proc.stdout.readline()
+        assert line.startswith("ok"), f"node {self.node.name}: {line or 'no answer'}"
+        return line[3:].rstrip("\n")
+
+    def do(self, *words) -> str:
+        self.send(*words)
+        return self.answer()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture
+def workers():
+    made: list[Worker] = []
+
+    def make(*nodes) -> list[Worker]:
+        ws = [Worker(n) for n in nodes]
+        made.extend(ws)
+        return ws
+    yield make
+    for w in made:
+        w.close()
+
+
+def settled(*nodes) -> list[dict]:
+    """Each node synced: its queue empty and no op failing. Returns their statuses."""
+    out = []
+    for node in nodes:
+        node.sync()
+        st = node.status()
+        assert st["errors"] == [] and st["queue"]["applied_seq"] == st["queue"]["last_seq"], st
+        out.append(st)
+    return out
+
+
+def wait_for(pred, timeout: float = 30, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+STEPS = int(os.environ.get("MULTINODE_STEPS", "12"))
+KEEP = 2
+
+
+def test_rotation_across_nodes_then_resume_in_job_and_after_remount(make_nodes, workers):
+    """Issue 11, point 2: the main node rotates checkpoints that hold other nodes' shards.
+    Each step, a rank on each node saves its shard into step_<k>/; the main node then points
+    `latest` at it and removes step_<k-2> with shutil.rmtree. Its coherent listing shows the
+    other node's shard (its directory listing is older than --coherence-timeout), so the
+    whole step leaves the backing, and `latest` keeps landing: the old code left the main
+    node's flusher retrying `rmdir: ENOTEMPTY` for ever, and everything after it in RAM.
+    Then every node resumes from `latest`, in the job and after both nodes remounted."""
+    a, b = nodes = make_nodes(2, extra=("--coherence-timeout", "0.2"))
+    wa, wb = workers(a, b)
+    shards = {}
+    for k in range(STEPS):
+        for rank, w in enumerate((wa, wb)):
+            shards[k, rank] = content(f"step{k}-rank{rank}", (1 << 15) + 101 * rank + k)
+            w.send("write", f"step_{k}/rank_{rank}.bin", f"step{k}-rank{rank}",
+                   (1 << 15) + 101 * rank + k)
+        wa.answer(), wb.answer()                 # the job's barrier after a save
+        wa.do("point", "latest", f"step_{k}")
+        if k >= KEEP:
+            # saves are minutes apart in a job: the other node's shard of the step rotated
+            # away has long landed (here: waited for), and the main node's listing is stale
+            old = b.backing / f"step_{k - KEEP}" / "rank_1.bin"
+            wait_for(old.exists, what=f"{old} to land")
+            time.sleep(0.25)
+            wa.do("rmtree", f"step_{k - KEEP}")
+    sa, sb = settled(a, b)
+    back = a.backing
+    assert (back / "latest").read_text() == f"step_{STEPS - 1}"
+    expect = [f"step_{k}" for k in range(STEPS - KEEP, STEPS)]
+    assert sorted(p for p in os.listdir(back) if p.startswith("step_")) == expect
+    for k in range(STEPS - KEEP, STEPS):
+        for rank in range(2):
+            assert (back / f"step_{k}" / f"rank_{rank}.bin").read_bytes() == shards[k, rank]
+    assert sa["conflicts"]["total"] == 0 and sb["conflicts"]["total"] == 0, \
+        (sa["conflicts"], sb["conflicts"])
+    time.sleep(0.3)
+
+    def resume(wa, wb) -> None:
+        for w in (wa, wb):
+            step = w.do("cat", "latest")
+            assert step == f"step_{STEPS - 1}"
+            assert w.do("ls", step) == "rank_0.bin,rank_1.bin"
+            for rank in range(2):
+                assert w.do("sha", f"{step}/rank_{rank}.bin") == digest(shards[STEPS - 1, rank])
+        assert wb.do("ls", ".") == ",".join(["latest"] + expect)   # B's view: rotated too
+
+    resume(wa, wb)                               # in the job, on the same mounts
+    wa.close(), wb.close()
+    for node in nodes:
+        node.run(*ACPFS, "umount", str(node.mnt))
+    for node in nodes:
+        node.mount()
+    resume(*workers(a, b))                       # after both nodes mounted again
+
+
+@pytest.mark.parametrize("held", ["hang", "hang rename"])
+def test_a_shard_landing_in_a_step_being_removed_is_a_conflict_not_a_wedge(make_nodes, workers, faults,
+                                                                            tmp_path, held):
+    """Issue 11: node B's shard of step_1 is still on its way (its backing held: before its
+    upload started, or uploaded and waiting to be renamed into place) while the main node A
+    removes step_1. A removes what it sees; B's shard then lands by the conflict rules
+    (docs/semantics.md, section 10): a directory removed under a pending file is made again
+    (`dir_recreated` on B), a directory holding B's temporary file stays (`not_empty` on
+    A). Both queues move on, later changes land, and no acknowledged byte is lost."""
+    shared = tmp_path / "shared"
+    (tmp_path / "b-view").mkdir()
+    shim = faults.shim(shared, tmp_path / "b-view")       # B's way to the shared directory
+    a, b = make_nodes(2, mount=False)
+    b.backing = tmp_path / "b-view"
+    a.mount()
+    faults.mount(b)                                       # torn down before the shim
+    wa, wb = workers(a, b)
+    wa.do("write", "step_1/rank_0.bin", "a1", 1000)
+    settled(a)
+    time.sleep(1.1)                                       # B's coherence timeout
+    assert wb.do("ls", "step_1") == "rank_0.bin"
+    shim.set(held)
+    wb.do("write", "step_1/rank_1.bin", "b1", 3000)      # acknowledged; B's backing is held
+    if held == "hang rename":
+        wait_for(lambda: any(n.startswith(".acpfs-tmp-") for n in os.listdir(shared / "step_1")),
+                 what="B's upload")
+    time.sleep(1.1)
+    wa.do("rmtree", "step_1")                             # A does not see B's shard yet
+    wa.do("point", "latest", "step_2")
+    sa, = settled(a)
+    shim.set("ok")
+    wb.do("write", "step_2/rank_1.bin", "b2", 10)
+    sb, = settled(b)
+    assert (shared / "latest").read_text() == "step_2"
+    assert os.listdir(shared / "step_1") == ["rank_1.bin"]
+    assert (shared / "step_1" / "rank_1.bin").read_bytes() == content("b1", 3000)
+    assert (shared / "step_2" / "rank_1.bin").read_bytes() == content("b2", 10)
+    got = {k: n for st in (sa, sb) for k, n in st["conflicts"]["by_kind"].items() if n}
+    assert got == ({"dir_recreated": 1} if held == "hang" else {"not_empty": 1}), got
+    assert "conflict at 'step_1'" in (a.log if held != "hang" else b.log).read_text()
+    time.sleep(1.1)
+    for w in (wa, wb):                                    # both see what the backing holds
+        assert w.do("ls", "step_1") == "rank_1.bin"
+        assert w.do("sha", "step_1/rank_1.bin") == digest(content("b1", 3000))
+
+
+RACES = int(os.environ.get("MULTINODE_RACES", "20"))
+
+
+def test_two_nodes_publishing_one_name_one_whole_version_wins(make_nodes, workers):
+    """Issue 11: two nodes write the same name at the same moment. The last publisher wins,
+    whole files only: the backing holds one node's version, never a mix, and once their
+    coherence timeout passed both nodes read that version. Each time one node's version
+    replaced one it never saw, that node counts a `replaced` conflict."""
+    a, b = nodes = make_nodes(2, extra=("--coherence-timeout", "0.1"))
+    wa, wb = workers(a, b)
+    for r in range(RACES):
+        versions = {}
+        for node, w, units in ((a, wa, 20000 + r), (b, wb, 30000 + r)):
+            versions[node.name] = content(f"{node.name}-{r}", units)
+            w.send("write", "shared.bin", f"{node.name}-{r}", units)
+        wa.answer(), wb.answer()
+        settled(a, b)
+        won = (a.backing / "shared.bin").read_bytes()
+        assert won in versions.values(), f"round {r}: the backing holds a mix"
+        time.sleep(0.15)
+        for w in (wa, wb):
+            assert w.do("sha", "shared.bin") == digest(won), f"round {r}: node {w.node.name}"
+    replaced = sum(n.status()["conflicts"]["by_kind"]["replaced"] for n in nodes)
+    assert 0 < replaced <= RACES
+    print(f"{RACES} rounds: {replaced} replaced conflicts, no mix, both nodes read the winner")

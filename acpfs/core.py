@@ -210,7 +210,8 @@ class Core:
     async def lookup(self, parent_ino: int, name: bytes) -> Node:
         # another node may have made or removed it since this directory was last looked at
         parent = await self.refreshed(await self.dir(parent_ino))
-        return self.cache.lookup(parent, name)
+        # the reply carries the attributes, which the kernel then keeps: checked like a stat
+        return await self.revalidated(self.cache.lookup(parent, name))
 
     @staticmethod
     def _gid(parent: Node, caller: Caller) -> int:

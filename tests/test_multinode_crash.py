@@ -1,0 +1,190 @@
+"""A node killed and recovered while another node's uploads are in flight (issue 11, point 4).
+
+Seen before: node A, restarted after a SIGKILL, removed ``.acpfs-tmp-...`` files it took for
+its own dead daemon's leftovers while node B was uploading them; 17 of B's 20 files never
+reached the backing. A recovering daemon may remove only the temporary files of the dead
+daemon whose journal it replays (``.acpfs-tmp-<that instance>-*``), never another node's.
+
+Each node reaches the one shared directory through its own faultfs view (created before the
+nodes' mount namespaces, so each namespace holds a copy), so the test can hold one node's
+uploads without touching the other's: B's backing writes hang, so its temporary files sit
+in the shared directory, created but unfinished, for as long as A needs to die and recover;
+A's writes hang too before its SIGKILL, so that the dead daemon leaves pending content (and
+temporary files of its own, which its successor must remove).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+from conftest import Node
+
+ROUNDS = int(os.environ.get("MULTINODE_CRASH_ROUNDS", "3"))
+B_FILES = 20                    # per round: 14 into the shared step directory, 6 at the root
+B_SIZE = 3 << 20
+TMP = ".acpfs-tmp-"
+
+
+def blob(rnd: random.Random, size: int) -> bytes:
+    return rnd.randbytes(size)
+
+
+def temps(root: Path, instance: str) -> set[str]:
+    """Regular temporary files of one daemon instance anywhere under ``root`` (relative paths).
+    Temporary directories (a mkdir in flight, renamed into place at once) are left out."""
+    out = set()
+    prefix = f"{TMP}{instance}-"
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            if name.startswith(prefix):
+                out.add(os.path.relpath(os.path.join(dirpath, name), root))
+    return out
+
+
+def wait_for(cond, what: str, timeout: float = 30, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+
+
+def kill(node: Node) -> None:
+    os.kill(node.pid, signal.SIGKILL)
+
+    def gone() -> bool:
+        try:
+            with open(f"/proc/{node.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+    wait_for(gone, f"{node.name}'s daemon to die", timeout=10)
+
+
+def settled(node: Node) -> None:
+    st = node.status()
+    q = st["queue"]
+    assert st["errors"] == [], (node.name, st["errors"])
+    assert q["pending_ops"] == 0 and q["applied_seq"] == q["last_seq"], (node.name, q)
+    assert st["flusher_alive"], node.name
+
+
+def test_recovery_never_removes_another_nodes_uploads_in_flight(faults, make_nodes, tmp_path):
+    # ``faults`` first: its shims are closed after the nodes are unmounted
+    shared = tmp_path / "shared"
+    view_a, view_b = tmp_path / "view-a", tmp_path / "view-b"
+    view_a.mkdir()
+    view_b.mkdir()
+    shim_a = faults.shim(shared, view_a)
+    shim_b = faults.shim(shared, view_b)
+    a, b = make_nodes(2, mount=False)          # their namespaces hold both views
+    a.backing, b.backing = view_a, view_b
+    rnd = random.Random(20261121)
+    a_files: dict[str, bytes] = {}               # what A's close() acknowledged
+    b_files: dict[str, bytes] = {}
+    try:
+        a.mount()
+        b.mount()
+        b_inst = b.status()["instance"]
+        for r in range(ROUNDS):
+            step = f"step_{r}"
+            # A: some files persisted, then some acknowledged but held pending (writes hang)
+            os.mkdir(a.path(step))
+            new_a = {f"{step}/a_saved_{i}.bin": blob(rnd, (1 << 20) + 4099 * i) for i in range(3)}
+            new_a[f"a_saved_{r}.bin"] = blob(rnd, 300_000)
+            for rel, data in new_a.items():
+                a.path(rel).write_bytes(data)
+            a.sync()
+            a_files.update(new_a)
+            a_inst = a.status()["instance"]
+            shim_a.set("hang write")
+            pend_a = {f"{step}/a_pending_{i}.bin": blob(rnd, (2 << 20) + 977 * i) for i in range(4)}
+            pend_a[f"a_pending_{r}.bin"] = blob(rnd, 500_000)
+            pend_a["latest"] = step.encode()
+            for rel, data in pend_a.items():
+                a.path(rel).write_bytes(data)
+            a_files.update(pend_a)
+            wait_for(lambda: temps(shared, a_inst), "A's first upload to start")
+            q = a.status()["queue"]
+            assert q["applied_seq"] < q["last_seq"], ("A has nothing pending", q)
+
+            # B: 20 files whose uploads start and hang, their temporary files in the backing
+            time.sleep(1.1)                      # B's view of the root lists step_r
+            os.makedirs(b.path(step), exist_ok=True)
+            shim_b.set("hang write")
+            new_b = {}
+            for i in range(B_FILES):
+                rel = f"b_{r}_{i}.bin" if i % 3 == 2 else f"{step}/b_{i}.bin"
+                new_b[rel] = blob(rnd, B_SIZE + 8191 * i)
+                b.path(rel).write_bytes(new_b[rel])
+            b_files.update(new_b)
+            workers = b.status()["options"]["flush_workers"]
+
+            def b_uploads() -> set[str] | None:      # in both directories, as many as B's workers
+                t = temps(shared, b_inst)
+                dirs = {os.path.dirname(p) for p in t}
+                return t if len(t) >= workers and dirs == {"", step} else None
+            in_flight = wait_for(b_uploads, f"{workers} of B's uploads to be in flight")
+
+            # A dies with work pending and is recovered while B's uploads sit in the backing
+            kill(a)
+            shim_a.set("ok")
+            dead_left = temps(shared, a_inst)
+            assert dead_left, "the dead daemon left no temporary file: nothing for recovery to remove"
+            a.mount()
+            st = a.status()
+            rec = st["recovery"]
+            assert rec and rec["files"] >= 1 and rec["lost_open_files"] == [], rec
+            assert st["instance"] != a_inst
+            print(f"round {r}: {len(in_flight)} uploads of B in flight, {len(dead_left)} left by "
+                  f"the dead A; recovery {rec}")
+            # A lists every directory holding B's temporary files: at the remount, and again
+            # after the coherence timeout, so the backing is listed anew
+            for _ in range(2):
+                assert set(pend_a) | set(new_a) <= {
+                    f"{step}/{n}" for n in os.listdir(a.path(step))} | set(os.listdir(a.path()))
+                time.sleep(1.1)
+            # the overlap happened: B's uploads were in flight before the kill and are still
+            # there, untouched, after A's recovery and listings (B's writes still hang, so B
+            # cannot have renamed them)
+            still = temps(shared, b_inst)
+            assert in_flight <= still, (
+                f"round {r}: A's recovery removed {len(in_flight - still)} of B's "
+                f"{len(in_flight)} uploads in flight: {sorted(in_flight - still)}")
+            q = b.status()["queue"]
+            assert q["applied_seq"] < q["last_seq"], ("B's uploads finished while hung", q)
+            # while the dead daemon's own leftovers were removed
+            assert temps(shared, a_inst) == set(), sorted(temps(shared, a_inst))
+
+            a.sync()
+            bad = [p for p, d in a_files.items() if (shared / p).read_bytes() != d]
+            assert bad == [], f"round {r}: A's acknowledged files differ in the backing: {bad}"
+
+            shim_b.set("ok")
+            b.sync()
+            bad = [p for p, d in b_files.items() if (shared / p).read_bytes() != d]
+            assert bad == [], f"round {r}: {len(bad)} of B's files differ in the backing: {bad}"
+            assert temps(shared, b_inst) == set()
+            settled(a)
+            settled(b)
+
+            # each node reads the other's files (close-to-open, within the coherence timeout)
+            time.sleep(1.1)
+            bad = [p for p, d in b_files.items() if a.path(p).read_bytes() != d]
+            assert bad == [], f"round {r}: A reads other bytes for B's files {bad}"
+            bad = [p for p, d in a_files.items() if b.path(p).read_bytes() != d]
+            assert bad == [], f"round {r}: B reads other bytes for A's files {bad}"
+
+        assert not list(shared.rglob(f"{TMP}*")), sorted(map(str, shared.rglob(f"{TMP}*")))
+        log_b = b.log.read_text(errors="replace")
+        assert "temporary file is gone" not in log_b   # no upload of B had to be written again
+        assert f"removed '{TMP}{b_inst}-" not in a.log.read_text(errors="replace")
+    finally:
+        shim_a.set("ok")
+        shim_b.set("ok")

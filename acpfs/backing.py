@@ -421,13 +421,16 @@ class Backing:
             if st is None:
                 os.mkdir(tmp, 0o700, dir_fd=dfd)
             try:
-                fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-                try:
-                    self._set_owner_mode(fd, mode, uid, gid)
-                finally:
-                    os.close(fd)
+                self._set_dir_owner_mode(dfd, tmp, mode, uid, gid)
                 if tmp != name:
                     os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except OSError as e:
+                if tmp != name:
+                    self._rmdir_quietly(dfd, tmp)
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or tmp == name:
+                    raise
+                # another node made it meanwhile, and put something in it: share it
+                self._set_dir_owner_mode(dfd, name, mode, uid, gid)
             except BaseException:
                 if tmp != name:
                     self._rmdir_quietly(dfd, tmp)
@@ -435,6 +438,13 @@ class Backing:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+    def _set_dir_owner_mode(self, dfd: int, name: bytes, mode: int, uid: int, gid: int) -> None:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            self._set_owner_mode(fd, mode, uid, gid)
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _rmdir_quietly(dfd: int, name: bytes) -> None:

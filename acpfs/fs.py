@@ -238,6 +238,13 @@ class Operations(pyfuse3.Operations):
         await self.core.removexattr(inode, name)
 
 
+def _forget_attrs(ino: int) -> None:
+    try:
+        pyfuse3.invalidate_inode(ino, attr_only=True)
+    except OSError:    # ENOENT: the kernel does not hold the inode (known from a listing only)
+        pass
+
+
 def make_operations(core: Core) -> Operations:
     """The adapter over ``core``; readers' direct_io follows the kernel's INIT reply."""
     global kernel_timeout
@@ -249,6 +256,6 @@ def make_operations(core: Core) -> Operations:
         parent_ino, name, ignore_enoent=True)
     # another node's version of a file: the kernel asks for its size again before it reads
     # (Cache.replaced_elsewhere); attributes only, which takes no lock a request may hold
-    core.cache.forget_attrs = lambda ino: pyfuse3.invalidate_inode(ino, attr_only=True)
+    core.cache.forget_attrs = _forget_attrs
     return Operations(core)
 

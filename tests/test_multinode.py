@@ -167,7 +167,7 @@ WORKER = textwrap.dedent("""
                 out = ",".join(sorted(os.listdir(path)))
             print("ok", out, flush=True)
         except Exception as e:
-            print("error", repr(e).replace(chr(10), " "), flush=True)
+            print("error", cmd, rel, repr(e).replace(chr(10), " "), flush=True)
 """)
 
 

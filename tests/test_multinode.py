@@ -336,7 +336,11 @@ def test_a_shard_landing_in_a_step_being_removed_is_a_conflict_not_a_wedge(make_
     assert (shared / "step_2" / "rank_1.bin").read_bytes() == content("b2", 10)
     got = {k: n for st in (sa, sb) for k, n in st["conflicts"]["by_kind"].items() if n}
     assert got == ({"dir_recreated": 1} if held == "hang" else {"not_empty": 1}), got
-    assert "conflict at 'step_1'" in (a.log if held != "hang" else b.log).read_text()
+    loser = b if held == "hang" else a
+    assert "conflict at 'step_1'" in loser.log.read_text()
+    shown = loser.run(*ACPFS, "status", str(loser.mnt)).stdout
+    assert "conflicts  1 with other writers of the backing" in shown, shown
+    assert "step_1: " in shown, shown
     time.sleep(1.1)
     for w in (wa, wb):                                    # both see what the backing holds
         assert w.do("ls", "step_1") == "rank_1.bin"

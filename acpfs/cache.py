@@ -175,10 +175,21 @@ class Cache:
         kids = node.children
         assert kids is not None, "directory not loaded"
         seen = {}
+        now = time.monotonic()
         for name, st, target in listing:
             seen[name] = st
-            if name not in kids and name not in known:
-                self._attach(node, name, st, target)
+            child = kids.get(name)
+            if child is None:
+                if name not in known:
+                    self._attach(node, name, st, target)
+            elif child.is_reg and child.backing_parent is node and child.backing_name == name \
+                    and child.backing_version is not None and statmod.S_ISREG(st.st_mode) \
+                    and self.quiescent(child, applied):
+                # the listing's lstat checks each clean file at once (Core.revalidated then
+                # need not look at them one by one)
+                if (st.st_ino, st.st_size, st.st_mtime_ns) != child.backing_version:
+                    self.replaced_elsewhere(child, st)
+                child.checked_at = now
         for name, child in list(kids.items()):
             if name in seen or child.backing_parent is not node or child.backing_name != name:
                 continue

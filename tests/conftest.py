@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -338,3 +340,109 @@ def make_nodes(tmp_path):
         node.cleanup()
     for node in made:
         print_log_problems(node.log)
+
+
+# A process of the job on one node, driven line by line from the test:
+#   write PATH TAG UNITS   a file of UNITS x 32 bytes derived from TAG (makes its directory)
+#   point PATH TEXT        a pointer file such as `latest`, written in place as frameworks do
+#   rmtree PATH            shutil.rmtree, as a trainer's checkpoint rotation does
+#   rename SRC DST / unlink PATH / mkdir PATH
+#   sha PATH / cat PATH / ls PATH   what this node reads there
+#   tree .                 every entry below PATH as JSON: {path: "dir" or sha256 of the file}
+# Each answers "ok [RESULT]", or "error ..." if the call failed.
+WORKER = textwrap.dedent("""
+    import hashlib, json, os, shutil, sys
+    mnt = sys.argv[1]
+    for line in sys.stdin:
+        cmd, rel, *args = line.split()
+        path = os.path.join(mnt, rel)
+        try:
+            out = ""
+            if cmd == "write":
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(hashlib.sha256(args[0].encode()).digest() * int(args[1]))
+            elif cmd == "point":
+                with open(path, "w") as f:
+                    f.write(args[0])
+            elif cmd == "rmtree":
+                shutil.rmtree(path)
+            elif cmd == "sha":
+                with open(path, "rb") as f:
+                    out = hashlib.sha256(f.read()).hexdigest()
+            elif cmd == "cat":
+                with open(path) as f:
+                    out = f.read()
+            elif cmd == "ls":
+                out = ",".join(sorted(os.listdir(path)))
+            elif cmd == "rename":
+                os.rename(path, os.path.join(mnt, args[0]))
+            elif cmd == "unlink":
+                os.unlink(path)
+            elif cmd == "mkdir":
+                os.mkdir(path)
+            elif cmd == "tree":
+                tree = {}
+                for top, dirs, files in os.walk(path):
+                    for d in dirs:
+                        tree[os.path.relpath(os.path.join(top, d), path)] = "dir"
+                    for f in files:
+                        with open(os.path.join(top, f), "rb") as fh:
+                            tree[os.path.relpath(os.path.join(top, f), path)] = hashlib.sha256(fh.read()).hexdigest()
+                out = json.dumps(tree, sort_keys=True)
+            print("ok", out, flush=True)
+        except Exception as e:
+            print("error", cmd, rel, repr(e).replace(chr(10), " "), flush=True)
+""")
+
+
+def content(tag: str, units: int) -> bytes:
+    return hashlib.sha256(tag.encode()).digest() * units
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class Worker:
+    """A ``WORKER`` process running inside ``node``."""
+
+    def __init__(self, node) -> None:
+        self.node = node
+        self.proc = node.popen(sys.executable, "-c", WORKER, str(node.mnt), stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+
+    def send(self, *words) -> None:
+        self.proc.stdin.write(" ".join(map(str, words)) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self) -> str:
+        line = self.proc.stdout.readline()
+        assert line.startswith("ok"), f"node {self.node.name}: {line or 'no answer'}"
+        return line[3:].rstrip("\n")
+
+    def do(self, *words) -> str:
+        self.send(*words)
+        return self.answer()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture
+def workers():
+    """``workers(*nodes)``: one ``Worker`` in each node, ended at teardown."""
+    made: list[Worker] = []
+
+    def make(*nodes) -> list[Worker]:
+        ws = [Worker(n) for n in nodes]
+        made.extend(ws)
+        return ws
+    yield make
+    for w in made:
+        w.close()

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import ACPFS
+from conftest import ACPFS, content, digest
 
 ROUNDS = int(os.environ.get("MULTINODE_ROUNDS", "50"))
 
@@ -132,92 +132,6 @@ def test_a_node_reads_the_version_another_node_published(make_nodes):
     assert a.path("model.pt").read_bytes() == b"v3"
     a.sync()
     assert (a.backing / "model.pt").read_bytes() == b"v3"
-
-
-# A process of the job on one node, driven line by line from the test:
-#   write PATH TAG UNITS   a file of UNITS x 32 bytes derived from TAG (makes its directory)
-#   point PATH TEXT        a pointer file such as `latest`, written in place as frameworks do
-#   rmtree PATH            shutil.rmtree, as a trainer's checkpoint rotation does
-#   sha PATH / cat PATH / ls PATH   what this node reads there
-# Each answers "ok [RESULT]", or "error ..." if the call failed.
-WORKER = textwrap.dedent("""
-    import hashlib, os, shutil, sys
-    mnt = sys.argv[1]
-    for line in sys.stdin:
-        cmd, rel, *args = line.split()
-        path = os.path.join(mnt, rel)
-        try:
-            out = ""
-            if cmd == "write":
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "wb") as f:
-                    f.write(hashlib.sha256(args[0].encode()).digest() * int(args[1]))
-            elif cmd == "point":
-                with open(path, "w") as f:
-                    f.write(args[0])
-            elif cmd == "rmtree":
-                shutil.rmtree(path)
-            elif cmd == "sha":
-                with open(path, "rb") as f:
-                    out = hashlib.sha256(f.read()).hexdigest()
-            elif cmd == "cat":
-                with open(path) as f:
-                    out = f.read()
-            elif cmd == "ls":
-                out = ",".join(sorted(os.listdir(path)))
-            print("ok", out, flush=True)
-        except Exception as e:
-            print("error", cmd, rel, repr(e).replace(chr(10), " "), flush=True)
-""")
-
-
-def content(tag: str, units: int) -> bytes:
-    return hashlib.sha256(tag.encode()).digest() * units
-
-
-def digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-class Worker:
-    def __init__(self, node) -> None:
-        self.node = node
-        self.proc = node.popen(sys.executable, "-c", WORKER, str(node.mnt), stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
-
-    def send(self, *words) -> None:
-        self.proc.stdin.write(" ".join(map(str, words)) + "\n")
-        self.proc.stdin.flush()
-
-    def answer(self) -> str:
-        line = self.proc.stdout.readline()
-        assert line.startswith("ok"), f"node {self.node.name}: {line or 'no answer'}"
-        return line[3:].rstrip("\n")
-
-    def do(self, *words) -> str:
-        self.send(*words)
-        return self.answer()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
-@pytest.fixture
-def workers():
-    made: list[Worker] = []
-
-    def make(*nodes) -> list[Worker]:
-        ws = [Worker(n) for n in nodes]
-        made.extend(ws)
-        return ws
-    yield make
-    for w in made:
-        w.close()
 
 
 def settled(*nodes) -> list[dict]:

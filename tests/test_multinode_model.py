@@ -1,0 +1,127 @@
+"""Every node reads every node's files (issue 11), as a property against a reference model.
+
+Random operations (write, overwrite, rename, unlink, mkdir, rmtree) run one after another,
+each on a random node, on a small set of names in a few directories, so that the nodes keep
+meeting on the same names: a node overwrites, renames or removes what another node wrote,
+writes into a directory another node made or removed, lists a directory another node
+changed. Each operation is followed by its node's `acpfs sync`, and the next operation waits
+the coherence timeout: the close-to-open discipline of docs/semantics.md, section 10. At
+random check points every node's whole view, and the backing, must equal the model (a
+dict of path to content that the operations are applied to), and no conflict may be counted:
+with that discipline the nodes behave as one filesystem.
+
+``MODEL_SEED`` replays a run; ``MODEL_OPS`` sets its length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+
+from conftest import digest
+
+OPS = int(os.environ.get("MODEL_OPS", "60"))
+COHERENCE = 0.1
+DIRS = ["d1", "d2", "d1/sub"]
+FILES = ["latest", "a.bin", "d1/x", "d1/y", "d2/x", "d1/sub/z"]
+
+
+def backing_tree(root) -> dict[str, str]:
+    tree = {}
+    for top, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".acpfs-")]
+        for d in dirs:
+            tree[os.path.relpath(os.path.join(top, d), root)] = "dir"
+        for f in files:
+            assert not f.startswith(".acpfs-"), f"a temporary file is left: {top}/{f}"
+            with open(os.path.join(top, f), "rb") as fh:
+                tree[os.path.relpath(os.path.join(top, f), root)] = digest(fh.read())
+    return tree
+
+
+class Model:
+    """The one filesystem the nodes together must behave as: path -> "dir" or a digest."""
+
+    def __init__(self) -> None:
+        self.tree: dict[str, str] = {}
+
+    def parent_ok(self, path: str) -> bool:
+        parent = os.path.dirname(path)
+        return parent == "" or self.tree.get(parent) == "dir"
+
+    def below(self, path: str) -> list[str]:
+        return [p for p in self.tree if p == path or p.startswith(path + "/")]
+
+    def choose(self, rng: random.Random) -> list[str] | None:
+        """A random operation that is valid in the model (the worker's words), or None."""
+        kind = rng.choice(["write", "write", "write", "rename", "unlink", "mkdir", "rmtree"])
+        files = [p for p in FILES if self.tree.get(p, "file") != "dir"]
+        if kind == "write":
+            path = rng.choice(files)
+            if not self.parent_ok(path):
+                return None
+            return ["write", path, f"v{rng.randrange(10**9)}", str(rng.choice([1, 100, 40000]))]
+        if kind == "rename":
+            src = [p for p in files if p in self.tree]
+            if not src:
+                return None
+            s, d = rng.choice(src), rng.choice(files)
+            return ["rename", s, d] if s != d and self.parent_ok(d) else None
+        if kind == "unlink":
+            there = [p for p in files if p in self.tree]
+            return ["unlink", rng.choice(there)] if there else None
+        d = rng.choice(DIRS)
+        if kind == "mkdir":
+            return ["mkdir", d] if d not in self.tree and self.parent_ok(d) else None
+        return ["rmtree", d] if self.tree.get(d) == "dir" else None
+
+    def apply(self, words: list[str]) -> None:
+        cmd, path, *args = words
+        if cmd == "write":
+            self.tree[path] = digest(hashlib.sha256(args[0].encode()).digest() * int(args[1]))
+        elif cmd == "rename":
+            self.tree[args[0]] = self.tree.pop(path)
+        elif cmd == "unlink":
+            del self.tree[path]
+        elif cmd == "mkdir":
+            self.tree[path] = "dir"
+        elif cmd == "rmtree":
+            for p in self.below(path):
+                del self.tree[p]
+
+
+def test_every_node_reads_every_nodes_files(make_nodes, workers):
+    seed = int(os.environ.get("MODEL_SEED", random.randrange(1 << 30)))
+    print(f"MODEL_SEED={seed}")
+    rng = random.Random(seed)
+    nodes = make_nodes(3, extra=("--coherence-timeout", str(COHERENCE)))
+    ws = workers(*nodes)
+    model = Model()
+    done: list[str] = []
+    checks = 0
+    while len(done) < OPS:
+        words = model.choose(rng)
+        if words is None:
+            continue
+        i = rng.randrange(len(nodes))
+        ws[i].do(*words)
+        nodes[i].sync()
+        model.apply(words)
+        done.append(f"{nodes[i].name}: {' '.join(words)}")
+        time.sleep(COHERENCE + 0.05)
+        if rng.random() < 0.3 or len(done) == OPS:
+            checks += 1
+            history = "\n".join(done[-12:])
+            assert backing_tree(nodes[0].backing) == model.tree, \
+                f"seed {seed}: the backing differs from the model after:\n{history}"
+            for node, w in zip(nodes, ws):
+                view = json.loads(w.do("tree", "."))
+                assert view == model.tree, f"seed {seed}: node {node.name} sees {view}, " \
+                                           f"the model holds {model.tree}, after:\n{history}"
+    for node in nodes:
+        st = node.status()
+        assert st["errors"] == [] and st["conflicts"]["total"] == 0, (node.name, st["conflicts"])
+    print(f"{OPS} operations on 3 nodes, {checks} checks of every view: all equal to the model")

@@ -182,6 +182,12 @@ class Cache:
             if child is None:
                 if name not in known:
                     self._attach(node, name, st, target)
+            elif statmod.S_IFMT(child.mode) != statmod.S_IFMT(st.st_mode) \
+                    and child.backing_parent is node and child.backing_name == name \
+                    and self._subtree_quiescent(child, applied):
+                # another writer put another kind of entry under the name
+                self._removed_elsewhere(node, name, child)
+                self._attach(node, name, st, target)
             elif child.is_reg and child.backing_parent is node and child.backing_name == name \
                     and child.backing_version is not None and statmod.S_ISREG(st.st_mode) \
                     and self.quiescent(child, applied):

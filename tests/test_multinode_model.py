@@ -26,7 +26,7 @@ from conftest import digest
 OPS = int(os.environ.get("MODEL_OPS", "60"))
 COHERENCE = 0.1
 DIRS = ["d1", "d2", "d1/sub"]
-FILES = ["latest", "a.bin", "d1/x", "d1/y", "d2/x", "d1/sub/z"]
+FILES = ["latest", "a.bin", "d1/x", "d1/y", "d2/x", "d1/sub/z", "d2"]   # d2: a file or a directory
 
 
 def backing_tree(root) -> dict[str, str]:

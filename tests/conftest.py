@@ -425,6 +425,14 @@ class Worker:
         self.send(*words)
         return self.answer()
 
+    def attempt(self, *words) -> tuple[bool, str]:
+        """Like ``do``, but a failed call is an answer too: (succeeded, result or error)."""
+        self.send(*words)
+        line = self.proc.stdout.readline()
+        assert line, f"node {self.node.name}: no answer"
+        ok, _, rest = line.rstrip("\n").partition(" ")
+        return ok == "ok", rest
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.close()

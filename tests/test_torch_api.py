@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,21 +151,28 @@ def test_training_loop_survives_a_killed_daemon(make_mount, tmp_path):
     assert r.returncode == 0 and not is_mounted(m.mnt), r.stderr
 
 
-def test_files_lost_with_a_killed_daemon_are_reported(make_mount, caplog):
+def held_mount(make_mount, faults, tmp_path):
+    """A mount over a faultfs view of ``tmp_path/src``, its root read, the backing then held:
+    what is saved through it is acknowledged and stays pending. Returns (mount, shim, src)."""
+    m = make_mount("m", mount=False)
+    src = tmp_path / "src"
+    shim = faults.shim(src, m.back)
+    faults.mount(m)
+    os.listdir(m.mnt)                              # the mount has read the backing root
+    shim.set("hang rename")                        # nothing lands from here on (reads answer)
+    return m, shim, src
+
+
+def test_files_lost_with_a_killed_daemon_are_reported(make_mount, faults, tmp_path, caplog):
     """A checkpoint acknowledged through the mount but not yet persisted when the daemon is
     killed is lost: the fallback warning names it and wait_persisted raises NotPersisted."""
-    m = make_mount()
-    os.listdir(m.mnt)                              # the mount has read the backing root
-    (m.back / "step_1").write_text("in the way")   # so the flusher cannot mkdir step_1
+    m, shim, src = held_mount(make_mount, faults, tmp_path)
     assert at.save(state(1), m.mnt / "step_1" / "model.pt").route == "mount"
     assert at.save(state(0), m.mnt / "ok.pt").route == "mount"   # queued behind it
-    deadline = time.time() + 30
-    while not m.status()["errors"]:
-        assert time.time() < deadline
-        time.sleep(0.05)
     with pytest.raises(TimeoutError):
         at.wait_persisted(m.mnt / "step_1", timeout=0.5)
     os.kill(m.pid, signal.SIGKILL)
+    shim.set("ok")
     with caplog.at_level(logging.WARNING, logger="acpfs.torch"):
         s = at.save({"latest": 2}, m.mnt / "latest.pt")
         assert at.save(state(2), m.mnt / "step_2" / "model.pt").route == "backing"
@@ -176,22 +184,22 @@ def test_files_lost_with_a_killed_daemon_are_reported(make_mount, caplog):
         at.wait_persisted(m.mnt / "step_1/model.pt", timeout=5)
     assert at.wait_persisted(m.mnt / "step_2", timeout=5) is True
     assert_same(at.load(m.mnt / "step_2/model.pt"), state(2), "fallback")
+    shutil.rmtree(src / "step_1", ignore_errors=True)   # the mkdir the dead daemon had sent
+    (src / "step_1").write_text("in the way")
     with pytest.raises(NotADirectoryError):            # a real error is not hidden by the fallback
         at.save(state(1), m.mnt / "step_1" / "model.pt")
 
 
-def test_remount_after_a_kill_does_not_roll_back_a_fallback_save(make_mount):
+def test_remount_after_a_kill_does_not_roll_back_a_fallback_save(make_mount, faults, tmp_path):
     """latest.pt acknowledged through the mount (not yet persisted), the daemon killed, a newer
     latest.pt saved by fallback: a new mount (which may recover the dead daemon's unfinished
     work) must not put the older acknowledged version over the newer one in the backing."""
-    m = make_mount()
-    os.listdir(m.mnt)
-    (m.back / "step_1").write_text("in the way")   # blocks the queue: nothing below persists
+    m, shim, _ = held_mount(make_mount, faults, tmp_path)
     at.save(state(1), m.mnt / "step_1" / "model.pt")
     at.save({"step": 1}, m.mnt / "latest.pt")
     os.kill(m.pid, signal.SIGKILL)
+    shim.set("ok")                                  # the backing answers again
     assert at.save({"step": 2}, m.mnt / "latest.pt").route == "backing"
-    os.unlink(m.back / "step_1")                    # the operator repairs the backing
     deadline = time.time() + 30
     while True:                                     # the dead daemon may take a moment to exit
         try:

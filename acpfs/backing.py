@@ -417,23 +417,23 @@ class Backing:
                 st = None
             if st is not None and not statmod.S_ISDIR(st.st_mode):
                 raise OSError(errno.EEXIST, f"{os.fsdecode(name)!r} exists and is not a directory")
-            tmp = name if st is not None else self.temp_name()
-            if st is None:
-                os.mkdir(tmp, 0o700, dir_fd=dfd)
+            if st is not None:
+                self._share_dir(dfd, name, mode, uid, gid)
+                os.fsync(dfd)
+                return
+            tmp = self.temp_name()
+            os.mkdir(tmp, 0o700, dir_fd=dfd)
             try:
                 self._set_dir_owner_mode(dfd, tmp, mode, uid, gid)
-                if tmp != name:
-                    os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             except OSError as e:
-                if tmp != name:
-                    self._rmdir_quietly(dfd, tmp)
-                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or tmp == name:
+                self._rmdir_quietly(dfd, tmp)
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
                 # another node made it meanwhile, and put something in it: share it
-                self._set_dir_owner_mode(dfd, name, mode, uid, gid)
+                self._share_dir(dfd, name, mode, uid, gid)
             except BaseException:
-                if tmp != name:
-                    self._rmdir_quietly(dfd, tmp)
+                self._rmdir_quietly(dfd, tmp)
                 raise
             os.fsync(dfd)
         finally:
@@ -445,6 +445,16 @@ class Backing:
             self._set_owner_mode(fd, mode, uid, gid)
         finally:
             os.close(fd)
+
+    def _share_dir(self, dfd: int, name: bytes, mode: int, uid: int, gid: int) -> None:
+        """A directory that is there already (another node's, the same step): it gets this
+        mount's owner and mode where this daemon may set them, and is used as it is where
+        not (another user's daemon made it)."""
+        try:
+            self._set_dir_owner_mode(dfd, name, mode, uid, gid)
+        except PermissionError:
+            log.info("directory %r belongs to another user: used with its own owner and mode",
+                     os.fsdecode(name))
 
     @staticmethod
     def _rmdir_quietly(dfd: int, name: bytes) -> None:
@@ -727,18 +737,36 @@ class Backing:
         except FileNotFoundError:
             pass
 
-    def _aside_dir(self, stamp: bytes, top: bytes = RECOVERED_DIR) -> int:
-        """Open ``<top>/<stamp>`` (made private if new), never through a symlink."""
+    def _aside_dir(self, stamp: bytes, top: bytes = RECOVERED_DIR) -> tuple[int, bytes]:
+        """Open ``<top>/<stamp>``; returns its descriptor and the top folder used (made private if new), never through a symlink. ``top`` is
+        shared by the daemons of every node and user (sticky and world-writable, as /tmp);
+        if something else stands under its name, ``<top>-<instance>`` is used instead."""
         check_name(stamp)
-        for comps, name in (([], top), ([top], stamp)):
-            dfd = self.open_dir(comps)
+        for t in (top, top + b"-" + self.instance.encode()):
             try:
-                os.mkdir(name, 0o700, dir_fd=dfd)
-            except FileExistsError:
-                pass
-            finally:
-                os.close(dfd)
-        return self.open_dir([top, stamp])
+                rfd = self.open_dir([])
+                try:
+                    try:
+                        os.mkdir(t, 0o700, dir_fd=rfd)
+                        os.chmod(t, 0o1777, dir_fd=rfd)
+                    except FileExistsError:
+                        pass
+                finally:
+                    os.close(rfd)
+                tfd = self.open_dir([t])
+                try:
+                    os.mkdir(stamp, 0o700, dir_fd=tfd)
+                except FileExistsError:
+                    pass
+                finally:
+                    os.close(tfd)
+                return self.open_dir([t, stamp]), t
+            except MissingDir as e:
+                if not e.blocked or e.depth != 0:
+                    raise
+                log.warning("%r in the backing is not a directory: keeping aside in %r instead",
+                            os.fsdecode(t), os.fsdecode(top + b"-" + self.instance.encode()))
+        raise MissingDir([t], 0, blocked=True)
 
     @staticmethod
     def _free_name(dfd: int, name: bytes) -> bytes:
@@ -755,7 +783,7 @@ class Backing:
 
     def keep_aside(self, tmpname: bytes, stamp: bytes, flat_name: bytes) -> str:
         """Move a staged file to ``.acpfs-recovered/<stamp>/<flat_name>``; returns that path."""
-        dfd = self._aside_dir(stamp)
+        dfd, top = self._aside_dir(stamp)
         try:
             flat_name = self._free_name(dfd, flat_name)
             sfd = os.open(staging_dir_of(tmpname), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
@@ -767,14 +795,14 @@ class Backing:
                 os.close(sfd)
         finally:
             os.close(dfd)
-        return os.fsdecode(b"/".join((RECOVERED_DIR, stamp, flat_name)))
+        return os.fsdecode(b"/".join((top, stamp, flat_name)))
 
     def keep_aside_content(self, stamp: bytes, flat_name: bytes, extents: Iterable[tuple[int, int, int]],
                            src_fd: int, size: int, mode: int, uid: int, gid: int,
                            times: tuple[int, int], xattrs: dict[bytes, bytes]) -> str:
         """Write content from the cache pool to ``.acpfs-recovered/<stamp>/<flat_name>``
         (atomically, like any upload); returns that path."""
-        dfd = self._aside_dir(stamp)
+        dfd, top = self._aside_dir(stamp)
         try:
             flat_name = self._free_name(dfd, flat_name)
             tmp = self.temp_name()
@@ -782,13 +810,13 @@ class Backing:
             self.publish(dfd, tmp, dfd, flat_name)
         finally:
             os.close(dfd)
-        return os.fsdecode(b"/".join((RECOVERED_DIR, stamp, flat_name)))
+        return os.fsdecode(b"/".join((top, stamp, flat_name)))
 
     def move_aside(self, comps: Comps, name: bytes, stamp: bytes, flat: bytes) -> str:
         """Move the entry at ``comps``/``name`` (another writer's, in the way of this
         node's) to ``.acpfs-conflicts/<stamp>/<flat>``; returns that path."""
         check_name(name)
-        afd = self._aside_dir(stamp, CONFLICTS_DIR)
+        afd, top = self._aside_dir(stamp, CONFLICTS_DIR)
         try:
             dfd = self.open_dir(comps)
             try:
@@ -800,7 +828,7 @@ class Backing:
                 os.close(dfd)
         finally:
             os.close(afd)
-        return os.fsdecode(b"/".join((CONFLICTS_DIR, stamp, flat)))
+        return os.fsdecode(b"/".join((top, stamp, flat)))
 
     def remove_empty_dir(self, comps: Comps, name: bytes) -> bool:
         """rmdir; False if the directory is not empty."""

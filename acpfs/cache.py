@@ -217,25 +217,31 @@ class Cache:
         return self.quiescent(node, applied) and all(
             self._subtree_quiescent(c, applied) for c in (node.children or {}).values())
 
-    def stat_backing(self, node: Node) -> os.stat_result | None:
-        """Worker thread: lstat of the node's backing copy; None if it is gone."""
+    def stat_backing(self, node: Node) -> tuple[os.stat_result | None, int]:
+        """Worker thread: lstat of the node's backing copy (None if it is gone), with the seq
+        applied at that moment (under position_lock, so that no op of this mount lands in
+        between: a stat older than this node's own last change must not replace it)."""
+        fl = self.flusher
+        assert fl is not None
         with self.position_lock:
+            applied = fl.applied_seq
             if node.backing_parent is None:
-                return None
-            return self.backing.stat_entry(self.backing_path(node.backing_parent), node.backing_name)
+                return None, applied
+            return self.backing.stat_entry(self.backing_path(node.backing_parent),
+                                           node.backing_name), applied
 
     def replaced_elsewhere(self, node: Node, st: os.stat_result) -> None:
         """Another writer put a new version of a clean file in the backing: this mount's
         copy is stale. Its cached content is dropped (it is read from the backing again),
         unless someone has it open (it is dropped at a later open); the attributes follow
         the backing."""
-        if node.opens == 0 and node.blocks is not None:
+        if node.opens > 0:
+            return    # its readers keep the version they opened; looked at again later
+        if node.blocks is not None:
             with self.lock:
                 self.pool.decref(node.blocks)
                 node.blocks = None
                 self.lru.pop(node.ino, None)
-        elif node.blocks is not None:
-            return
         node.mode, node.uid, node.gid = st.st_mode, st.st_uid, st.st_gid
         node.size = st.st_size
         self._stat_times(node, st)
@@ -286,11 +292,18 @@ class Cache:
         check_not_reserved(name)
         if len(name) > 255:
             raise err(errno.ENAMETOOLONG)
+        self._check_linked(parent)
         kids = parent.children
         assert kids is not None, "directory not loaded"
         if name in kids:
             raise err(errno.EEXIST)
         return kids
+
+    def _check_linked(self, parent: Node) -> None:
+        """A directory removed (here, or by another node: ``_removed_elsewhere``) takes no
+        new entries; the kernel refuses that only for removals it saw."""
+        if parent is not self.root and parent.parent is None:
+            raise err(errno.ENOENT)
 
     def create(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
         kids = self._free_name(parent, name)
@@ -356,6 +369,7 @@ class Cache:
 
     def rename(self, p1: Node, n1: bytes, p2: Node, n2: bytes, noreplace: bool = False) -> None:
         node = self.lookup(p1, n1)
+        self._check_linked(p2)
         kids2 = p2.children
         assert kids2 is not None, "directory not loaded"
         check_name(n2)

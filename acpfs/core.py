@@ -170,15 +170,16 @@ class Core:
                 or time.monotonic() - node.checked_at <= self.info.coherence_timeout \
                 or node.ino in self._checking or not cache.quiescent(node):
             return node
-        st = None
+        got = None
         node.checked_at = time.monotonic()   # failing or not answering: look again later
         try:
             with trio.move_on_after(COHERENCE_WAIT):
-                st = await self._check(node, cache.stat_backing)
+                got = await self._check(node, cache.stat_backing)
         except OSError as e:
             log.debug("revalidating %s: %s", cache.path(node), e)
             return node
-        if st is not None and statmod.S_ISREG(st.st_mode) and cache.quiescent(node) \
+        st, applied = got if got is not None else (None, 0)
+        if st is not None and statmod.S_ISREG(st.st_mode) and cache.quiescent(node, applied) \
                 and node.backing_version is not None \
                 and (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version:
             cache.replaced_elsewhere(node, st)

@@ -270,8 +270,10 @@ class Flusher:
             mode, uid, gid, times = op.attrs
             self.backing.setattr(comps, node.backing_name, node.is_link, mode, uid, gid, times)
             if times is not None and node.is_reg and node.backing_version is not None:
-                st = self.backing.stat_entry(comps, node.backing_name)   # its own new mtime:
-                if st is not None:                                       # not another's version
+                # its own copy's new mtime; another node's version there stays another's
+                # (same inode and size: the copy this node knew), so that coherence sees it
+                st = self.backing.stat_entry(comps, node.backing_name)
+                if st is not None and (st.st_ino, st.st_size) == node.backing_version[:2]:
                     node.backing_version = (st.st_ino, st.st_size, st.st_mtime_ns)
         else:
             self.backing.set_xattr(comps, node.backing_name, *op.attrs)
@@ -374,9 +376,10 @@ class Flusher:
             self.conflicts.note("gone", path, what, "nothing (removed by another writer)",
                                 "nothing to remove")
             return
-        theirs_dir = statmod.S_ISDIR(st.st_mode)
-        if theirs_dir != node.is_dir or (node.is_reg and node.backing_version is not None
-                                         and _version(st) != node.backing_version):
+        if statmod.S_IFMT(st.st_mode) != statmod.S_IFMT(node.mode) \
+                or (node.is_reg and node.backing_version is not None
+                    and _version(st) != node.backing_version) \
+                or (node.is_link and self.backing.read_link(comps, name) != node.target):
             self.conflicts.note("kept", path, what, f"{describe_entry(st)} it never saw",
                                 "left in place: newer than what this node removed")
             return

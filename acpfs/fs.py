@@ -14,6 +14,8 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import queue
+import threading
 from typing import Any, Callable
 
 from . import fastwrite  # before pyfuse3: it interposes fuse_session_new and _mount
@@ -238,11 +240,25 @@ class Operations(pyfuse3.Operations):
         await self.core.removexattr(inode, name)
 
 
+_forget_queue: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+
 def _forget_attrs(ino: int) -> None:
-    try:
-        pyfuse3.invalidate_inode(ino, attr_only=True)
-    except OSError:    # ENOENT: the kernel does not hold the inode (known from a listing only)
-        pass
+    """Queue the kernel's notification: sent from a thread of its own, never from a request
+    handler (a notification may wait on an inode the kernel is evicting, and the eviction on
+    a request only this thread would answer)."""
+    _forget_queue.put(ino)
+
+
+def _send_forgets() -> None:
+    while True:
+        ino = _forget_queue.get()
+        try:
+            pyfuse3.invalidate_inode(ino, attr_only=True)
+        except OSError:   # ENOENT: the kernel does not hold the inode (known from a listing only)
+            pass
+        except Exception:
+            log.exception("telling the kernel to forget the attributes of inode %d", ino)
 
 
 def make_operations(core: Core) -> Operations:
@@ -257,5 +273,6 @@ def make_operations(core: Core) -> Operations:
     # another node's version of a file: the kernel asks for its size again before it reads
     # (Cache.replaced_elsewhere); attributes only, which takes no lock a request may hold
     core.cache.forget_attrs = _forget_attrs
+    threading.Thread(target=_send_forgets, name="acpfs-forget", daemon=True).start()
     return Operations(core)
 

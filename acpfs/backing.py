@@ -49,6 +49,7 @@ OLD_STAGED = re.compile(re.escape(TEMP_PREFIX) + rb"(\d+)-w\d+")
 STAGED = re.compile(re.escape(TEMP_PREFIX) + rb"([0-9a-f]+)-[0-9a-f]+-i(\d+)")
 RECOVERED_DIR = b".acpfs-recovered"   # content acpfs could not put in place, kept aside
 CONFLICTS_DIR = b".acpfs-conflicts"   # entries of other writers moved out of the way (conflicts.py)
+NODES_DIR = b".acpfs-nodes"           # one record per node sharing the backing (peers.py)
 IS_ROOT = os.geteuid() == 0
 # what a descriptor of a backing that went away and came back (a remounted NFS, SFS or FUSE
 # store) answers: the root and every directory must be opened again by path
@@ -88,8 +89,9 @@ def flat_name(path: str) -> bytes:
     return flat
 
 
-def is_temp_name(name: bytes) -> bool:
-    return name.startswith(TEMP_PREFIX)
+def is_internal_name(name: bytes) -> bool:
+    """A name acpfs keeps for itself, hidden from the mount: temporary files, node records."""
+    return name.startswith(TEMP_PREFIX) or name == NODES_DIR
 
 
 def new_instance() -> str:
@@ -313,7 +315,7 @@ class Backing:
             with os.scandir(fd) as it:
                 for ent in it:
                     name = os.fsencode(ent.name)
-                    if is_temp_name(name):
+                    if is_internal_name(name):
                         if self.is_leftover(name):
                             try:
                                 if ent.is_dir(follow_symlinks=False):

@@ -44,7 +44,7 @@ import threading
 import time
 from typing import Callable
 
-from .backing import Backing, check_name, is_temp_name
+from .backing import Backing, check_name, is_internal_name
 from .journal import CLEAN, DIRTY, FLUSHED, Journal, Record
 from .pool import Pool, PoolFull
 from .types import JournalState, Node, Op, OpKind, OpSink, OpState, Snapshot, err, now_ns
@@ -56,7 +56,7 @@ ROOT_INODE = 1
 
 def check_not_reserved(name: bytes) -> None:
     """Names of acpfs's own temporary files cannot be created through the mount."""
-    if is_temp_name(name):
+    if is_internal_name(name):
         raise err(errno.EPERM, "names starting with .acpfs- are reserved")
 
 
@@ -84,6 +84,29 @@ class Cache:
         # tells the kernel to forget a name another node removed (set by fs; None in tests)
         self.forget_entry: Callable[[int, bytes], None] | None = None
         self.forget_attrs: Callable[[int], None] | None = None    # the kernel's, of an inode
+        # Global order (peers.py). Stamps: this node's clock when a change was acknowledged,
+        # never going back (next_stamp). ``acked``: files whose close() acknowledged content
+        # that RELEASE has not queued yet, ino -> (first, last) stamp. While a recovery
+        # replays a dead daemon's changes, they carry ``recovery_stamp`` (its frontier).
+        self.last_stamp = 0.0                       # (lock)
+        self.acked: dict[int, tuple[float, float]] = {}   # (lock)
+        self.recovery_stamp: float | None = None
+
+    # -- stamps (global order) -------------------------------------------------------------
+    def next_stamp(self) -> float:
+        """A stamp later than every one given before (hold self.lock)."""
+        if self.recovery_stamp is not None:
+            return self.recovery_stamp
+        s = max(time.time(), self.last_stamp + 1e-6)
+        self.last_stamp = s
+        return s
+
+    def note_ack(self, node: Node) -> None:
+        """close() acknowledges the content of ``node``: stamp it now; RELEASE queues it."""
+        with self.lock:
+            s = self.next_stamp()
+            first = self.acked.get(node.ino, (s, s))[0]
+            self.acked[node.ino] = (first, s)
 
     # -- positions -----------------------------------------------------------------------
     def present(self, node: Node) -> bool:
@@ -456,6 +479,9 @@ class Cache:
                 if node.dirty and node.nlink:
                     self.snapshot(node)
                 else:
+                    if self.acked:
+                        with self.lock:
+                            self.acked.pop(node.ino, None)
                     sp = node.staged
                     if sp is not None and not sp.queued:   # opened for writing, never written
                         node.staged = None
@@ -735,12 +761,14 @@ class Cache:
             self.pool.incref(snap.blocks)
             if node.staged is not None:
                 node.staged.queued = True   # the op owns it now; reads still use it
+            floor, stamp = self.acked.pop(node.ino, (0.0, 0.0))   # 0: stamped when queued
         node.dirty = False
         node.truncated = False
         self.dirty_nodes.discard(node)
         if node.journal_state != JournalState.NONE:
             self._journal_state(node, JournalState.NONE, record=False)   # the publish record says it
-        self._enqueue(OpKind.PUBLISH, node, parent=node.parent, name=node.name, snap=snap)
+        self._enqueue(OpKind.PUBLISH, node, parent=node.parent, name=node.name, snap=snap,
+                      stamp=(stamp, floor))
 
     def snapshot_open_files(self) -> int:
         """At shutdown: queue every file with unsaved changes, open or not. Returns the count."""
@@ -857,12 +885,15 @@ class Cache:
         raise AssertionError(f"unknown op {kind}")
 
     def _enqueue(self, kind: OpKind, node: Node, old_path: bytes | None = None,
-                 src_path: bytes | None = None, **kw) -> None:
+                 src_path: bytes | None = None, stamp: tuple[float, float] = (0.0, 0.0),
+                 **kw) -> None:
         """Queue one mutation for the flusher, journaled first (``old_path``: where an unlinked
-        node was; ``src_path``: where a renamed one came from)."""
+        node was; ``src_path``: where a renamed one came from; ``stamp``: (stamp, floor) of a
+        change close() acknowledged earlier, else it is stamped when queued)."""
         self.seq += 1
         where = old_path if kind in (OpKind.UNLINK, OpKind.RMDIR) else self.mount_path(node)
         op = Op(self.seq, kind, node, path=os.fsdecode(where) if where else self.path(node), **kw)
+        op.stamp, op.floor = stamp
         node.last_seq = self.seq
         for d in (kw.get("parent"), kw.get("src")):
             if d is not None:

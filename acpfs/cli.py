@@ -137,6 +137,18 @@ def cmd_mount(a: argparse.Namespace) -> int:
     if persist_open < 0 or full_timeout < 0 or coherence < 0:
         raise UsageError("--cache-full-timeout, --persist-open-after and --coherence-timeout must "
                          "not be negative")
+    order = a.global_order or env("global_order") or "on"
+    if order not in ("on", "off"):
+        raise UsageError(f"invalid --global-order {order!r}: use 'on' or 'off'")
+    skew = a.max_clock_skew if a.max_clock_skew is not None else float_env("max_clock_skew", 0.01)
+    beat = a.peer_heartbeat if a.peer_heartbeat is not None else float_env("peer_heartbeat", 1.0)
+    lease = a.peer_lease if a.peer_lease is not None else float_env("peer_lease", 30.0)
+    if not 0 <= skew <= 1:
+        raise UsageError("--max-clock-skew must be between 0 and 1 second")
+    if not 0.05 <= beat <= 60:
+        raise UsageError("--peer-heartbeat must be between 0.05 and 60 seconds")
+    if lease < 3 * beat:
+        raise UsageError("--peer-lease must be at least 3 heartbeats (--peer-heartbeat)")
     block_size = parse_size(a.block_size or env("block_size") or "64K", "block size")
     if block_size < 4096 or block_size & (block_size - 1) or block_size > (16 << 20):
         raise UsageError("--block-size must be a power of two between 4K and 16M")
@@ -174,6 +186,8 @@ def cmd_mount(a: argparse.Namespace) -> int:
                        allow_other=a.allow_other or env_flag("allow_other"),
                        cache_full_timeout=full_timeout, block_size=block_size,
                        persist_open_after=persist_open, coherence_timeout=coherence,
+                       global_order=order == "on", max_clock_skew=skew, peer_heartbeat=beat,
+                       peer_lease=lease,
                        mlock=a.mlock or env_flag("mlock"), foreground=foreground)
         if foreground:
             return run_foreground(opts, lock)
@@ -620,6 +634,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long this node trusts what it knows of a directory before it looks "
                    "at the backing again for entries other nodes made or removed (default 1; "
                    "0: at every lookup of a missing name and every listing)")
+    m.add_argument("--global-order", choices=("on", "off"),
+                   help="with several nodes over one backing, apply a change to the backing only "
+                   "after every other live node has persisted what it acknowledged before it "
+                   "(default on; a node alone pays nothing; docs/semantics.md)")
+    m.add_argument("--max-clock-skew", type=float, metavar="S",
+                   help="how far apart the nodes' clocks may be for global order to hold; each "
+                   "change acknowledged while other nodes are live waits this long (default 0.01)")
+    m.add_argument("--peer-heartbeat", type=float, metavar="S",
+                   help="how often an idle node renews its record in the backing (default 1)")
+    m.add_argument("--peer-lease", type=float, metavar="S",
+                   help="a node that has not renewed its record for S seconds (dead, hung, cut "
+                   "off from the backing) holds nobody back any more (default 30)")
     m.add_argument("--block-size", help="cache block size, a power of two (default 64K)")
     m.add_argument("--mlock", action="store_true", help="lock the cache pool in RAM")
     m.add_argument("--log-level", help="debug, info (default), warning or error")

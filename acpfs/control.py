@@ -52,6 +52,7 @@ class MountInfo:
     persist_open_after: float
     coherence_timeout: float = 1.0   # see Core.refreshed
     recovery: dict | None = None   # what this daemon recovered from a dead one (recovery.py)
+    peers: Any = None              # global order (peers.Peers); None when off
     pid: int = dataclasses.field(default_factory=os.getpid)
     started: float = dataclasses.field(default_factory=time.time)
 
@@ -87,6 +88,7 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         used = pool.used_blocks * pool.block_size
         peak = pool.peak_used * pool.block_size
         cached_files = sum(1 for n in cache.nodes.values() if n.blocks)
+        peers = info.peers.status(fl.held) if info.peers is not None else None
     oldest = min([n.dirty_since for n in cache.dirty_nodes] + [op.since for op in queue[:1]],
                  default=None)
     errors = []
@@ -120,6 +122,7 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         "oldest_dirty_age_s": None if oldest is None else round(now - oldest, 1),
         "errors": errors,
         "conflicts": fl.conflicts.status(),
+        "peers": peers,
         "flusher_alive": fl.thread.is_alive(),
         "journal_error": cache.journal.error if cache.journal is not None else None,
         "recovery": info.recovery,

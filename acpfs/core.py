@@ -20,7 +20,7 @@ import logging
 import os
 import stat as statmod
 import time
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import trio
 
@@ -29,6 +29,9 @@ from .cache import Cache
 from .pool import PoolFull
 from .types import Node, err
 from .writethrough import WriteThrough
+
+if TYPE_CHECKING:
+    from .peers import Peers
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,7 @@ class Core:
         self._statfs: os.statvfs_result | None = self.backing.statvfs()   # answers at mount
         self._statfs_call: trio.Event | None = None
         self.nursery: trio.Nursery | None = None
+        self.peers: Peers | None = None    # global order (peers.py); set by the daemon
 
     def start(self, nursery: trio.Nursery) -> None:
         """Background work: write-through in a full cache, files open for a long time."""
@@ -372,12 +376,27 @@ class Core:
 
     def flush(self, fh: int) -> None:
         # close() returns when FLUSH is answered; RELEASE follows without being waited for.
-        # So the content that close() acknowledges is journaled here (Cache.record_close).
-        # No waiting for a staged file being built: the blocks stay valid until it is
-        # complete, and the record holds them.
+        # So the content that close() acknowledges is journaled and stamped here
+        # (Cache.record_close, Cache.note_ack). No waiting for a staged file being built: the
+        # blocks stay valid until it is complete, and the record holds them.
         h = self.handles.get(fh)
-        if h is not None and h.writable and h.node.writers == 1:
+        if h is not None and h.writable and h.node.writers == 1 and h.node.dirty:
             self.cache.record_close(h.node)
+            self.cache.note_ack(h.node)
+
+    async def acknowledged(self) -> None:
+        """Commit wait (peers.py): while other nodes are live, a request that acknowledged a
+        change is answered only once this node's clock is the tolerated skew past the
+        change's stamp, so that whatever another node does after the answer is stamped
+        later, even by a clock that is behind."""
+        peers = self.peers
+        if peers is None:
+            return
+        with self.cache.lock:
+            until = peers.commit_until(self.cache.last_stamp)
+        delay = until - time.time()
+        if delay > 0:
+            await trio.sleep(delay)
 
     async def release(self, fh: int) -> None:
         h = self.handles.pop(fh, None)

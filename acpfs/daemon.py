@@ -45,6 +45,10 @@ class Options:
     mlock: bool
     foreground: bool
     coherence_timeout: float = 1.0
+    global_order: bool = True
+    max_clock_skew: float = 0.01
+    peer_heartbeat: float = 1.0
+    peer_lease: float = 30.0
 
 
 def setup_logging(opts: Options) -> None:
@@ -148,6 +152,32 @@ class Daemon:
                               opts.fsync_backing, opts.flush_workers, opts.cache_full_timeout,
                               opts.persist_open_after, coherence_timeout=opts.coherence_timeout)
         self.core = Core(cache, self.info)
+        self.peers = None
+        self.join_wait = 0.0
+        if opts.global_order:
+            self._join(left.instance if left else None)
+
+    def _join(self, predecessor: str | None) -> None:
+        """Global order: this node's record among the other nodes' in the backing (peers.py)."""
+        from .peers import Peers
+        opts = self.opts
+        peers = Peers(opts.backing, self.backing.instance, opts.mountpoint, self.cache.lock,
+                      self.flusher.frontier, skew=opts.max_clock_skew,
+                      heartbeat=opts.peer_heartbeat, lease=opts.peer_lease)
+        try:
+            front = peers.find_predecessor(predecessor)
+            if self.replay or self.dirty:
+                # what the dead daemon acknowledged is older than anything: its frontier (or,
+                # without its record, the oldest stamp) holds the other nodes back until the
+                # replayed changes are in the backing
+                self.cache.recovery_stamp = front if front is not None else 1e-6
+            self.join_wait = peers.enter()
+        except OSError as e:
+            raise SystemExit(f"acpfs: cannot keep this node's record in {peers.dir} ({e.strerror}); "
+                             "the backing must be writable (or mount with --global-order off)")
+        if predecessor is not None:
+            peers.forget_predecessor(predecessor)   # this node's record now covers it
+        self.peers = self.flusher.peers = self.core.peers = self.info.peers = peers
 
     def _allocating(self, done: int, total: int) -> None:
         if time.monotonic() - self._last_progress > 0.5 or done == total:
@@ -172,7 +202,10 @@ class Daemon:
         with self.cache.lock:
             self.cache.journal.applied(self.base_seq)  # type: ignore[union-attr]
         journal.forget_direct_writes(opts.cache_dir)   # replayed around, or nothing to replay
+        self.cache.recovery_stamp = None               # the replayed ops carry it in the queue
         self.flusher.start()
+        if self.peers is not None:
+            self.peers.start()
 
     def serve(self) -> None:
         """Mount, answer requests until unmounted or signalled, unmount."""
@@ -183,6 +216,9 @@ class Daemon:
         from .fs import make_operations
 
         opts = self.opts
+        if self.join_wait:
+            self.notify(f"progress joining the other nodes of {opts.backing}")
+            time.sleep(self.join_wait)
         ops = make_operations(self.core)
         fuse_opts = set(pyfuse3.default_options)
         fuse_opts |= {"fsname=acpfs", "subtype=acpfs", "default_permissions"}
@@ -234,6 +270,8 @@ class Daemon:
         opts = self.opts
         self.cache.journal.close()  # type: ignore[union-attr]
         self.pool.close()
+        if self.peers is not None:
+            self.peers.leave(drained)
         if drained:
             self.backing.remove_staging_dir()
         self.backing.close()

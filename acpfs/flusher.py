@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import errno
+import heapq
 import itertools
 import logging
 import os
@@ -35,6 +36,7 @@ from .backing import STALE, Backing, Comps, MissingDir, NotEmpty, flat_name, ite
 from .cache import Cache
 from .conflicts import Conflicts, describe_entry
 from .journal import Record
+from .peers import Peers
 from .retry import describe, retry
 from .types import Node, Op, OpKind, OpState, Staged
 
@@ -71,6 +73,10 @@ class Flusher:
         self.uploading = 0
         self.conflicts = Conflicts(backing.instance)
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
+        # global order (peers.py); None: off, this node orders only its own changes
+        self.peers: Peers | None = None
+        self._floors: list[tuple[float, int]] = []   # (lock) heap of (floor, seq) of queued ops
+        self.held: dict | None = None   # (lock) the op waiting for other nodes, for status
 
     def start(self) -> None:
         self.thread.start()
@@ -81,6 +87,9 @@ class Flusher:
         with self.lock:
             if record is not None and self.cache.journal is not None:
                 self.cache.journal.append(record)
+            if not op.stamp:
+                op.stamp = op.floor = self.cache.next_stamp()
+            heapq.heappush(self._floors, (op.floor or op.stamp, op.seq))
             self.queue.append(op)
             if op.kind == OpKind.PUBLISH:
                 op.node.publish_ops.append(op)
@@ -102,6 +111,23 @@ class Flusher:
             return False
         self.pool.shutdown(wait=not self.abort.is_set(), cancel_futures=True)
         return not self.queue
+
+    def frontier(self) -> tuple[float, bool]:
+        """This node's frontier (hold lock): the stamp of its oldest acknowledged change not in
+        the backing yet, and True; or, with nothing pending, a stamp later than every change
+        acknowledged so far (its clock), and False."""
+        floors = self._floors
+        while floors and floors[0][1] <= self.applied_seq:
+            heapq.heappop(floors)
+        cache = self.cache
+        lows = [floors[0][0]] if floors else []
+        if cache.acked:
+            lows.append(min(first for first, _ in cache.acked.values()))
+        if cache.recovery_stamp is not None:
+            lows.append(cache.recovery_stamp)
+        if lows:
+            return min(lows), True
+        return cache.next_stamp(), False
 
     def failing_op(self) -> Op | None:
         with self.lock:
@@ -129,6 +155,8 @@ class Flusher:
                         return
                     self._launch()
                     op = self.queue[0]
+                    if self.peers is not None and op.state != OpState.VOID:
+                        self._hold(op)
                 self._apply(op)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("%s %s: %s (seq %d)", op.kind, op.path, op.state, op.seq)
@@ -151,6 +179,39 @@ class Flusher:
         except BaseException:
             log.exception("flusher crashed; changes are no longer persisted")
             raise
+
+    def _hold(self, op: Op) -> None:
+        """Global order (hold lock): wait until no live peer can still have to persist
+        something it acknowledged before ``op`` (``Peers.cleared``); uploads go on meanwhile."""
+        peers = self.peers
+        assert peers is not None
+        since = time.time()
+        warned = False
+        while True:
+            ok = peers.cleared(op.stamp)
+            if ok is True:
+                break
+            if self.abort.is_set():
+                raise Aborted()
+            now = time.time()
+            self.held = {"op": str(op.kind), "path": op.path, "since": since,
+                         "waiting_for": None if ok is None else ok.record.label,
+                         "instance": None if ok is None else ok.record.instance}
+            if ok is not None and not warned and now - since > 10:
+                warned = True
+                log.warning("global order: %s %r has waited %.0f s for node %s (%s), which has "
+                            "not persisted what it acknowledged %.0f s ago; it goes on once that "
+                            "node catches up, or after its lease (%.0f s) if it stops renewing "
+                            "its record", op.kind, op.path, now - since, ok.record.label,
+                            ok.record.instance, now - ok.record.frontier, peers.lease)
+            peers.kick()
+            self._launch()
+            self.lock.wait(0.5)
+        if self.held is not None:
+            self.held = None
+            if warned:
+                log.warning("global order: %s %r goes on after %.1f s", op.kind, op.path,
+                            time.time() - since)
 
     def _launch(self) -> None:
         """Start uploads of queued snapshots whose directory exists in the backing (hold cond)."""

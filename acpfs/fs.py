@@ -59,6 +59,19 @@ def replies(fn: Callable) -> Callable:
     return wrapper
 
 
+def acknowledges(fn: Callable) -> Callable:
+    """A handler whose request may acknowledge a change (one stamped meanwhile: Cache.next_stamp):
+    answered after the commit wait of global order (Core.acknowledged)."""
+    @functools.wraps(fn)
+    async def wrapper(self: Operations, *args: Any) -> Any:
+        before = self.core.cache.last_stamp
+        out = await fn(self, *args)
+        if self.core.cache.last_stamp != before:
+            await self.core.acknowledged()
+        return out
+    return wrapper
+
+
 def attrs(node: Node) -> pyfuse3.EntryAttributes:
     a = pyfuse3.EntryAttributes()
     a.st_ino = node.ino
@@ -105,6 +118,7 @@ class Operations(pyfuse3.Operations):
         return attrs(await self.core.getattr(inode))
 
     @replies
+    @acknowledges
     async def setattr(self, inode, attr, fields, fh, ctx):
         return attrs(await self.core.setattr(
             inode,
@@ -120,22 +134,27 @@ class Operations(pyfuse3.Operations):
         return self.core.readlink(inode)
 
     @replies
+    @acknowledges
     async def mkdir(self, parent_inode, name, mode, ctx):
         return entry(await self.core.mkdir(parent_inode, name, mode, ctx))
 
     @replies
+    @acknowledges
     async def unlink(self, parent_inode, name, ctx):
         await self.core.unlink(parent_inode, name)
 
     @replies
+    @acknowledges
     async def rmdir(self, parent_inode, name, ctx):
         await self.core.rmdir(parent_inode, name)
 
     @replies
+    @acknowledges
     async def symlink(self, parent_inode, name, target, ctx):
         return entry(await self.core.symlink(parent_inode, name, target, ctx))
 
     @replies
+    @acknowledges
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         if flags & pyfuse3.RENAME_EXCHANGE:
             raise OSError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
@@ -203,8 +222,9 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno_of(e, "write")) from None
 
     @replies
+    @acknowledges
     async def flush(self, fh):
-        self.core.flush(fh)
+        self.core.flush(fh)   # close(): stamps what it acknowledges (Core.flush)
 
     @replies
     async def release(self, fh):
@@ -228,6 +248,7 @@ class Operations(pyfuse3.Operations):
         return await self.core.getxattr(inode, name)
 
     @replies
+    @acknowledges
     async def setxattr(self, inode, name, value, ctx):
         await self.core.setxattr(inode, name, value)
 
@@ -236,6 +257,7 @@ class Operations(pyfuse3.Operations):
         return await self.core.listxattr(inode)
 
     @replies
+    @acknowledges
     async def removexattr(self, inode, name, ctx):
         await self.core.removexattr(inode, name)
 

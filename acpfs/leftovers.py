@@ -17,7 +17,7 @@ import shutil
 import stat
 import time
 
-from .backing import TEMP_PREFIX
+from .backing import NODES_DIR, TEMP_PREFIX
 
 INSTANCE = re.compile(re.escape(os.fsdecode(TEMP_PREFIX)) + r"([0-9a-f]{12})-")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -69,7 +69,8 @@ def scan(backing: str) -> list[Temp]:
             m = INSTANCE.match(name)
             out.append(Temp(os.path.relpath(full, backing), m.group(1) if m else None, is_dir, size,
                             max(0.0, now - newest)))
-        dirnames[:] = [d for d in dirnames if not d.startswith(os.fsdecode(TEMP_PREFIX))]
+        dirnames[:] = [d for d in dirnames if not d.startswith(os.fsdecode(TEMP_PREFIX))
+                       and d != os.fsdecode(NODES_DIR)]
     return out
 
 

@@ -185,7 +185,7 @@ class Op:
     """One mutation of the mount, to be applied to the backing in seq order."""
     __slots__ = ("seq", "kind", "node", "parent", "name", "replaced", "src", "snap", "attrs",
                  "path", "state", "future", "dir_fd", "temp_name", "error", "attempts",
-                 "next_retry", "since", "nbytes")
+                 "next_retry", "since", "nbytes", "stamp", "floor")
 
     def __init__(self, seq: int, kind: OpKind, node: Node, *, path: str, parent: Node | None = None,
                  name: bytes = b"", replaced: Node | None = None, src: Node | None = None,
@@ -210,6 +210,11 @@ class Op:
         self.next_retry = 0.0
         self.since = time.time()
         self.nbytes = snap.size if snap is not None else 0
+        # global order (peers.py): when this change was acknowledged (the close that
+        # acknowledged a snapshot; the request of other ops), and the oldest acknowledgement
+        # it makes durable (a file closed twice before its snapshot was taken)
+        self.stamp = 0.0
+        self.floor = 0.0
 
 
 class OpSink(Protocol):

@@ -10,7 +10,7 @@ import stat
 
 import pytest
 
-from acpfs.backing import (OLD_STAGING_DIR, TEMP_PREFIX, Backing, is_temp_name, new_instance,
+from acpfs.backing import (OLD_STAGING_DIR, TEMP_PREFIX, Backing, is_internal_name, new_instance,
                            staged_ino, staging_dir_of)
 
 NAME = re.compile(rb"\.acpfs-tmp-([0-9a-f]{12})-([0-9a-f]{16})")
@@ -30,7 +30,7 @@ def test_temporary_names_carry_the_instance_and_64_random_bits(back):
     assert len(names) == 1000
     for n in names:
         m = NAME.fullmatch(n)
-        assert m and m.group(1).decode() == back.instance and is_temp_name(n)
+        assert m and m.group(1).decode() == back.instance and is_internal_name(n)
     assert new_instance() != new_instance()
     staged = back.staged_name(4711)
     assert staged.startswith(back.mine) and staged_ino(staged) == 4711

@@ -1,0 +1,373 @@
+"""Global order across nodes: this node's record in the backing, its peers' records, and the
+rule that holds a change back until every live peer has persisted what it acknowledged before.
+
+The guarantee (docs/semantics.md, "Order across nodes"): a change acknowledged on any node
+at time T reaches the backing only after every other live node has persisted everything it
+acknowledged before T, provided no two nodes' clocks differ by more than ``skew``.
+
+How (docs/design.md, "Global order across nodes"):
+
+- Every change gets a *stamp* when it is acknowledged: the node's clock, never going back
+  (``Cache.stamp``). A node's *frontier* is the stamp of its oldest acknowledged change not
+  yet in the backing, or its clock when nothing is pending: everything it acknowledged
+  before its frontier is durable.
+- Each node keeps one record in ``<backing>/.acpfs-nodes/``. The record is an empty file
+  whose *name* holds everything (``RecordName``), renamed to a new name to update it, so a
+  node reads every peer's state with one listing of one directory, whatever the number of
+  nodes. Names are listed by path, so an NFS client revalidates the directory (close-to-open).
+- The sequencer applies a change stamped T only once ``cleared(T)``: a listing started after
+  T - ``join_wait`` showed every live peer with a frontier past T (ties broken by instance).
+  The oldest change of the whole cluster is always cleared, so the nodes never wait on each
+  other in a circle.
+- Commit wait: while peers are live, a request that acknowledged a change is answered only
+  once this node's clock is ``skew`` past the change's stamp (``commit_until``). Then any
+  change another node makes after that answer gets a larger stamp, even if its clock is up to
+  ``skew`` behind: real-time order becomes stamp order.
+- Joining: a node writes its record before it serves, then lists; if it saw live peers, it
+  waits ``join_wait`` before serving, so that every peer has listed it before it
+  acknowledges anything (they list at least every ``heartbeat / 2``).
+- Liveness: a peer whose record's heartbeat is more than ``lease`` old is expired: it holds
+  nobody back any more, and a WARNING names it. A node that unmounts after persisting
+  everything renames its record to state "left", and nobody waits for it.
+
+Cost: a node with nothing pending renames its record once per ``heartbeat`` and lists the
+directory twice per ``heartbeat``; a busy node does both at most every ``poll`` seconds.
+``ops`` counts them.
+
+Threads: one thread of its own (``acpfs-peers``) does all I/O; ``cleared``, ``commit_until``
+and ``status`` read its results under ``lock`` (the cache's lock, which the sequencer waits
+on). Invariant: ``frontier`` is computed and the record renamed by that thread only, so
+records of one instance carry increasing versions and non-decreasing frontiers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from typing import Callable
+
+from .backing import NODES_DIR
+from .retry import describe
+
+log = logging.getLogger(__name__)
+
+UP, IDLE, LEFT = "up", "idle", "left"    # pending changes / nothing pending / unmounted
+RECORD = re.compile(rb"([0-9a-f]{12})\.(\d+)\.(\d+)\.(\d+)\.(up|idle|left)\.(.*)", re.S)
+LABEL_MAX = 120
+FORGET_LEFT_AFTER = 60.0        # a "left" record is removed by anyone after this long
+FORGET_DEAD_AFTER = 24 * 3600.0  # an expired record is removed by anyone after this long
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordName:
+    """One node's record, as the name of an empty file in ``.acpfs-nodes``:
+    ``<instance>.<version>.<frontier us>.<heartbeat us>.<state>.<label>``."""
+    instance: str
+    version: int
+    frontier: float    # the writer's clock: everything it acknowledged before is durable
+    heartbeat: float   # the writer's clock when it wrote this record
+    state: str
+    label: str         # for humans: host name and mount point
+
+    def encode(self) -> bytes:
+        return b"%s.%d.%d.%d.%s.%s" % (self.instance.encode(), self.version,
+                                       int(self.frontier * 1e6), int(self.heartbeat * 1e6),
+                                       self.state.encode(), self.label.encode()[:LABEL_MAX])
+
+    @classmethod
+    def parse(cls, name: bytes) -> RecordName | None:
+        m = RECORD.fullmatch(name)
+        if m is None:
+            return None
+        inst, ver, front, beat, state, label = m.groups()
+        return cls(inst.decode(), int(ver), int(front) / 1e6, int(beat) / 1e6, state.decode(),
+                   label.decode(errors="replace"))
+
+
+def safe_label(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_:@+,=-]", "_", text)[:LABEL_MAX]
+
+
+@dataclasses.dataclass
+class Peer:
+    """What this node knows of another: its newest record, and when this node saw it."""
+    record: RecordName
+    listed: float               # this node's clock at the last listing that showed it
+    expired: bool = False       # a WARNING was given; back to False when it renews
+
+
+class Peers:
+    def __init__(self, root: str, instance: str, mountpoint: str, lock: threading.Condition,
+                 frontier: Callable[[], tuple[float, bool]], *, skew: float = 0.01, heartbeat: float = 1.0,
+                 lease: float = 30.0, clock: Callable[[], float] = time.time) -> None:
+        self.dir = os.path.join(root, os.fsdecode(NODES_DIR))
+        self.instance = instance
+        self.label = safe_label(f"{socket.gethostname()}:{mountpoint}")
+        self.lock = lock
+        # (lock held) this node's frontier, and whether anything acknowledged is pending
+        self.frontier = frontier
+        self.skew = skew
+        self.heartbeat = heartbeat
+        self.lease = lease
+        self.poll = min(0.1, heartbeat / 2)
+        self.join_wait = heartbeat
+        self.clock = clock
+        # (lock) the thread's results
+        self.peers: dict[str, Peer] = {}
+        self.listed_at = 0.0         # start of the last complete listing (this node's clock)
+        self.want = 0.0              # the sequencer waits for a listing started after this
+        self.ops = 0                 # metadata operations on the backing, for status and tools
+        self.error: str | None = None
+        self.ignore: str | None = None   # the dead predecessor this daemon took over from
+        self.mine: RecordName | None = None
+        self._written = (0.0, -1.0, "")  # when, frontier, state of the last record written
+        self._kept: set[str] = set()     # records this node may not remove (another user's)
+        self._stop = threading.Event()
+        self._kick = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="acpfs-peers", daemon=True)
+
+    # -- joining and leaving (daemon thread) ----------------------------------------------
+    def find_predecessor(self, predecessor: str | None) -> float | None:
+        """Before a recovery: the frontier in the record of ``predecessor`` (the dead daemon
+        on this cache directory, whose acknowledged changes this one replays), None if it
+        left none. Its record is this daemon's to replace from now on."""
+        self._ensure_dir()
+        self.ignore = predecessor
+        if predecessor is None:
+            return None
+        for name in os.listdir(os.fsencode(self.dir)):
+            r = RecordName.parse(name)
+            if r is not None and r.instance == predecessor:
+                log.info("taking over from the dead daemon %s of this node (its frontier %s)",
+                         predecessor, time.strftime("%H:%M:%S", time.localtime(r.frontier)))
+                return r.frontier
+        return None
+
+    def enter(self) -> float:
+        """Write this node's first record, then list the peers. Returns how long to wait
+        before serving: ``join_wait`` if other nodes are live, so that they have listed this
+        one before it acknowledges anything."""
+        with self.lock:
+            front, pending = self.frontier()
+        self._write(front, UP if pending else IDLE, create=True)
+        self._list()
+        with self.lock:
+            live = self.live()
+        if not live:
+            return 0.0
+        log.info("global order: %d other nodes share this backing (%s%s); waiting %.1f s for "
+                 "them to see this one", len(live), ", ".join(p.record.label for p in live[:4]),
+                 ", ..." if len(live) > 4 else "", self.join_wait)
+        return self.join_wait
+
+    def _ensure_dir(self) -> None:
+        try:
+            os.mkdir(self.dir, 0o755)
+            os.chmod(self.dir, 0o1777)    # every user's mounts keep their record here
+        except FileExistsError:
+            pass
+
+    def forget_predecessor(self, predecessor: str) -> None:
+        """This node's record now covers what ``predecessor`` acknowledged: drop its record."""
+        self._remove_instance(predecessor)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def leave(self, drained: bool) -> None:
+        """Stop; once everything is persisted, say so, so that nobody waits for this node."""
+        self._stop.set()
+        self._kick.set()
+        if self.thread.is_alive():
+            self.thread.join(5)
+        if drained:
+            try:
+                with self.lock:
+                    front, _ = self.frontier()
+                self._write(front, LEFT)
+                log.info("left the nodes of %s: nobody waits for this node", self.dir)
+            except OSError as e:
+                log.warning("could not mark this node's record as left (%s): the other nodes "
+                            "stop waiting for it after %.0f s", describe(e), self.lease)
+
+    # -- asked by the sequencer and the FUSE thread (lock held) ----------------------------
+    def live(self) -> list[Peer]:
+        now = self.clock()
+        return [p for p in self.peers.values()
+                if p.record.state != LEFT and now - p.record.heartbeat <= self.lease]
+
+    def cleared(self, stamp: float) -> Peer | None | bool:
+        """True if a change stamped ``stamp`` may reach the backing now; otherwise the peer
+        it waits for (None: a fresh enough listing of the peers)."""
+        if self.listed_at <= stamp - self.join_wait:
+            self.want = max(self.want, stamp)
+            return None
+        mine = (stamp, self.instance)
+        for p in self.live():
+            if (p.record.frontier, p.record.instance) <= mine:
+                self.want = max(self.want, stamp)
+                return p
+        return True
+
+    def commit_until(self, stamp: float) -> float:
+        """When a request that acknowledged a change stamped ``stamp`` may be answered (0:
+        at once; no live peer can order itself against it)."""
+        if not self.peers or not self.live():
+            return 0.0
+        return stamp + self.skew
+
+    def kick(self) -> None:
+        """The frontier moved or the sequencer waits: write and list soon."""
+        self._kick.set()
+
+    # -- the thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        next_list = 0.0
+        while not self._stop.is_set():
+            now = self.clock()
+            try:
+                with self.lock:
+                    front, pending = self.frontier()
+                    want = self.want > self.listed_at
+                state = UP if pending else IDLE
+                when, wfront, wstate = self._written
+                # idle, the frontier is the clock: rewritten once per heartbeat only
+                if now - when >= self.heartbeat or (now - when >= self.poll and (
+                        state != wstate or (pending and front != wfront))):
+                    self._write(front, state)
+                if now >= next_list or (want and now - self.listed_at >= self.poll):
+                    self._list()
+                    next_list = now + self.heartbeat / 2
+                with self.lock:
+                    self.error = None
+            except OSError as e:
+                with self.lock:
+                    first = self.error is None
+                    self.error = describe(e)
+                if first:
+                    log.warning("global order: the node records in %s: %s (retrying)",
+                                self.dir, describe(e))
+            self._kick.wait(self.poll)
+            self._kick.clear()
+
+    def _write(self, front: float, state: str, create: bool = False) -> None:
+        now = self.clock()
+        old = self.mine
+        new = RecordName(self.instance, old.version + 1 if old else 1, front, now, state, self.label)
+        name = os.path.join(self.dir, os.fsdecode(new.encode()))
+        if old is not None and not create:
+            try:
+                os.rename(os.path.join(self.dir, os.fsdecode(old.encode())), name)
+            except FileNotFoundError:
+                # removed by someone (an operator; another node after a long pause): again
+                log.warning("global order: this node's record in %s was removed; writing it "
+                            "again", self.dir)
+                create = True
+        if old is None or create:
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:   # the directory itself was removed
+                self._ensure_dir()
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            os.close(fd)
+        with self.lock:
+            self.ops += 1
+            self.mine = new
+        self._written = (now, front, state)
+
+    def _list(self) -> None:
+        started = self.clock()
+        names = os.listdir(os.fsencode(self.dir))   # by path: an NFS client revalidates it
+        found: dict[str, RecordName] = {}
+        for name in names:
+            r = RecordName.parse(name)
+            if r is None or r.instance in (self.instance, self.ignore):
+                continue
+            # a listing that crosses a rename may show a record twice: the newer one counts
+            if r.instance not in found or r.version > found[r.instance].version:
+                found[r.instance] = r
+        stale: list[RecordName] = []
+        with self.lock:
+            self.ops += 1
+            for inst, r in found.items():
+                p = self.peers.get(inst)
+                if p is None:
+                    self.peers[inst] = p = Peer(r, started)
+                    if r.state != LEFT and started - r.heartbeat <= self.lease:
+                        log.info("global order: node %s (%s) shares this backing", r.label, inst)
+                elif r.version >= p.record.version:
+                    p.record, p.listed = r, started
+            # A record missing from one listing may be in the middle of a rename: it is kept
+            # until it has been missing for a lease (removed by an operator, or forgotten).
+            for inst, p in list(self.peers.items()):
+                if inst not in found and started - p.listed > self.lease:
+                    del self.peers[inst]
+            for p in self.peers.values():
+                age = started - p.record.heartbeat
+                if p.record.state == LEFT:
+                    if age > FORGET_LEFT_AFTER:
+                        stale.append(p.record)
+                    continue
+                if age > self.lease and not p.expired:
+                    p.expired = True
+                    log.warning("global order: node %s (%s) has not renewed its record for "
+                                "%.0f s (lease %.0f s): no longer waiting for it; changes "
+                                "made here from now on may reach the backing before what it "
+                                "acknowledged", p.record.label, p.record.instance, age, self.lease)
+                elif age <= self.lease and p.expired:
+                    p.expired = False
+                    log.warning("global order: node %s (%s) is back; waiting for it again",
+                                p.record.label, p.record.instance)
+                if age > FORGET_DEAD_AFTER:
+                    stale.append(p.record)
+            self.listed_at = started
+            self.lock.notify_all()
+        for r in stale:
+            if r.instance not in self._kept:
+                self._remove(r)
+
+    def _remove_instance(self, instance: str) -> None:
+        try:
+            names = os.listdir(os.fsencode(self.dir))
+        except OSError:
+            return
+        for name in names:
+            r = RecordName.parse(name)
+            if r is not None and r.instance == instance:
+                self._remove(r)
+
+    def _remove(self, r: RecordName) -> None:
+        try:
+            os.unlink(os.path.join(os.fsencode(self.dir), r.encode()))
+            log.info("global order: removed the record of node %s (%s, %s)", r.label,
+                     r.instance, r.state)
+        except FileNotFoundError:
+            pass
+        except OSError as e:   # another user's, in the sticky directory: left as it is
+            log.debug("could not remove the record of %s: %s", r.instance, describe(e))
+            self._kept.add(r.instance)
+            return
+        with self.lock:
+            self.ops += 1
+            self.peers.pop(r.instance, None)
+
+    # -- status (lock held) ---------------------------------------------------------------
+    def status(self, held: dict | None) -> dict:
+        now = self.clock()
+        peers = []
+        for p in sorted(self.peers.values(), key=lambda p: p.record.label):
+            r = p.record
+            age = now - r.heartbeat
+            state = r.state if r.state == LEFT else ("expired" if age > self.lease else r.state)
+            peers.append({"node": r.label, "instance": r.instance, "state": state,
+                          "frontier_lag": round(max(0.0, now - r.frontier), 3),
+                          "last_heartbeat": round(age, 3)})
+        return {"instance": self.instance, "node": self.label, "skew": self.skew,
+                "heartbeat": self.heartbeat, "lease": self.lease, "ops": self.ops,
+                "error": self.error, "held": held, "peers": peers}

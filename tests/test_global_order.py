@@ -1,0 +1,169 @@
+"""Global order across nodes (issue 12): a pointer never lands before any node's data.
+
+Seen before: two nodes over one backing, node B's daemon paused for 3 s right after its
+ranks' last close() returned; rank 0 on node A then wrote ``.metadata`` and ``latest``, which
+reached the backing 2.7 to 3.2 s before node B's last shard, in 2 of 3 rounds.
+
+Each test runs simulated nodes (``conftest.Node``: mount namespaces over one backing) and a
+``Watch`` thread polling the backing from outside the job as fast as it can: a pointer seen
+before the data it names is recorded with what was missing. The control test runs the same
+scenario with ``--global-order off`` and must see the pointer ahead, so the check can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ACPFS, Node, Worker, content, digest
+
+ROUNDS = int(os.environ.get("ORDER_ROUNDS", "6"))
+PAUSE = 3.0
+SHARD_UNITS = 1 << 18            # 8 MiB shards: an upload takes longer than the pause starts
+FAST = ("--peer-heartbeat", "0.25")
+
+
+class Watch(threading.Thread):
+    """Polls ``backing`` until stopped: whenever ``latest`` names a step, or a step's
+    ``.metadata`` exists, every shard expected in that step must be there (shards land by
+    rename, so there means whole). The pointer is read first and the shards after it, and
+    shards never go away while a round runs, so a shard missing then was missing when the
+    pointer was seen."""
+
+    def __init__(self, backing: Path) -> None:
+        super().__init__(daemon=True)
+        self.backing = backing
+        self.expect: dict[str, list[str]] = {}     # step -> shard names
+        self.ahead: list[str] = []
+        self.seen: dict[str, float] = {}           # "latest=<step>" -> first time seen
+        self.polls = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.polls += 1
+            try:
+                latest = (self.backing / "latest").read_text()
+            except OSError:
+                latest = None
+            pointers = []
+            if latest is not None:
+                self.seen.setdefault(f"latest={latest}", time.monotonic())
+                pointers.append(("latest", latest))
+            for step in list(self.expect):
+                if (self.backing / step / ".metadata").exists():
+                    self.seen.setdefault(f"{step}/.metadata", time.monotonic())
+                    pointers.append((f"{step}/.metadata", step))
+            for what, step in pointers:
+                missing = [s for s in self.expect.get(step, []) if not (self.backing / step / s).exists()]
+                if missing:
+                    self.ahead.append(f"{what} seen while {step} lacked {missing}")
+            time.sleep(0.001)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(10)
+
+
+def make(tmp_path: Path, n: int, *extra: str, backings: list[Path] | None = None) -> list[Node]:
+    shared = tmp_path / "shared"
+    shared.mkdir(exist_ok=True)
+    mnt = tmp_path / "ckpt"
+    mnt.mkdir(exist_ok=True)
+    return [Node(f"node{i}", tmp_path, backings[i] if backings else shared, mnt, extra=extra)
+            for i in range(n)]
+
+
+@pytest.fixture
+def nodes_made():
+    made: list[Node] = []
+    yield made
+    for node in made:
+        os.kill(node.pid, signal.SIGCONT) if node.pid and os.path.exists(f"/proc/{node.pid}") else None
+        node.cleanup()
+
+
+def pause_round(a: Worker, b: Worker, node_b: Node, watch: Watch, k: int) -> float:
+    """One checkpoint: both nodes write a shard of step_k; node B's daemon stops right after
+    its close() returned; rank 0 on A writes .metadata and ``latest``; B goes on after PAUSE.
+    Returns how long after A's write ``latest`` reached the backing."""
+    step = f"step_{k}"
+    watch.expect[step] = ["shard_a", "shard_b"]
+    a.do("write", f"{step}/shard_a", f"a{k}", SHARD_UNITS)
+    b.do("write", f"{step}/shard_b", f"b{k}", SHARD_UNITS)
+    os.kill(node_b.pid, signal.SIGSTOP)      # a slow or busy node, right after its close()
+    try:
+        wrote = time.monotonic()
+        a.do("point", f"{step}/.metadata", f"meta{k}")
+        a.do("point", "latest", step)
+        time.sleep(PAUSE)
+    finally:
+        os.kill(node_b.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while f"latest={step}" not in watch.seen:
+        assert time.monotonic() < deadline, f"latest never named {step} in the backing"
+        time.sleep(0.01)
+    return watch.seen[f"latest={step}"] - wrote
+
+
+def check_steps(backing: Path, rounds: int) -> None:
+    for k in range(rounds):
+        d = backing / f"step_{k}"
+        assert (d / "shard_a").read_bytes() == content(f"a{k}", SHARD_UNITS)
+        assert (d / "shard_b").read_bytes() == content(f"b{k}", SHARD_UNITS)
+        assert (d / ".metadata").read_text() == f"meta{k}"
+
+
+def test_pointer_never_lands_before_a_paused_nodes_shard(tmp_path, nodes_made):
+    node_a, node_b = make(tmp_path, 2, *FAST)
+    nodes_made += [node_a, node_b]
+    for n in (node_a, node_b):
+        n.mount()
+    a, b = Worker(node_a), Worker(node_b)
+    watch = Watch(node_a.backing)
+    watch.start()
+    delays = []
+    try:
+        for k in range(ROUNDS):
+            delays.append(pause_round(a, b, node_b, watch, k))
+    finally:
+        watch.stop()
+        a.close()
+        b.close()
+    assert watch.polls > 1000, "the watch hardly looked at the backing"
+    assert watch.ahead == [], f"a pointer reached the backing before the data: {watch.ahead[:5]}"
+    # held back by the pause: latest landed only after node B went on
+    assert min(delays) >= PAUSE - 0.2, delays
+    for n in (node_a, node_b):
+        n.sync()
+    check_steps(node_a.backing, ROUNDS)
+    st = node_a.status()["peers"]
+    assert [p["state"] for p in st["peers"]] in (["idle"], ["up"]), st
+    print(f"\n{ROUNDS} rounds, pointers ahead: 0, latest landed {min(delays):.2f}-{max(delays):.2f} s "
+          f"after it was written (pause {PAUSE} s)")
+
+
+def test_control_without_global_order_the_pointer_lands_first(tmp_path, nodes_made):
+    """The same scenario with --global-order off: the watch must see the pointer ahead (the
+    failure the issue reports), so the test above can fail."""
+    node_a, node_b = make(tmp_path, 2, "--global-order", "off")
+    nodes_made += [node_a, node_b]
+    for n in (node_a, node_b):
+        n.mount()
+    a, b = Worker(node_a), Worker(node_b)
+    watch = Watch(node_a.backing)
+    watch.start()
+    try:
+        for k in range(2):
+            pause_round(a, b, node_b, watch, k)
+    finally:
+        watch.stop()
+        a.close()
+        b.close()
+    assert watch.ahead, "without global order the pointer should have landed before B's shard"

@@ -85,6 +85,9 @@ def wait_durable(mountpoint: str, seq: int, timeout: float | None, label: str) -
                 f"{format_size(st['flush_rate_bytes_per_s'])}/s")
         if err:
             text += f"; retrying {err['path']}: {err['reason']}"
+        held = (st.get("peers") or {}).get("held")
+        if held and not err:
+            text += f"; {held_text(held)}"
         prog.update(text)
     try:
         client.wait_applied(mountpoint, seq, timeout, show)
@@ -346,6 +349,29 @@ def _age(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+def held_text(held: dict[str, Any]) -> str:
+    who = f"node {held['waiting_for']}" if held["waiting_for"] else "a fresh listing of the nodes"
+    return (f"held for global order {_age(max(0.0, time.time() - held['since']))}: "
+            f"{held['op']} {safe(held['path'])} waits for {who}")
+
+
+def render_peers(pe: dict[str, Any]) -> list[str]:
+    live = [p for p in pe["peers"] if p["state"] in ("up", "idle")]
+    lines = [f"  nodes      this one and {len(live)} other live nodes share the backing "
+             f"(skew {pe['skew']:g}s, lease {pe['lease']:g}s)"]
+    if pe.get("error"):
+        lines.append(f"  ERROR      node records: {pe['error']}")
+    for p in pe["peers"][:20]:
+        if p["state"] == "left":
+            continue
+        lag = f", frontier {p['frontier_lag']:.1f}s behind" if p["state"] == "up" else ""
+        lines.append(f"    {p['state']:<8} {safe(p['node'])} ({p['instance']}): heartbeat "
+                     f"{p['last_heartbeat']:.1f}s ago{lag}")
+    if pe.get("held"):
+        lines.append(f"  HELD       {held_text(pe['held'])}")
+    return lines
+
+
 def render_status(d: dict[str, Any]) -> str:
     if d.get("stale"):
         return f"{d['mountpoint']}  STALE: the daemon is gone; run 'acpfs umount {d['mountpoint']}'"
@@ -388,6 +414,8 @@ def render_status(d: dict[str, Any]) -> str:
                      f"see {d['log_file']}")
         for c in cf["recent"][-3:]:
             lines.append(f"    {c['kind']:<13} {safe(c['path'])}: {safe(c['resolution'])}")
+    if d.get("peers") and (d["peers"]["peers"] or d["peers"].get("held") or d["peers"].get("error")):
+        lines.extend(render_peers(d["peers"]))
     for f in d.get("files", {}).get("files", []):
         lines.append(f"    {f['state']:<10} {format_size(f['size']):>10}  {f['path']}")
     if d.get("files", {}).get("truncated"):

@@ -24,15 +24,15 @@ How (docs/design.md, "Global order across nodes"):
   change another node makes after that answer gets a larger stamp, even if its clock is up to
   ``skew`` behind: real-time order becomes stamp order.
 - Joining: a node writes its record before it serves, then lists; if it saw live peers, it
-  waits ``join_wait`` before serving, so that every peer has listed it before it
-  acknowledges anything (they list at least every ``heartbeat / 2``).
+  waits ``join_wait`` (two heartbeats) before serving, so that every peer has listed it
+  before it acknowledges anything (they list at least once per ``heartbeat``).
 - Liveness: a peer whose record's heartbeat is more than ``lease`` old is expired: it holds
   nobody back any more, and a WARNING names it. A node that unmounts after persisting
   everything renames its record to state "left", and nobody waits for it.
 
-Cost: a node with nothing pending renames its record once per ``heartbeat`` and lists the
-directory twice per ``heartbeat``; a busy node does both at most every ``poll`` seconds.
-``ops`` counts them.
+Cost: a node with nothing pending renames its record and lists the directory once per
+``heartbeat`` each; while some node has changes pending, a node lists and renames at most
+every ``poll`` seconds. ``ops`` counts them.
 
 Threads: one thread of its own (``acpfs-peers``) does all I/O; ``cleared``, ``commit_until``
 and ``status`` read its results under ``lock`` (the cache's lock, which the sequencer waits
@@ -50,12 +50,13 @@ import re
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
-from .backing import NODES_DIR
+from .backing import NODES_DIR, STALE
 from .retry import describe
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 UP, IDLE, LEFT = "up", "idle", "left"    # pending changes / nothing pending / unmounted
 RECORD = re.compile(rb"([0-9a-f]{12})\.(\d+)\.(\d+)\.(\d+)\.(up|idle|left)\.(.*)", re.S)
@@ -106,7 +107,9 @@ class Peers:
     def __init__(self, root: str, instance: str, mountpoint: str, lock: threading.Condition,
                  frontier: Callable[[], tuple[float, bool]], *, skew: float = 0.01, heartbeat: float = 1.0,
                  lease: float = 30.0, clock: Callable[[], float] = time.time) -> None:
-        self.dir = os.path.join(root, os.fsdecode(NODES_DIR))
+        self.root = root
+        self.dir = os.path.join(root, os.fsdecode(NODES_DIR))   # for messages
+        self._root_fd = -1
         self.instance = instance
         self.label = safe_label(f"{socket.gethostname()}:{mountpoint}")
         self.lock = lock
@@ -116,7 +119,7 @@ class Peers:
         self.heartbeat = heartbeat
         self.lease = lease
         self.poll = min(0.1, heartbeat / 2)
-        self.join_wait = heartbeat
+        self.join_wait = 2 * heartbeat   # every node lists at least once per heartbeat
         self.clock = clock
         # (lock) the thread's results
         self.peers: dict[str, Peer] = {}
@@ -141,7 +144,7 @@ class Peers:
         self.ignore = predecessor
         if predecessor is None:
             return None
-        for name in os.listdir(os.fsencode(self.dir)):
+        for name in self._names():
             r = RecordName.parse(name)
             if r is not None and r.instance == predecessor:
                 log.info("taking over from the dead daemon %s of this node (its frontier %s)",
@@ -166,12 +169,41 @@ class Peers:
                  ", ..." if len(live) > 4 else "", self.join_wait)
         return self.join_wait
 
-    def _ensure_dir(self) -> None:
+    # -- the records' I/O, relative to the backing root ------------------------------------
+    def _root(self) -> int:
+        if self._root_fd < 0:
+            self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return self._root_fd
+
+    def _io(self, fn: Callable[[int], T]) -> T:
+        """``fn(root fd)``; a backing mounted again (a stale root) is opened again by path."""
         try:
-            os.mkdir(self.dir, 0o755)
-            os.chmod(self.dir, 0o1777)    # every user's mounts keep their record here
-        except FileExistsError:
-            pass
+            return fn(self._root())
+        except OSError as e:
+            if e.errno in STALE and self._root_fd >= 0:
+                os.close(self._root_fd)
+                self._root_fd = -1
+            raise
+
+    def _names(self) -> list[bytes]:
+        """The names in the records directory. It is opened anew each time, by name: an NFS
+        client revalidates it then (close-to-open), so the listing is current."""
+        def names(root: int) -> list[bytes]:
+            fd = os.open(NODES_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root)
+            try:
+                return [os.fsencode(n) for n in os.listdir(fd)]
+            finally:
+                os.close(fd)
+        return self._io(names)
+
+    def _ensure_dir(self) -> None:
+        def make(root: int) -> None:
+            try:
+                os.mkdir(NODES_DIR, 0o755, dir_fd=root)
+                os.chmod(NODES_DIR, 0o1777, dir_fd=root)   # every user's mounts keep records here
+            except FileExistsError:
+                pass
+        self._io(make)
 
     def forget_predecessor(self, predecessor: str) -> None:
         """This node's record now covers what ``predecessor`` acknowledged: drop its record."""
@@ -186,6 +218,7 @@ class Peers:
         self._kick.set()
         if self.thread.is_alive():
             self.thread.join(5)
+
         if drained:
             try:
                 with self.lock:
@@ -195,6 +228,9 @@ class Peers:
             except OSError as e:
                 log.warning("could not mark this node's record as left (%s): the other nodes "
                             "stop waiting for it after %.0f s", describe(e), self.lease)
+        if self._root_fd >= 0:
+            os.close(self._root_fd)
+            self._root_fd = -1
 
     # -- asked by the sequencer and the FUSE thread (lock held) ----------------------------
     def live(self) -> list[Peer]:
@@ -243,7 +279,16 @@ class Peers:
                     self._write(front, state)
                 if now >= next_list or (want and now - self.listed_at >= self.poll):
                     self._list()
-                    next_list = now + self.heartbeat / 2
+                    with self.lock:
+                        waiting = [p for p in self.live() if p.record.state == UP]
+                    # while other nodes have changes pending, look at them more often, and
+                    # if one waits for this idle node's frontier, renew it at once
+                    next_list = now + (self.poll if waiting else self.heartbeat)
+                    if state == IDLE and any(p.record.frontier >= self._written[1] for p in waiting):
+                        with self.lock:
+                            front, pending = self.frontier()
+                        if not pending:
+                            self._write(front, IDLE)
                 with self.lock:
                     self.error = None
             except OSError as e:
@@ -260,10 +305,15 @@ class Peers:
         now = self.clock()
         old = self.mine
         new = RecordName(self.instance, old.version + 1 if old else 1, front, now, state, self.label)
-        name = os.path.join(self.dir, os.fsdecode(new.encode()))
+        name = NODES_DIR + b"/" + new.encode()
+
+        def make(root: int) -> None:
+            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644,
+                             dir_fd=root))
         if old is not None and not create:
             try:
-                os.rename(os.path.join(self.dir, os.fsdecode(old.encode())), name)
+                self._io(lambda root: os.rename(NODES_DIR + b"/" + old.encode(), name,
+                                                src_dir_fd=root, dst_dir_fd=root))
             except FileNotFoundError:
                 # removed by someone (an operator; another node after a long pause): again
                 log.warning("global order: this node's record in %s was removed; writing it "
@@ -271,11 +321,10 @@ class Peers:
                 create = True
         if old is None or create:
             try:
-                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                self._io(make)
             except FileNotFoundError:   # the directory itself was removed
                 self._ensure_dir()
-                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            os.close(fd)
+                self._io(make)
         with self.lock:
             self.ops += 1
             self.mine = new
@@ -283,7 +332,7 @@ class Peers:
 
     def _list(self) -> None:
         started = self.clock()
-        names = os.listdir(os.fsencode(self.dir))   # by path: an NFS client revalidates it
+        names = self._names()
         found: dict[str, RecordName] = {}
         for name in names:
             r = RecordName.parse(name)
@@ -334,7 +383,7 @@ class Peers:
 
     def _remove_instance(self, instance: str) -> None:
         try:
-            names = os.listdir(os.fsencode(self.dir))
+            names = self._names()
         except OSError:
             return
         for name in names:
@@ -344,7 +393,7 @@ class Peers:
 
     def _remove(self, r: RecordName) -> None:
         try:
-            os.unlink(os.path.join(os.fsencode(self.dir), r.encode()))
+            self._io(lambda root: os.unlink(NODES_DIR + b"/" + r.encode(), dir_fd=root))
             log.info("global order: removed the record of node %s (%s, %s)", r.label,
                      r.instance, r.state)
         except FileNotFoundError:

@@ -10,6 +10,9 @@ mirrors the directory SOURCE at MOUNTPOINT. Before each request it reads the fil
     hang [OP ...]       do not answer requests until CONTROL says otherwise
     slow S [OP ...]     answer requests S seconds late (a slow store: ``slow 0.005 write``)
 
+It counts the requests it gets, by handler, in CONTROL.counts (JSON, rewritten at most every
+0.2 s): what the filesystem below saw, as a network filesystem's server would.
+
 Stopping the process (SIGSTOP) is the other way to hang it. Inode numbers are our own,
 mapped to the (device, inode) of the source files, each with its current path; renames move
 the paths of everything under the renamed name. Every attribute timeout is 0, so the kernel
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -58,6 +62,8 @@ if pyfuse3 is not None:
             super().__init__()
             self.control = control
             self.ctl_key = None
+            self.counts: dict[str, int] = {}   # requests served, by handler (CONTROL.counts)
+            self.counts_written = 0.0
             self.mode: tuple[str, frozenset] = ("ok", frozenset())
             st = os.lstat(source)
             self.inos = {(st.st_dev, st.st_ino): pyfuse3.ROOT_INODE}
@@ -81,6 +87,14 @@ if pyfuse3 is not None:
             return self.mode
 
         async def gate(self, name: str) -> None:
+            self.counts[name] = self.counts.get(name, 0) + 1
+            now = time.monotonic()
+            if now - self.counts_written > 0.2:
+                self.counts_written = now
+                tmp = self.control + ".counts.new"
+                with open(tmp, "w") as f:
+                    f.write(json.dumps(self.counts))
+                os.replace(tmp, self.control + ".counts")
             while True:
                 mode, ops = self.read_mode()
                 if mode == "slow":
@@ -334,6 +348,13 @@ class Shim:
         tmp = self.control.with_suffix(".new")
         tmp.write_text(mode + "\n")
         os.replace(tmp, self.control)
+
+    def counts(self) -> dict[str, int]:
+        """Requests served so far, by handler (up to 0.2 s old)."""
+        try:
+            return json.loads(Path(str(self.control) + ".counts").read_text())
+        except FileNotFoundError:
+            return {}
 
     def stop(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)

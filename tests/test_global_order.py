@@ -167,3 +167,93 @@ def test_control_without_global_order_the_pointer_lands_first(tmp_path, nodes_ma
         a.close()
         b.close()
     assert watch.ahead, "without global order the pointer should have landed before B's shard"
+
+
+def wait_until(cond, what: str, timeout: float = 60, every: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+
+
+def test_a_node_killed_for_good_holds_the_others_only_for_its_lease(tmp_path, nodes_made):
+    lease = 3.0
+    node_a, node_b = make(tmp_path, 2, *FAST, "--peer-lease", str(lease))
+    nodes_made += [node_a, node_b]
+    for n in (node_a, node_b):
+        n.mount()
+    back = node_a.backing
+    a, b = Worker(node_a), Worker(node_b)
+    try:
+        instance_b = node_b.status()["instance"]
+        b.do("write", "step_0/shard_b", "b0", SHARD_UNITS)
+        b.close()
+        os.kill(node_b.pid, signal.SIGSTOP)    # it stops renewing its record: then dies
+        stopped = time.monotonic()
+        a.do("write", "step_0/shard_a", "a0", 4)
+        a.do("point", "latest", "step_0")
+        landed = wait_until(lambda: (back / "latest").exists() and time.monotonic(), "latest to land",
+                            timeout=lease + 20)
+        os.kill(node_b.pid, signal.SIGKILL)
+        os.kill(node_b.pid, signal.SIGCONT)
+    finally:
+        a.close()
+    # held while B's record was fresh, released once it was a lease old (B renewed it at most
+    # a heartbeat before it stopped)
+    held = landed - stopped
+    assert lease - 0.5 <= held <= lease + 5, f"latest landed {held:.2f} s after B stopped (lease {lease} s)"
+    st = node_a.status()["peers"]
+    assert [(p["instance"], p["state"]) for p in st["peers"]] == [(instance_b, "expired")], st
+    log = node_a.log.read_text()
+    assert f"({instance_b}) has not renewed its record" in log, "no WARNING naming B"
+    assert "no longer waiting for it" in log
+    # A's own changes go on at once from now on
+    node_a.run("sh", "-c", f"echo 1 > {node_a.mnt}/after")
+    wait_until(lambda: (back / "after").exists(), "A's next change to land", timeout=5)
+
+
+def test_a_node_that_unmounted_holds_nobody(tmp_path, nodes_made):
+    node_a, node_b = make(tmp_path, 2)        # the default lease: 30 s
+    nodes_made += [node_a, node_b]
+    for n in (node_a, node_b):
+        n.mount()
+    node_b.run(*ACPFS, "umount", str(node_b.mnt), "--timeout", "60", timeout=120)
+    start = time.monotonic()
+    node_a.run("sh", "-c", f"echo step_0 > {node_a.mnt}/latest")
+    wait_until(lambda: (node_a.backing / "latest").exists(), "latest to land", timeout=5)
+    took = time.monotonic() - start
+    st = node_a.status()["peers"]
+    assert [p["state"] for p in st["peers"]] == ["left"], st
+    assert took < 3, f"latest took {took:.2f} s with the only other node unmounted"
+
+
+def test_eight_idle_nodes_cost_the_backing_a_few_metadata_operations_per_second(
+        faults, tmp_path, nodes_made):
+    """8 nodes over one faultfs view of the shared directory, which counts every request it
+    gets (as a network filesystem's server would): idle nodes cost a bounded number per
+    second, and the nodes' own count of their record operations agrees."""
+    shared, view = tmp_path / "shared", tmp_path / "view"
+    view.mkdir()
+    shim = faults.shim(shared, view)
+    nodes = make(tmp_path, 8, backings=[view] * 8)
+    nodes_made += nodes
+    for n in nodes:
+        n.mount()
+    time.sleep(2)
+    c0, o0, t0 = shim.counts(), sum(n.status()["peers"]["ops"] for n in nodes), time.monotonic()
+    time.sleep(10)
+    c1, o1, t1 = shim.counts(), sum(n.status()["peers"]["ops"] for n in nodes), time.monotonic()
+    secs = t1 - t0
+    per_kind = {k: round((c1.get(k, 0) - c0.get(k, 0)) / secs / 8, 2) for k in c1 if c1[k] != c0.get(k, 0)}
+    requests = sum(c1.values()) - sum(c0.values())
+    own = (o1 - o0) / secs / 8
+    print(f"\n8 idle nodes: {requests / secs / 8:.1f} requests/s per node at the backing "
+          f"({per_kind}); {own:.2f} record operations/s per node by their own count")
+    # one rename and one listing per heartbeat (1 s), each a few requests at the backing
+    assert 1.5 <= own <= 2.5, own
+    # at a filesystem that caches nothing (faultfs: every timeout 0), about 18 requests
+    assert requests / secs / 8 <= 20, per_kind
+    assert all(p["state"] == "idle" for p in nodes[0].status()["peers"]["peers"])

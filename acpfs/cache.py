@@ -761,7 +761,9 @@ class Cache:
             self.pool.incref(snap.blocks)
             if node.staged is not None:
                 node.staged.queued = True   # the op owns it now; reads still use it
-            floor, stamp = self.acked.pop(node.ino, (0.0, 0.0))   # 0: stamped when queued
+            # the acknowledgement stays in ``acked`` until the op that covers it is queued
+            # (Flusher.submit): this node's frontier must not pass it in between
+            floor, stamp = self.acked.get(node.ino, (0.0, 0.0))   # 0: stamped when queued
         node.dirty = False
         node.truncated = False
         self.dirty_nodes.discard(node)

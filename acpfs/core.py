@@ -385,15 +385,26 @@ class Core:
             self.cache.note_ack(h.node)
 
     async def acknowledged(self) -> None:
-        """Commit wait (peers.py): while other nodes are live, a request that acknowledged a
-        change is answered only once this node's clock is the tolerated skew past the
-        change's stamp, so that whatever another node does after the answer is stamped
-        later, even by a clock that is behind."""
+        """Global order (peers.py), for a request that acknowledged a change: answered once
+        (1) the node's record no longer promises that nothing is pending under the change's
+        stamp (``Peers.announce``; or that promise has run out), and (2) while other nodes
+        are live, this node's clock is the tolerated skew past the stamp (commit wait), so
+        that whatever another node does after the answer is stamped later, even by a clock
+        that is behind."""
         peers = self.peers
         if peers is None:
             return
         with self.cache.lock:
-            until = peers.commit_until(self.cache.last_stamp)
+            stamp = self.cache.last_stamp
+            until = peers.commit_until(stamp)
+            promised = peers.promised
+        if promised > stamp:
+            # bounded by the promise itself: a backing that hangs costs at most that long
+            with trio.move_on_at(trio.current_time() + promised + peers.skew - time.time()):
+                await trio.to_thread.run_sync(peers.announce, abandon_on_cancel=True)
+                promised = 0.0
+            if promised:
+                until = max(until, promised + peers.skew)
         delay = until - time.time()
         if delay > 0:
             await trio.sleep(delay)

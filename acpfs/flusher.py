@@ -92,6 +92,7 @@ class Flusher:
             heapq.heappush(self._floors, (op.floor or op.stamp, op.seq))
             self.queue.append(op)
             if op.kind == OpKind.PUBLISH:
+                self.cache.acked.pop(op.node.ino, None)   # what close() acknowledged: in op now
                 op.node.publish_ops.append(op)
                 self.queued_bytes += op.nbytes
                 sp = op.snap.staged  # type: ignore[union-attr]

@@ -131,6 +131,9 @@ class Peers:
         self.mine: RecordName | None = None
         self._written = (0.0, -1.0, "")  # when, frontier, state of the last record written
         self._kept: set[str] = set()     # records this node may not remove (another user's)
+        self.promise = 2 * heartbeat      # how far ahead an idle node's frontier is (_publish)
+        self.promised = 0.0               # (lock) the frontier the record promises, if any
+        self._wlock = threading.Lock()    # one record write at a time
         self._stop = threading.Event()
         self._kick = threading.Event()
         self.thread = threading.Thread(target=self._run, name="acpfs-peers", daemon=True)
@@ -156,9 +159,7 @@ class Peers:
         """Write this node's first record, then list the peers. Returns how long to wait
         before serving: ``join_wait`` if other nodes are live, so that they have listed this
         one before it acknowledges anything."""
-        with self.lock:
-            front, pending = self.frontier()
-        self._write(front, UP if pending else IDLE, create=True)
+        self._publish(create=True)
         self._list()
         with self.lock:
             live = self.live()
@@ -221,9 +222,7 @@ class Peers:
 
         if drained:
             try:
-                with self.lock:
-                    front, _ = self.frontier()
-                self._write(front, LEFT)
+                self._publish(leaving=True)
                 log.info("left the nodes of %s: nobody waits for this node", self.dir)
             except OSError as e:
                 log.warning("could not mark this node's record as left (%s): the other nodes "
@@ -246,9 +245,15 @@ class Peers:
             return None
         mine = (stamp, self.instance)
         for p in self.live():
-            if (p.record.frontier, p.record.instance) <= mine:
+            r = p.record
+            if (r.frontier, r.instance) <= mine:
                 self.want = max(self.want, stamp)
                 return p
+            if r.frontier > r.heartbeat and p.listed <= stamp:
+                # a promise (see ``_publish``) covers what its node answered before it was
+                # read: it must have been read after this change was made
+                self.want = max(self.want, stamp)
+                return None
         return True
 
     def commit_until(self, stamp: float) -> float:
@@ -276,7 +281,7 @@ class Peers:
                 # idle, the frontier is the clock: rewritten once per heartbeat only
                 if now - when >= self.heartbeat or (now - when >= self.poll and (
                         state != wstate or (pending and front != wfront))):
-                    self._write(front, state)
+                    self._publish()
                 if now >= next_list or (want and now - self.listed_at >= self.poll):
                     self._list()
                     with self.lock:
@@ -285,10 +290,7 @@ class Peers:
                     # if one waits for this idle node's frontier, renew it at once
                     next_list = now + (self.poll if waiting else self.heartbeat)
                     if state == IDLE and any(p.record.frontier >= self._written[1] for p in waiting):
-                        with self.lock:
-                            front, pending = self.frontier()
-                        if not pending:
-                            self._write(front, IDLE)
+                        self._publish()
                 with self.lock:
                     self.error = None
             except OSError as e:
@@ -300,6 +302,38 @@ class Peers:
                                 self.dir, describe(e))
             self._kick.wait(self.poll)
             self._kick.clear()
+
+    def _publish(self, create: bool = False, leaving: bool = False) -> None:
+        """Write this node's record as it stands now.
+
+        Promise: an idle node with live peers writes a frontier ``promise`` seconds ahead of
+        its clock, so that peers need not wait for its next heartbeat. It keeps its word in
+        ``announce``: a change acknowledged with a stamp under the promise is answered only
+        after the record says "up" again (or once the promise has run out). ``promised`` is
+        set under the lock together with the frontier, so that a change stamped after it
+        sees it (``Core.acknowledged``)."""
+        with self._wlock:
+            with self.lock:
+                front, pending = self.frontier()
+                if leaving:
+                    state = LEFT
+                elif pending:
+                    state = UP
+                else:
+                    state = IDLE
+                    if self.live():
+                        front += self.promise
+                self.promised = front if state == IDLE and front > self.clock() else 0.0
+            self._write(front, state, create)
+
+    def announce(self) -> None:
+        """(A worker thread, for a request that acknowledged a change) If the change is
+        pending under this node's promise, make the record say "up" before the answer."""
+        with self.lock:
+            front, pending = self.frontier()
+            if not pending or front >= self.promised:
+                return
+        self._publish()
 
     def _write(self, front: float, state: str, create: bool = False) -> None:
         now = self.clock()
@@ -329,6 +363,7 @@ class Peers:
             self.ops += 1
             self.mine = new
         self._written = (now, front, state)
+        log.debug("record: %s, frontier %+.3f s", state, front - now)
 
     def _list(self) -> None:
         started = self.clock()

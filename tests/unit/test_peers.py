@@ -18,7 +18,7 @@ import threading
 import pytest
 
 from acpfs.backing import NODES_DIR
-from acpfs.peers import LEFT, Peers, RecordName
+from acpfs.peers import Peers, RecordName
 
 SEEDS = int(os.environ.get("PEERS_SEEDS", "60"))
 
@@ -82,7 +82,12 @@ class Cluster:
         with node.lock:
             s = node.stamp()
             until = node.peers.commit_until(s)
-        node.queue.append((s, cid))
+            node.queue.append((s, cid))
+            promised = node.peers.promised
+        if promised > s and self.rnd.random() < 0.9:
+            node.peers.announce()          # the record says "up" before the answer
+        elif promised > s:
+            until = max(until, promised + node.peers.skew)   # the backing hung: promise runs out
         self.made[cid] = (i, self.now)
         # answered once the node's own clock passed ``until`` (commit wait)
         node.busy_until = self.answered[cid] = max(self.now, until - node.offset)
@@ -115,9 +120,7 @@ class Cluster:
         if r < 0.3:
             self.make(i)
         elif r < 0.5:
-            with node.lock:
-                front, pending = node.frontier()
-            node.peers._write(front, "up" if pending else "idle")
+            node.peers._publish()
         elif r < 0.7:
             node.peers._list()
         elif r < 0.9:
@@ -131,9 +134,7 @@ class Cluster:
             for i, node in enumerate(self.nodes):
                 while self.apply(i):
                     pass
-                with node.lock:
-                    front, pending = node.frontier()
-                node.peers._write(front, "up" if pending else "idle")
+                node.peers._publish()
             for node in self.nodes:
                 node.peers._list()
             self.now += 0.01
@@ -183,7 +184,7 @@ def test_left_and_expired_peers_hold_nobody(tmp_path):
     c.now += 0.1
     with a.lock:
         assert a.peers.cleared(s) is not True       # b and d have not written since
-    b.peers._write(b.frontier()[0], LEFT)            # b unmounts
+    b.peers._publish(leaving=True)                   # b unmounts
     c.now += 6                                       # d stops renewing: expired after 5 s
     a.peers._list()
     with a.lock:
@@ -192,3 +193,65 @@ def test_left_and_expired_peers_hold_nobody(tmp_path):
     assert states == {}, states
     names = os.listdir(tmp_path / os.fsdecode(NODES_DIR))
     assert len(names) == 3
+
+
+def test_a_change_answered_under_a_promise_holds_the_other_nodes(tmp_path):
+    """An idle node's record promises a frontier ahead of its clock; a change it acknowledges
+    under that promise makes the record say "up" before the answer (announce), and another
+    node trusts a promise only from a listing made after its own change."""
+    c = Cluster(str(tmp_path), 2, 0.01, spread=0.0, rnd=random.Random(3))
+    c.applied_set = set()
+    a, b = c.nodes
+    b.peers._publish()
+    assert b.peers.promised > b.clock(), "an idle node with a live peer promises ahead"
+    a.peers._list()
+    c.now += 0.05
+    c.make(1)                                       # B acknowledges X under its promise
+    assert b.peers.mine.state == "up" and b.peers.promised == 0.0
+    c.now = b.busy_until + 0.001
+    c.make(0)                                       # A makes Y after X was answered
+    (sy, _), (sx, _) = a.queue[0], b.queue[0]
+    assert sy > sx
+    with a.lock:
+        assert a.peers.cleared(sy) is None, "a promise read before Y was made was trusted"
+    a.peers._list()
+    with a.lock:
+        waits = a.peers.cleared(sy)
+    assert waits is not True and waits.record.instance == b.peers.instance
+    a.peers._publish()                              # A says Y is pending: X goes first
+    b.peers._list()
+    assert c.apply(1)
+    b.peers._publish()
+    c.now += 0.01
+    a.peers._list()
+    assert c.apply(0) and c.violations == []
+
+
+def test_an_acknowledged_close_counts_in_the_frontier_until_it_is_applied(core):
+    """close() stamps what it acknowledges (Cache.note_ack); RELEASE queues it later. At every
+    moment in between and until the op is applied, the node's frontier stays at or before the
+    stamp (a node once showed "idle" between the two, and a pointer of another node landed
+    before its shard)."""
+    from harness import write_file
+    cache, fl = core.cache, core.flusher
+    core.backing.inject("publish", hang=True)   # the op stays queued
+    node = write_file(cache, b"shard", b"x" * 5000)
+    cache.note_ack(node)
+    stamp = cache.acked[node.ino][1]
+    seen = []
+    enqueue = cache._enqueue
+
+    def checked(*a, **kw):
+        with cache.lock:
+            seen.append(fl.frontier())   # between the snapshot and the queue
+        enqueue(*a, **kw)
+        with cache.lock:
+            seen.append(fl.frontier())
+    cache._enqueue = checked
+    cache.release(node, True)
+    assert seen and all(pending and front <= stamp for front, pending in seen), seen
+    core.backing.clear()
+    core.drain()
+    with cache.lock:
+        front, pending = fl.frontier()
+    assert not pending and front > stamp

@@ -8,6 +8,7 @@ at once; what was not persisted stays in the cache directory and the log says so
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import logging
@@ -18,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from .config import format_size, write_mount_record
 
@@ -120,6 +121,11 @@ class Daemon:
 
         left = self.left = journal.read_leftover(opts.cache_dir)
         self.replay, self.dirty = recovery.plan(left) if left else ([], [])
+        instance = new_instance()
+        self.peers = None
+        self.join_wait = 0.0
+        front = self._find_peers(instance, left.instance if left else None) \
+            if opts.global_order else None
         cache_size, block_size = opts.cache_size, opts.block_size
         if self.replay or self.dirty:
             assert left is not None
@@ -137,7 +143,7 @@ class Daemon:
                          progress=self._allocating, mlock=opts.mlock)
         self.pool.claim(recovery.claimed_blocks(self.replay))
         # a new identity for this daemon's temporary files; the dead one's leftovers are ours
-        self.backing = Backing(opts.backing, new_instance(), left.instance if left else None)
+        self.backing = Backing(opts.backing, instance, left.instance if left else None)
         log.info("temporary files of this daemon: %s*", os.fsdecode(self.backing.mine))
         cache = self.cache = Cache(self.backing, self.pool)
         self.flusher = Flusher(cache, self.backing, opts.flush_workers)
@@ -152,32 +158,44 @@ class Daemon:
                               opts.fsync_backing, opts.flush_workers, opts.cache_full_timeout,
                               opts.persist_open_after, coherence_timeout=opts.coherence_timeout)
         self.core = Core(cache, self.info)
-        self.peers = None
-        self.join_wait = 0.0
-        if opts.global_order:
-            self._join(left.instance if left else None)
+        if self.peers is not None:
+            self._join(front, left.instance if left else None)
 
-    def _join(self, predecessor: str | None) -> None:
-        """Global order: this node's record among the other nodes' in the backing (peers.py)."""
+    def _find_peers(self, instance: str, predecessor: str | None) -> float | None:
+        """Global order (peers.py), before the pool is allocated, so that a backing where
+        records cannot be kept fails the mount at once: the records directory, and the
+        frontier of ``predecessor`` (the dead daemon this one recovers) if it left a record."""
         from .peers import Peers
         opts = self.opts
-        peers = Peers(opts.backing, self.backing.instance, opts.mountpoint, self.cache.lock,
-                      self.flusher.frontier, skew=opts.max_clock_skew,
-                      heartbeat=opts.peer_heartbeat, lease=opts.peer_lease)
-        try:
-            front = peers.find_predecessor(predecessor)
-            if self.replay or self.dirty:
-                # what the dead daemon acknowledged is older than anything: its frontier (or,
-                # without its record, the oldest stamp) holds the other nodes back until the
-                # replayed changes are in the backing
-                self.cache.recovery_stamp = front if front is not None else 1e-6
+        self.peers = Peers(opts.backing, instance, opts.mountpoint, skew=opts.max_clock_skew,
+                           heartbeat=opts.peer_heartbeat, lease=opts.peer_lease)
+        with self._records():
+            return self.peers.find_predecessor(predecessor)
+
+    def _join(self, front: float | None, predecessor: str | None) -> None:
+        """Write this node's record among the other nodes' (after ``_find_peers``)."""
+        peers = self.peers
+        assert peers is not None
+        peers.attach(self.cache.lock, self.flusher.frontier)
+        if self.replay or self.dirty:
+            # what the dead daemon acknowledged is older than anything: its frontier (or,
+            # without its record, the oldest stamp) holds the other nodes back until the
+            # replayed changes are in the backing
+            self.cache.recovery_stamp = front if front is not None else 1e-6
+        with self._records():
             self.join_wait = peers.enter()
-        except OSError as e:
-            raise SystemExit(f"acpfs: cannot keep this node's record in {peers.dir} ({e.strerror}); "
-                             "the backing must be writable (or mount with --global-order off)")
         if predecessor is not None:
             peers.forget_predecessor(predecessor)   # this node's record now covers it
-        self.peers = self.flusher.peers = self.core.peers = self.info.peers = peers
+        self.flusher.peers = self.core.peers = self.info.peers = peers
+
+    @contextlib.contextmanager
+    def _records(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            assert self.peers is not None
+            raise SystemExit(f"cannot keep this node's record in {self.peers.dir} ({e.strerror}); "
+                             "the backing must be writable (or mount with --global-order off)")
 
     def _allocating(self, done: int, total: int) -> None:
         if time.monotonic() - self._last_progress > 0.5 or done == total:

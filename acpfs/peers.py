@@ -43,7 +43,6 @@ records of one instance carry increasing versions and non-decreasing frontiers.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import re
@@ -104,21 +103,20 @@ class Peer:
 
 
 class Peers:
-    def __init__(self, root: str, instance: str, mountpoint: str, lock: threading.Condition,
-                 frontier: Callable[[], tuple[float, bool]], *, skew: float = 0.01, heartbeat: float = 1.0,
-                 lease: float = 30.0, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, root: str, instance: str, mountpoint: str, *, skew: float = 0.01,
+                 heartbeat: float = 1.0, lease: float = 30.0,
+                 clock: Callable[[], float] = time.time) -> None:
         self.root = root
         self.dir = os.path.join(root, os.fsdecode(NODES_DIR))   # for messages
         self._root_fd = -1
         self.instance = instance
         self.label = safe_label(f"{socket.gethostname()}:{mountpoint}")
-        self.lock = lock
-        # (lock held) this node's frontier, and whether anything acknowledged is pending
-        self.frontier = frontier
+        self.lock = threading.Condition()   # the cache's, once attached
+        self.frontier: Callable[[], tuple[float, bool]] = lambda: (self.clock(), False)
         self.skew = skew
         self.heartbeat = heartbeat
         self.lease = lease
-        self.poll = min(0.1, heartbeat / 2)
+        self.poll = heartbeat / 10       # while changes wait somewhere: list and renew this often
         self.join_wait = 2 * heartbeat   # every node lists at least once per heartbeat
         self.clock = clock
         # (lock) the thread's results
@@ -138,6 +136,13 @@ class Peers:
         self._kick = threading.Event()
         self.thread = threading.Thread(target=self._run, name="acpfs-peers", daemon=True)
 
+    def attach(self, lock: threading.Condition, frontier: Callable[[], tuple[float, bool]]) -> None:
+        """Share the cache's lock (the sequencer waits on it) and read this node's frontier
+        (``frontier()``, lock held: the frontier, and whether anything acknowledged is
+        pending) from the flusher."""
+        self.lock = lock
+        self.frontier = frontier
+
     # -- joining and leaving (daemon thread) ----------------------------------------------
     def find_predecessor(self, predecessor: str | None) -> float | None:
         """Before a recovery: the frontier in the record of ``predecessor`` (the dead daemon
@@ -145,9 +150,10 @@ class Peers:
         left none. Its record is this daemon's to replace from now on."""
         self._ensure_dir()
         self.ignore = predecessor
+        names = self._names()     # also: the directory is one, and readable
         if predecessor is None:
             return None
-        for name in self._names():
+        for name in names:
             r = RecordName.parse(name)
             if r is not None and r.instance == predecessor:
                 log.info("taking over from the dead daemon %s of this node (its frontier %s)",

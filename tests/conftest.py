@@ -137,6 +137,12 @@ def mnt(make_mount) -> Mount:
     return make_mount()
 
 
+def listing(path) -> list[str]:
+    """The names in a backing directory, sorted, without acpfs's own (``.acpfs-*``: temporary
+    files, the node records of global order, conflicts and recovered files)."""
+    return sorted(n for n in os.listdir(path) if not n.startswith(".acpfs-"))
+
+
 def tree(root: Path) -> dict[str, tuple]:
     """Names, kinds, modes, bytes and link targets of a tree (acpfs temp files excluded)."""
     out = {}

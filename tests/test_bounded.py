@@ -10,8 +10,6 @@ import subprocess
 import threading
 import time
 
-from conftest import acpfs
-
 
 def test_1gib_through_a_64mib_cache(make_mount):
     m = make_mount(cache_size="64M")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import acpfs, tree
+from conftest import acpfs, listing, tree
 
 MiB = 1 << 20
 TEMP_PREFIX = ".acpfs-tmp-"
@@ -205,7 +205,7 @@ def test_read_only_backing_is_retried_and_lands_in_order(make_mount, faults):
         r = acpfs("sync", str(m.mnt), "--timeout", "2", check=False)
         assert r.returncode == 1 and "timed out" in r.stderr and "EROFS" in r.stderr
         time.sleep(2)                                    # a few more failed attempts
-        assert sorted(os.listdir(m.back)) == ["old"]     # nothing reached the backing
+        assert listing(m.back) == ["old"]     # nothing reached the backing
         faults.remount(m.back, "rw")
         m.sync(timeout=60)
     finally:
@@ -508,4 +508,4 @@ def test_ten_parallel_writers_larger_than_the_cache(make_mount):
     for name, digest in digests.items():
         with open(m.back / name, "rb") as f:
             assert hashlib.file_digest(f, "sha256").hexdigest() == digest, name
-    assert sorted(os.listdir(m.back)) == sorted(digests)
+    assert listing(m.back) == sorted(digests)

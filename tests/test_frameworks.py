@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import listing
+
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -244,7 +246,7 @@ def test_trainer_style_rotation_and_latest(mnt):
     want_kept = [f"checkpoint-{s}" for s in steps[-keep:]]
     assert sorted(os.listdir(mnt.mnt)) == sorted(want_kept + ["latest"])
     mnt.sync()
-    assert sorted(os.listdir(mnt.back)) == sorted(want_kept + ["latest"])
+    assert listing(mnt.back) == sorted(want_kept + ["latest"])
     assert (mnt.back / "latest").read_text() == f"checkpoint-{steps[-1]}"
     assert no_temp_files(mnt.back) == []
     for name in want_kept:
@@ -298,7 +300,7 @@ def test_megatron_style_tracker_replace(make_mount):
     assert (m.back / "latest_checkpointed_iteration.txt").read_text() == "30"
     assert not (m.back / "latest_checkpointed_iteration.txt.tmp").exists()
     assert no_temp_files(m.back) == []
-    assert sorted(os.listdir(m.back)) == ["iter_0000000", "iter_0000010", "iter_0000020", "iter_0000030",
+    assert listing(m.back) == ["iter_0000000", "iter_0000010", "iter_0000020", "iter_0000030",
                                          "latest_checkpointed_iteration.txt"]
     for it, st in states.items():
         ranks = ("mp_rank_00",) if it == 0 else ("mp_rank_00", "mp_rank_01")

@@ -12,7 +12,6 @@ scenario with ``--global-order off`` and must see the pointer ahead, so the chec
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ACPFS, Node, Worker, content, digest
+from conftest import ACPFS, Node, Worker, content
 
 ROUNDS = int(os.environ.get("ORDER_ROUNDS", "6"))
 PAUSE = 3.0

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import ACPFS, content, digest
+from conftest import ACPFS, content, digest, listing
 
 ROUNDS = int(os.environ.get("MULTINODE_ROUNDS", "50"))
 
@@ -69,7 +69,7 @@ def test_simultaneous_first_saves_never_mix_shards(make_nodes, n):
     wrong = [f"step_{r}/shard_{i}.bin" for r in range(ROUNDS) for i in range(n)
              if (back / f"step_{r}" / f"shard_{i}.bin").read_bytes() != shard(r, i)]
     assert wrong == [], f"{len(wrong)} of {ROUNDS * n} shards hold other bytes: {wrong[:5]}"
-    assert sorted(os.listdir(back)) == sorted(f"step_{r}" for r in range(ROUNDS))
+    assert listing(back) == sorted(f"step_{r}" for r in range(ROUNDS))
     for r in range(ROUNDS):
         assert sorted(os.listdir(back / f"step_{r}")) == [f"shard_{i}.bin" for i in range(n)]
     for node in nodes:

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import tree
+from conftest import listing, tree
 
 
 def test_backing_tree_is_visible_and_readable(make_mount, tmp_path):
@@ -202,7 +202,7 @@ def test_recursive_delete_of_backing_tree(make_mount):
     for i in range(4):
         shutil.rmtree(m.mnt / f"ckpt-{i}")
     m.sync()
-    assert sorted(os.listdir(m.back)) == ["ckpt-4"]
+    assert listing(m.back) == ["ckpt-4"]
 
 
 def test_symlinks(mnt):

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import listing
+
 TEMP_PREFIX = ".acpfs-tmp-"
 MiB = 1 << 20
 
@@ -224,7 +226,7 @@ def test_pointer_never_ahead_of_checkpoint(make_mount, cache_size):
     assert stats["ckpt_verified_via_latest"] >= 3, stats
     # final state: everything, byte-exact, and 'latest' names the last step
     assert (back / "latest").read_text() == order[-1] + "\n"
-    assert sorted(os.listdir(back)) == sorted(order + ["latest"])
+    assert listing(back) == sorted(order + ["latest"])
     for name, (size, want) in expected.items():
         data = (back / name).read_bytes()
         assert len(data) == size and digest(data) == want, name
@@ -318,7 +320,7 @@ def test_overwrite_large_file_old_or_new(make_mount, cache_size):
     assert seen[0] == 0 and seen[-1] == 3, seen
     assert len(seen) >= 4, seen
     assert (m.back / "model.bin").read_bytes() == v[3]
-    assert [n for n in os.listdir(m.back)] == ["model.bin"]
+    assert listing(m.back) == ["model.bin"]
 
 
 def test_overwrite_small_pointer_many_times(make_mount):
@@ -365,7 +367,7 @@ def test_overwrite_small_pointer_many_times(make_mount):
     assert seen[-1] == len(contents) - 1
     assert len(set(seen)) >= 3, "the reader saw too few versions to prove anything"
     assert back.read_bytes() == contents[-1]
-    assert os.listdir(m.back) == ["latest"]
+    assert listing(m.back) == ["latest"]
 
 
 # -- created and deleted before it was persisted ----------------------------------------------------
@@ -465,7 +467,7 @@ def test_file_deleted_before_persist_never_reaches_backing(make_mount, cache_siz
     assert sync_error is None, sync_error
     assert {"blocker.bin", "blocker2.bin", "sub", "sub/keeper.bin"} <= seen_names
     # whatever was deleted is gone after sync, and no temporary files are left either
-    assert sorted(os.listdir(m.back)) == ["blocker.bin", "blocker2.bin", "sub"]
+    assert listing(m.back) == ["blocker.bin", "blocker2.bin", "sub"]
     assert os.listdir(m.back / "sub") == ["keeper.bin"]
     assert (m.back / "sub" / "keeper.bin").read_bytes() == keeper
     assert (m.back / "blocker.bin").read_bytes() == src.make("blocker", 200 * MiB, 0)
@@ -498,5 +500,5 @@ def test_unlink_after_persist_removes_from_backing(make_mount):
     os.rmdir(m.mnt / "olddir")
     assert sorted(os.listdir(m.mnt)) == ["stays.bin"]
     m.sync()
-    assert sorted(os.listdir(m.back)) == ["stays.bin"]
+    assert listing(m.back) == ["stays.bin"]
     assert (m.back / "stays.bin").read_bytes() == b"stays"

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from conftest import acpfs
+from conftest import acpfs, listing
 
 
 def wait_for(pred, timeout: float = 30, what: str = "condition"):
@@ -111,7 +111,7 @@ def test_a_backing_that_goes_away_and_comes_back(make_mount, faults, tmp_path):
     subprocess.run(["fusermount3", "-u", "-z", str(m.back)], check=True)
     (m.mnt / "d" / "while_gone").write_bytes(b"2")     # acknowledged, waits in RAM
     time.sleep(1.5)
-    assert os.listdir(m.back) == []                    # never written under the mount point
+    assert listing(m.back) == []                    # never written under the mount point
     assert m.status()["errors"], "the failing backing does not show in status"
     faults.shim(src, m.back)                           # mounted again at the same path
     (m.mnt / "after").write_bytes(b"3")

@@ -14,7 +14,6 @@ record operations per second of an idle node (the nodes' own count, ``status.pee
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys

@@ -5,14 +5,12 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import stat
 import threading
 import time
 
 import pytest
 import trio
 
-from harness import write_file
 import triocore as tc
 from test_conflicts import other_writes, save
 

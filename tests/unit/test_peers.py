@@ -41,8 +41,9 @@ class SimNode:
         self.lock = threading.Condition()
         self.last = 0.0
         self.queue: list[tuple[float, int]] = []
-        self.peers = Peers(root, secrets.token_hex(6), "/ckpt", self.lock, self.frontier,
-                           skew=skew, heartbeat=1.0, lease=1e9, clock=self.clock)
+        self.peers = Peers(root, secrets.token_hex(6), "/ckpt", skew=skew, heartbeat=1.0,
+                           lease=1e9, clock=self.clock)
+        self.peers.attach(self.lock, self.frontier)
         self.busy_until = 0.0          # its process waits for the answer to its last change
 
     def clock(self) -> float:
@@ -255,3 +256,21 @@ def test_an_acknowledged_close_counts_in_the_frontier_until_it_is_applied(core):
     with cache.lock:
         front, pending = fl.frontier()
     assert not pending and front > stamp
+
+
+def test_a_removed_record_or_records_directory_is_written_again(tmp_path):
+    import shutil
+    c = Cluster(str(tmp_path), 2, 0.01, spread=0.0, rnd=random.Random(5))
+    a, b = c.nodes
+    records = tmp_path / os.fsdecode(NODES_DIR)
+    os.unlink(records / os.fsdecode(a.peers.mine.encode()))   # an operator removed it
+    c.now += 0.5
+    a.peers._publish()
+    shutil.rmtree(records)                                      # the whole directory
+    c.now += 0.5
+    b.peers._publish()
+    a.peers._publish()
+    b.peers._list()
+    with b.lock:
+        assert [p.record.instance for p in b.peers.live()] == [a.peers.instance]
+    assert len(os.listdir(records)) == 2

@@ -25,6 +25,9 @@ sync``, then SRC must equal the last state (complete).
 - ``test_history_*`` and ``test_a_backing_behind_at_a_state_that_comes_back_is_no_violation``:
   the check itself: a backing that is behind at a state the history has twice, then moves on,
   is no violation; one that goes back still is.
+- ``test_the_random_operations_rename_only_where_the_reference_does``: the generator works
+  only in real directories (never through a symlink to one) and renames only where
+  rename(2) succeeds on the reference.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import hashlib
 import itertools
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -168,6 +172,42 @@ def shim_mount(make_mount, faults, tmp_path, **kw):
     return m, src, shim
 
 
+def is_real_dir(p: Path) -> bool:
+    """A directory, not a symlink to one."""
+    return p.is_dir() and not p.is_symlink()
+
+
+def entries(root: Path, dirs_only: bool = False) -> list[str]:
+    """The entries under ``root``; ``dirs_only``: its real directories (with "" for root
+    itself), never a symlink to one (os.walk counts those as directories): an operation
+    in a directory reached through a symlink is one in another place (a directory
+    renamed into itself, EINVAL)."""
+    out = [""] if dirs_only else []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        rel = "" if rel == "." else rel + "/"
+        if dirs_only:
+            out += [rel + d for d in dirnames if is_real_dir(Path(dirpath) / d)]
+        else:
+            out += [rel + d for d in dirnames] + [rel + f for f in filenames]
+    return sorted(out)
+
+
+def renames(root: Path, path: str, dst: str) -> bool:
+    """Does ``rename(path, dst)`` succeed under ``root`` (and change something)? A directory
+    goes over nothing or an empty directory, never into itself; anything else over nothing
+    or anything but a directory (a symlink to a directory is not one). ``dst``'s directory
+    is a real directory (``entries(dirs_only=True)``)."""
+    s, t = root / path, root / dst
+    if dst == path or dst.startswith(path + "/"):
+        return False
+    if not os.path.lexists(t):
+        return True
+    if is_real_dir(s):
+        return is_real_dir(t) and not any(t.iterdir())
+    return not is_real_dir(t)
+
+
 def both(fn, *roots: Path) -> None:
     for r in roots:
         fn(r)
@@ -259,6 +299,38 @@ def test_a_backing_behind_at_a_state_that_comes_back_is_no_violation(make_mount,
     assert history.seen == 2 and history.latest
 
 
+def test_the_random_operations_rename_only_where_the_reference_does(tmp_path):
+    """The generator's picks (``entries``, ``renames``) against rename(2) itself, on a tree
+    with a symlink to a directory (CI: ``rename a -> b/c`` with ``b -> a``, EINVAL;
+    ``a -> b`` over it, ENOTDIR; ``b -> a``, EISDIR), for every pick: ``renames`` says yes
+    exactly where the rename succeeds and changes something."""
+    root = tmp_path / "tree"
+    for d in ("a/a", "a/e", "e"):
+        (root / d).mkdir(parents=True)
+    (root / "a" / "f").write_bytes(b"f")
+    (root / "f").write_bytes(b"f")
+    os.symlink("a", root / "b")
+    os.symlink("../b", root / "c")
+    os.symlink("/nowhere", root / "l")
+    dirs = entries(root, dirs_only=True)
+    assert dirs == ["", "a", "a/a", "a/e", "e"]        # b (-> a) is no directory to work in
+    assert entries(root) == ["a", "a/a", "a/e", "a/f", "b", "c", "e", "f", "l"]
+    picks = 0
+    for i, (path, d, name) in enumerate(itertools.product(entries(root), dirs, "abcefl")):
+        dst = os.path.join(d, name)
+        scratch = tmp_path / f"s{i}"
+        shutil.copytree(root, scratch, symlinks=True)
+        try:
+            os.rename(scratch / path, scratch / dst)
+            done = dst != path
+        except OSError:
+            done = False
+        assert renames(root, path, dst) == done, f"rename {path} -> {dst}: rename(2) {'does' if done else 'does not'}"
+        picks += done
+        shutil.rmtree(scratch)
+    assert picks > 50
+
+
 def test_rotation_loop_only_shows_states_of_the_mount(make_mount, faults, tmp_path):
     m, src, shim = shim_mount(make_mount, faults, tmp_path, cache_size="512M")
     ref = tmp_path / "ref"
@@ -324,14 +396,7 @@ def test_random_operations_only_show_states_of_the_mount(make_mount, faults, tmp
             note(f"example directory {sub}")
 
         def entries(self, dirs_only: bool = False) -> list[str]:
-            out = [""] if dirs_only else []
-            for dirpath, dirnames, filenames in os.walk(self.roots[1]):
-                rel = os.path.relpath(dirpath, self.roots[1])
-                rel = "" if rel == "." else rel + "/"
-                out += [rel + d for d in dirnames]
-                if not dirs_only:
-                    out += [rel + f for f in filenames]
-            return sorted(out)
+            return entries(self.roots[1], dirs_only)
 
         def do(self, label: str, fn) -> None:
             both(fn, *self.roots)
@@ -378,7 +443,7 @@ def test_random_operations_only_show_states_of_the_mount(make_mount, faults, tmp
                 return
             path = es[e % len(es)]
             p = self.roots[1] / path
-            if p.is_dir() and not p.is_symlink():
+            if is_real_dir(p):
                 rm_rf(self.history, self.roots, path)
             else:
                 self.do(f"unlink {path}", lambda r: os.unlink(r / path))
@@ -391,9 +456,7 @@ def test_random_operations_only_show_states_of_the_mount(make_mount, faults, tmp
             path = es[e % len(es)]
             dirs = [x for x in self.entries(dirs_only=True) if x != path and not x.startswith(path + "/")]
             dst = os.path.join(dirs[d % len(dirs)], name)
-            s, t = self.roots[1] / path, self.roots[1] / dst
-            if dst == path or (os.path.lexists(t) and (t.is_dir() != s.is_dir() or
-                                                       (t.is_dir() and any(t.iterdir())))):
+            if not renames(self.roots[1], path, dst):
                 return
             self.do(f"rename {path} -> {dst}", lambda r: os.rename(r / path, r / dst))
 

@@ -149,15 +149,25 @@ class Holder:
 
     SLOW = "slow 0.005 write"
 
-    def __init__(self, shim, src: Path, sub: str, history: History) -> None:
+    def __init__(self, shim, src: Path, sub: str, history: History, mount=None) -> None:
         self.shim, self.src, self.sub, self.history = shim, src, sub, history
+        self.mount = mount    # its queue is shown with a failed check
         shim.set(self.SLOW)
 
     def hold(self, after: float, where: str) -> None:
         time.sleep(after)                 # let the flusher get somewhere first
         self.shim.set("hang")
         try:
-            self.history.check(stable_tree(self.src, self.sub), where)
+            try:
+                self.history.check(stable_tree(self.src, self.sub), where)
+            except AssertionError as e:
+                if self.mount is None:
+                    raise
+                try:    # where the flusher is: how many of the program's ops it applied
+                    queue = self.mount.status()["queue"]
+                except OSError as e2:
+                    queue = f"unknown ({e2})"
+                raise AssertionError(f"{e}\nthe flusher at the hold: {queue}") from None
         finally:
             self.shim.set(self.SLOW)
 
@@ -337,7 +347,7 @@ def test_rotation_loop_only_shows_states_of_the_mount(make_mount, faults, tmp_pa
     (ref / "run").mkdir(parents=True)
     (m.mnt / "run").mkdir()
     history = History(ref / "run")
-    holder = Holder(shim, src, "run", history)
+    holder = Holder(shim, src, "run", history, m)
     rng = random.Random(10)
     roots = (m.mnt / "run", ref / "run")
     saves, keep = 10, 2
@@ -392,7 +402,7 @@ def test_random_operations_only_show_states_of_the_mount(make_mount, faults, tmp
             self.roots = (m.mnt / sub, ref_root / sub)
             both(lambda r: r.mkdir(), *self.roots)
             self.history = History(ref_root / sub)
-            self.holder = Holder(shim, src, sub, self.history)
+            self.holder = Holder(shim, src, sub, self.history, m)
             note(f"example directory {sub}")
 
         def entries(self, dirs_only: bool = False) -> list[str]:

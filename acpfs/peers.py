@@ -306,6 +306,8 @@ class Peers:
                 if first:
                     log.warning("global order: the node records in %s: %s (retrying)",
                                 self.dir, describe(e))
+            except Exception:   # a bug: said loudly, and the records are kept up regardless
+                log.exception("global order: renewing or reading the node records failed")
             self._kick.wait(self.poll)
             self._kick.clear()
 

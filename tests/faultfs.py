@@ -27,6 +27,7 @@ import errno
 import functools
 import json
 import os
+import stat
 import signal
 import subprocess
 import sys
@@ -66,8 +67,9 @@ if pyfuse3 is not None:
             self.counts_written = 0.0
             self.mode: tuple[str, frozenset] = ("ok", frozenset())
             st = os.lstat(source)
-            self.inos = {(st.st_dev, st.st_ino): pyfuse3.ROOT_INODE}
+            self.inos = {(st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode)): pyfuse3.ROOT_INODE}
             self.paths = {pyfuse3.ROOT_INODE: source}
+            self.keys: dict[int, tuple] = {}   # inode -> (dev, ino, type) it stands for
             self.next_ino = pyfuse3.ROOT_INODE + 1
             self.dirs: dict[int, tuple[int, list]] = {}
             self.next_dh = 1
@@ -110,20 +112,48 @@ if pyfuse3 is not None:
 
         # inodes and paths
         def path(self, ino: int) -> bytes:
+            """Where inode ``ino`` is now. Another process (another node's faultfs view of
+            the same directory) may have moved it or put something else at its path: then
+            it is looked for in the whole tree, as an NFS file handle would still find it,
+            and ESTALE if it is gone (never another entry's attributes under its number)."""
             try:
-                return self.paths[ino]
+                p = self.paths[ino]
             except KeyError:
                 raise OSError(errno.ESTALE, "unknown inode") from None
+            key = self.keys.get(ino)
+            if key is None:
+                return p
+            try:
+                st = os.lstat(p)
+                if (st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode)) == key:
+                    return p
+            except OSError:
+                pass
+            for top, dirs, files in os.walk(self.paths[pyfuse3.ROOT_INODE]):
+                for name in dirs + files:
+                    q = os.path.join(top, name)
+                    try:
+                        st = os.lstat(q)
+                    except OSError:
+                        continue
+                    if (st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode)) == key:
+                        self.moved(p, q)
+                        return q
+            raise OSError(errno.ESTALE, "moved or removed by another process")
 
         def child(self, parent: int, name: bytes) -> bytes:
             return os.path.join(self.path(parent), name)
 
         def entry(self, path: bytes, st: os.stat_result | None = None) -> pyfuse3.EntryAttributes:
             st = st or os.lstat(path)
-            key = (st.st_dev, st.st_ino)
+            # the file type is part of the key: an inode number freed and reused for another
+            # kind of entry (a file removed, a directory made) must not reach the kernel as
+            # the inode it knows, which it would mark bad (EIO for good)
+            key = (st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode))
             ino = self.inos.get(key)
             if ino is None:
                 ino = self.inos[key] = self.next_ino
+                self.keys[ino] = key
                 self.next_ino += 1
             self.paths[ino] = path
             e = pyfuse3.EntryAttributes()
@@ -309,6 +339,8 @@ if pyfuse3 is not None:
             os.removexattr(self.path(inode), name, follow_symlinks=False)
 
     def main() -> None:
+        import logging
+        logging.basicConfig(level=logging.WARNING)   # pyfuse3 logs a handler's crash here
         source, mountpoint, control = sys.argv[1:4]
         fs = FaultFS(os.fsencode(os.path.abspath(source)), control)
         opts = set(pyfuse3.default_options)

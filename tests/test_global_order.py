@@ -101,7 +101,9 @@ def pause_round(a: Worker, b: Worker, node_b: Node, watch: Watch, k: int) -> flo
         wrote = time.monotonic()
         a.do("point", f"{step}/.metadata", f"meta{k}")
         a.do("point", "latest", step)
-        time.sleep(PAUSE)
+        if k == 0:
+            check_status_names_the_paused_node(a.node)
+        time.sleep(max(0.0, PAUSE - (time.monotonic() - wrote)))
     finally:
         os.kill(node_b.pid, signal.SIGCONT)
     deadline = time.monotonic() + 60
@@ -109,6 +111,23 @@ def pause_round(a: Worker, b: Worker, node_b: Node, watch: Watch, k: int) -> flo
         assert time.monotonic() < deadline, f"latest never named {step} in the backing"
         time.sleep(0.01)
     return watch.seen[f"latest={step}"] - wrote
+
+
+def check_status_names_the_paused_node(node_a: Node) -> None:
+    """While A's pointer waits for paused B: ``status`` lists B and says what it holds."""
+    deadline = time.monotonic() + PAUSE / 2
+    while True:
+        st = node_a.status()["peers"]
+        if st["held"] and st["held"]["waiting_for"]:
+            break
+        assert time.monotonic() < deadline, f"A's queue is not shown held: {st}"
+        time.sleep(0.05)
+    [peer] = st["peers"]
+    assert peer["state"] == "up" and st["held"]["instance"] == peer["instance"], st
+    assert st["held"]["path"] in ("step_0/.metadata", "latest"), st
+    text = node_a.run(*ACPFS, "status", str(node_a.mnt)).stdout
+    assert "this one and 1 other live nodes" in text and f"({peer['instance']})" in text, text
+    assert "HELD" in text and "waits for node" in text, text
 
 
 def check_steps(backing: Path, rounds: int) -> None:

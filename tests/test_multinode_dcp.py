@@ -5,10 +5,12 @@ mounting acpfs at the same path, the ranks of a node running inside it.
 Every rank saves a tensor all ranks hold (replicated: DCP writes it once, from one rank) and
 tensors only it holds; at load every rank asks also for the tensors of a rank on the other
 node, and all read the ``.metadata`` that rank 0 (node A) wrote, so each node reads files the
-other node wrote. After each save the ranks follow the documented protocol (docs/semantics.md,
-section 10): ``acpfs sync`` on every node, a barrier, rank 0 rewrites the ``latest`` pointer,
-``acpfs sync`` and a barrier again, then one coherence timeout before anyone reads. Then the
-backing is checked from outside the job, and the job resumes after both nodes remounted.
+other node wrote. After each save the ranks follow the documented protocol for reading on
+one node what another just wrote (docs/semantics.md, section 10): ``acpfs sync`` on every
+node, a barrier, rank 0 rewrites the ``latest`` pointer, ``acpfs sync`` and a barrier again,
+then one coherence timeout before anyone reads. Then the backing is checked from outside the
+job, and the job resumes after both nodes remounted. (The order of ``latest`` after the
+shards needs no sync: test_global_order_dcp.py.)
 """
 
 from __future__ import annotations

@@ -41,6 +41,9 @@ STATFS_WAIT = 2.0  # seconds statfs waits for the backing before answering from 
 COHERENCE_WAIT = 0.5
 
 
+LATE_ACK = 0.5   # s: content acknowledged by a close() whose RELEASE has not come is queued
+
+
 class Caller(Protocol):
     """Who made a request (pyfuse3's RequestContext has these)."""
     uid: int
@@ -80,9 +83,11 @@ class Core:
         self.peers: Peers | None = None    # global order (peers.py); set by the daemon
 
     def start(self, nursery: trio.Nursery) -> None:
-        """Background work: write-through in a full cache, files open for a long time."""
+        """Background work: write-through in a full cache, files open for a long time,
+        acknowledged content whose RELEASE does not come."""
         self.nursery = self.wt.nursery = nursery
         nursery.start_soon(self.wt.persist_open_files)
+        nursery.start_soon(self._queue_late_acks)
 
     # -- resolving ids ---------------------------------------------------------------------
     def node(self, ino: int) -> Node:
@@ -375,14 +380,47 @@ class Core:
         return await self.wt.write(self.handle(fh).node, off, buf)
 
     def flush(self, fh: int) -> None:
-        # close() returns when FLUSH is answered; RELEASE follows without being waited for.
-        # So the content that close() acknowledges is journaled and stamped here
-        # (Cache.record_close, Cache.note_ack). No waiting for a staged file being built: the
-        # blocks stay valid until it is complete, and the record holds them.
+        """close(): what it acknowledges is journaled and stamped here.
+
+        close() returns when FLUSH is answered; RELEASE, which queues the file, follows
+        without being waited for. So the content close() acknowledges is journaled here
+        (Cache.record_close) and stamped for global order (Cache.note_ack). No waiting for
+        a staged file being built: the blocks stay valid until it is complete, and the
+        record holds them. A FLUSH whose RELEASE does not follow (the close of a copy of
+        the descriptor in a forked process) is queued by ``_queue_late_acks``.
+        """
         h = self.handles.get(fh)
-        if h is not None and h.writable and h.node.writers == 1 and h.node.dirty:
-            self.cache.record_close(h.node)
-            self.cache.note_ack(h.node)
+        if h is None or not h.writable or h.node.writers != 1 or not h.node.dirty:
+            return
+        self.cache.record_close(h.node)
+        self.cache.note_ack(h.node)
+
+    async def _queue_late_acks(self) -> None:
+        """Global order: content that a close() acknowledged is part of this node's
+        frontier until it is queued. If its RELEASE does not come (a forked process closed
+        its copy of the descriptor; the file stays open), the frontier would stay there, and
+        hold the other nodes, until the file is closed for good: the content is queued
+        after LATE_ACK seconds instead, as at a RELEASE."""
+        while True:
+            await trio.sleep(LATE_ACK / 2)
+            peers, cache = self.peers, self.cache
+            if peers is None or not cache.acked:
+                continue
+            with cache.lock:
+                live = bool(peers.live())
+                late = [ino for ino, (first, _) in cache.acked.items()
+                        if time.time() - first > LATE_ACK]
+            for ino in late if live else ():
+                node = cache.nodes.get(ino)
+                if node is None or not node.nlink or not node.dirty:
+                    with cache.lock:          # gone, or queued meanwhile
+                        cache.acked.pop(ino, None)
+                    continue
+                if self.wt.busy(node):        # being written through: queued when settled
+                    continue
+                log.info("%s: closed by one process, still open in another: queued now",
+                         cache.path(node))
+                cache.snapshot(node)
 
     async def acknowledged(self) -> None:
         """Global order (peers.py), for a request that acknowledged a change: answered once

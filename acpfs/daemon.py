@@ -22,6 +22,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from .config import format_size, write_mount_record
+from .retry import describe
 
 if TYPE_CHECKING:
     from .flusher import Flusher
@@ -162,15 +163,15 @@ class Daemon:
             self._join(front, left.instance if left else None)
 
     def _find_peers(self, instance: str, predecessor: str | None) -> float | None:
-        """Global order (peers.py), before the pool is allocated, so that a backing where
-        records cannot be kept fails the mount at once: the records directory, and the
-        frontier of ``predecessor`` (the dead daemon this one recovers) if it left a record."""
+        """Global order (peers.py): the records directory, and the frontier of
+        ``predecessor`` (the dead daemon this one recovers) if it left a record."""
         from .peers import Peers
         opts = self.opts
         self.peers = Peers(opts.backing, instance, opts.mountpoint, skew=opts.max_clock_skew,
                            heartbeat=opts.peer_heartbeat, lease=opts.peer_lease)
         with self._records():
             return self.peers.find_predecessor(predecessor)
+        return None
 
     def _join(self, front: float | None, predecessor: str | None) -> None:
         """Write this node's record among the other nodes' (after ``_find_peers``)."""
@@ -184,18 +185,25 @@ class Daemon:
             self.cache.recovery_stamp = front if front is not None else 1e-6
         with self._records():
             self.join_wait = peers.enter()
-        if predecessor is not None:
-            peers.forget_predecessor(predecessor)   # this node's record now covers it
+            if predecessor is not None:
+                peers.forget_predecessor(predecessor)   # this node's record now covers it
         self.flusher.peers = self.core.peers = self.info.peers = peers
 
     @contextlib.contextmanager
     def _records(self) -> Iterator[None]:
+        """A backing that refuses the records (read-only, a file in the way, hung) does not
+        stop the mount: changes stay pending as for any failing backing, and the records
+        thread keeps trying (status.peers.error); until this node's record is written, the
+        other nodes do not know to wait for it."""
+        peers = self.peers
+        assert peers is not None
         try:
             yield
         except OSError as e:
-            assert self.peers is not None
-            raise SystemExit(f"cannot keep this node's record in {self.peers.dir} ({e.strerror}); "
-                             "the backing must be writable (or mount with --global-order off)")
+            peers.error = describe(e)
+            log.warning("global order: cannot keep this node's record in %s (%s); retrying "
+                        "in the background: until it is written, the other nodes do not wait "
+                        "for this one", peers.dir, describe(e))
 
     def _allocating(self, done: int, total: int) -> None:
         if time.monotonic() - self._last_progress > 0.5 or done == total:

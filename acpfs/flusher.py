@@ -188,8 +188,15 @@ class Flusher:
         assert peers is not None
         since = time.time()
         warned = False
+        # Invariant (no waiting in a circle): a node's frontier is never behind the stamp
+        # its head op is held to. Changes are queued in the order they were acknowledged
+        # (Core.flush), so the head holds the oldest stamp but for a file written through,
+        # queued at its RELEASE after a change made meanwhile: then the head waits only for
+        # what the other nodes acknowledged before that file (docs/design.md).
+        oldest = self.frontier()[0]
+        stamp = op.stamp if oldest >= (op.floor or op.stamp) else min(op.stamp, oldest)
         while True:
-            ok = peers.cleared(op.stamp)
+            ok = peers.cleared(stamp)
             if ok is True:
                 break
             if self.abort.is_set():

@@ -129,6 +129,8 @@ class Peers:
         self.mine: RecordName | None = None
         self._written = (0.0, -1.0, "")  # when, frontier, state of the last record written
         self._kept: set[str] = set()     # records this node may not remove (another user's)
+        self.list_failing_since: float | None = None   # listings fail since (this clock)
+        self._suspended = False          # (lock) changes go on unordered: records unreadable
         self.promise = 2 * heartbeat      # how far ahead an idle node's frontier is (_publish)
         self.promised = 0.0               # (lock) the frontier the record promises, if any
         self._wlock = threading.Lock()    # one record write at a time
@@ -247,8 +249,19 @@ class Peers:
         """True if a change stamped ``stamp`` may reach the backing now; otherwise the peer
         it waits for (None: a fresh enough listing of the peers)."""
         if self.listed_at <= stamp - self.join_wait:
+            failing = self.list_failing_since
+            if failing is not None and self.clock() - failing > self.lease:
+                # the records cannot be read: no peer is known to wait for; this node's
+                # changes are not held for ever (docs/faults.md)
+                if not self._suspended:
+                    self._suspended = True
+                    log.warning("global order: the node records in %s cannot be listed for "
+                                "%.0f s (%s): this node's changes go on without waiting for "
+                                "other nodes until they can", self.dir, self.lease, self.error)
+                return True
             self.want = max(self.want, stamp)
             return None
+        self._suspended = False
         mine = (stamp, self.instance)
         for p in self.live():
             r = p.record
@@ -278,18 +291,24 @@ class Peers:
         next_list = 0.0
         while not self._stop.is_set():
             now = self.clock()
+            failed = False
             try:
                 with self.lock:
                     front, pending = self.frontier()
-                    want = self.want > self.listed_at
                 state = UP if pending else IDLE
                 when, wfront, wstate = self._written
                 # idle, the frontier is the clock: rewritten once per heartbeat only
                 if now - when >= self.heartbeat or (now - when >= self.poll and (
                         state != wstate or (pending and front != wfront))):
                     self._publish()
+            except Exception as e:   # a backing that refuses the record: listing goes on
+                failed = self._failed(e)
+            try:
+                with self.lock:
+                    want = self.want > self.listed_at
                 if now >= next_list or (want and now - self.listed_at >= self.poll):
                     self._list()
+                    self.list_failing_since = None
                     with self.lock:
                         waiting = [p for p in self.live() if p.record.state == UP]
                     # while other nodes have changes pending, look at them more often, and
@@ -297,19 +316,27 @@ class Peers:
                     next_list = now + (self.poll if waiting else self.heartbeat)
                     if state == IDLE and any(p.record.frontier >= self._written[1] for p in waiting):
                         self._publish()
+            except Exception as e:
+                if self.list_failing_since is None:
+                    self.list_failing_since = now
+                failed = self._failed(e) or True
+            if not failed:
                 with self.lock:
                     self.error = None
-            except OSError as e:
-                with self.lock:
-                    first = self.error is None
-                    self.error = describe(e)
-                if first:
-                    log.warning("global order: the node records in %s: %s (retrying)",
-                                self.dir, describe(e))
-            except Exception:   # a bug: said loudly, and the records are kept up regardless
-                log.exception("global order: renewing or reading the node records failed")
-            self._kick.wait(self.poll)
+            self._kick.wait(self.heartbeat if failed else self.poll)
             self._kick.clear()
+
+    def _failed(self, e: Exception) -> bool:
+        if not isinstance(e, OSError):   # a bug: said loudly; the records are kept up regardless
+            log.exception("global order: renewing or reading the node records failed")
+            return True
+        with self.lock:
+            first = self.error is None
+            self.error = describe(e)
+        if first:
+            log.warning("global order: the node records in %s: %s (retrying)", self.dir,
+                        describe(e))
+        return True
 
     def _publish(self, create: bool = False, leaving: bool = False) -> None:
         """Write this node's record as it stands now.

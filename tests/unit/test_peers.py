@@ -274,3 +274,33 @@ def test_a_removed_record_or_records_directory_is_written_again(tmp_path):
     with b.lock:
         assert [p.record.instance for p in b.peers.live()] == [a.peers.instance]
     assert len(os.listdir(records)) == 2
+
+
+def test_a_change_queued_after_an_older_acknowledgement_waits_no_longer_than_it(core):
+    """A file written through is queued at RELEASE; a change made between its close() and
+    RELEASE is queued first. Its hold is then lowered to the older acknowledgement, so that
+    this node's frontier is never behind the stamp its head is held to (no circle)."""
+    from harness import write_file
+    cache, fl = core.cache, core.flusher
+    held = []
+
+    class Recorder:
+        lease = 30.0
+
+        def cleared(self, stamp):
+            held.append(stamp)
+            return True
+
+        def kick(self):
+            pass
+    fl.peers = Recorder()
+    z = write_file(cache, b"z", b"z" * 100)
+    cache.note_ack(z)                      # close() of z acknowledged, RELEASE not yet
+    first = cache.acked[z.ino][0]
+    cache.mkdir(cache.root, b"d", 0o755, 0, 0)
+    mkdir_stamp = fl.queue[-1].stamp
+    cache.release(z, True)                 # z queued after the mkdir
+    core.drain()
+    assert mkdir_stamp > first
+    assert held[0] == first, (held, first, mkdir_stamp)    # the mkdir, lowered to z's
+    fl.peers = None

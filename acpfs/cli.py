@@ -10,8 +10,10 @@ any thread exists.
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import json
+import math
 import os
 import stat
 import subprocess
@@ -120,6 +122,9 @@ def cmd_mount(a: argparse.Namespace) -> int:
     if a.from_command_line:
         from .fastwrite import reexec_for_copies
         reexec_for_copies()
+    for opt in ("backing", "cache_dir", "cache_size", "log_file", "log_level", "block_size", "fsync"):
+        if getattr(a, opt, None) is not None and not getattr(a, opt).strip():
+            raise UsageError(f"--{opt.replace('_', '-')} is empty")
     cache_size_text = a.cache_size or env("cache_size")
     cache_dir = os.path.abspath(a.cache_dir or env("cache_dir") or default_cache_dir(backing))
     fsync = a.fsync or env("fsync") or "memory"
@@ -150,7 +155,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
         raise UsageError("--max-clock-skew must be between 0 and 1 second")
     if not 0.05 <= beat <= 60:
         raise UsageError("--peer-heartbeat must be between 0.05 and 60 seconds")
-    if lease < 3 * beat:
+    if not lease >= 3 * beat:
         raise UsageError("--peer-lease must be at least 3 heartbeats (--peer-heartbeat)")
     block_size = parse_size(a.block_size or env("block_size") or "64K", "block size")
     if block_size < 4096 or block_size & (block_size - 1) or block_size > (16 << 20):
@@ -230,9 +235,36 @@ def float_env(name: str, default: float) -> float:
     if v is None:
         return default
     try:
-        return float(v)
+        return seconds(v)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"invalid ACPFS_{name.upper()}={v!r}: {e}") from None
+
+
+def seconds(text: str) -> float:
+    """A number of seconds (argparse type): finite, or the option is refused."""
+    try:
+        v = float(text)
     except ValueError:
-        raise UsageError(f"invalid ACPFS_{name.upper()}={v!r}: not a number") from None
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"not a finite number of seconds: {text!r}")
+    return v
+
+
+def existing(path: str) -> None:
+    """``path`` exists (a UsageError if not); one on a mount whose daemon is gone is named
+    as such (a Failure), not as a missing path."""
+    try:
+        os.lstat(path)
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            try:
+                mount = client.mount_of(path)
+            except Failure:
+                mount = path
+            raise Failure(f"{path}: the daemon of the acpfs mount {mount} is gone; run "
+                          f"'acpfs umount {mount}'") from None
+        raise UsageError(f"{path} does not exist") from None
 
 
 def open_lock(name: str):
@@ -425,8 +457,7 @@ def render_status(d: dict[str, Any]) -> str:
 
 def cmd_sync(a: argparse.Namespace) -> int:
     if a.path:
-        if not os.path.lexists(a.path):
-            raise UsageError(f"{a.path} does not exist")
+        existing(a.path)
         mount = client.mount_of(a.path)
         try:
             seq, open_dirty = client.read_seq(a.path)
@@ -454,8 +485,7 @@ def files_under(paths: list[str]) -> list[tuple[str, int]]:
     """Regular files named by ``paths`` (directories walked, symlinks not followed), with sizes."""
     out = []
     for path in paths:
-        if not os.path.lexists(path):
-            raise UsageError(f"{path} does not exist")
+        existing(path)
         client.mount_of(path)
         if os.path.isdir(path) and not os.path.islink(path):
             for dirpath, _, names in os.walk(path):
@@ -652,13 +682,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what fsync() waits for: 'memory' (default: returns at once, data is in RAM) "
                    "or 'backing' (waits until the file is durable in the backing directory)")
     m.add_argument("--flush-workers", type=int, help="parallel uploads to the backing (default 4)")
-    m.add_argument("--cache-full-timeout", type=float,
+    m.add_argument("--cache-full-timeout", type=seconds,
                    help="seconds a writer waits for free cache before getting ENOSPC (default 300)")
-    m.add_argument("--persist-open-after", type=float, metavar="S",
+    m.add_argument("--persist-open-after", type=seconds, metavar="S",
                    help="persist the content of a file still open for writing after S seconds of "
                    "unsaved changes: published if it is only appended to (O_APPEND), else staged "
                    "in the backing without replacing the file (default 120; 0: never)")
-    m.add_argument("--coherence-timeout", type=float, metavar="S",
+    m.add_argument("--coherence-timeout", type=seconds, metavar="S",
                    help="how long this node trusts what it knows of a directory before it looks "
                    "at the backing again for entries other nodes made or removed (default 1; "
                    "0: at every lookup of a missing name and every listing)")
@@ -666,12 +696,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with several nodes over one backing, apply a change to the backing only "
                    "after every other live node has persisted what it acknowledged before it "
                    "(default on; a node alone pays nothing; docs/semantics.md)")
-    m.add_argument("--max-clock-skew", type=float, metavar="S",
+    m.add_argument("--max-clock-skew", type=seconds, metavar="S",
                    help="how far apart the nodes' clocks may be for global order to hold; each "
                    "change acknowledged while other nodes are live waits this long (default 0.01)")
-    m.add_argument("--peer-heartbeat", type=float, metavar="S",
+    m.add_argument("--peer-heartbeat", type=seconds, metavar="S",
                    help="how often an idle node renews its record in the backing (default 1)")
-    m.add_argument("--peer-lease", type=float, metavar="S",
+    m.add_argument("--peer-lease", type=seconds, metavar="S",
                    help="a node that has not renewed its record for S seconds (dead, hung, cut "
                    "off from the backing) holds nobody back any more (default 30)")
     m.add_argument("--block-size", help="cache block size, a power of two (default 64K)")
@@ -695,7 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Block until PATH (default: every change made before the call, "
                        "on every acpfs mount) is durable in the backing directory.")
     y.add_argument("path", nargs="?", help="file or directory on an acpfs mount")
-    y.add_argument("--timeout", type=float, help="give up after this many seconds (exit status 1)")
+    y.add_argument("--timeout", type=seconds, help="give up after this many seconds (exit status 1)")
     y.set_defaults(fn=cmd_sync)
 
     r = sub.add_parser("preload", help="read files into the cache ahead of a resume",
@@ -725,7 +755,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Persist every change, unmount, and wait until the daemon has "
                        "exited. Also cleans up a stale mount whose daemon died.")
     u.add_argument("mountpoint")
-    u.add_argument("--timeout", type=float, help="give up waiting after this many seconds (exit status 1)")
+    u.add_argument("--timeout", type=seconds, help="give up waiting after this many seconds (exit status 1)")
     u.add_argument("--lazy", "-z", action="store_true",
                    help="detach even if files are open; they are persisted after their last close")
     u.set_defaults(fn=cmd_umount)

@@ -317,3 +317,24 @@ def test_temps_lists_and_removes_only_old_leftovers_of_no_live_daemon(make_mount
     assert not dead_old.exists() and not staging.exists()
     assert recent.exists() and live.exists() and pending.exists()
     live.unlink()
+
+
+def test_non_finite_and_empty_values_and_a_dead_daemon_are_named(make_mount):
+    m = make_mount()
+    for args in (("sync", str(m.mnt), "--timeout", "nan"), ("umount", str(m.mnt), "--timeout", "inf"),
+                 (*m.args(), "--cache-full-timeout", "nan"), (*m.args(), "--persist-open-after=-inf")):
+        assert "not a finite number of seconds" in one_line_error(acpfs(*args, check=False)), args
+    base = m.args()
+    i = base.index("--cache-size")
+    r = acpfs(*base[:i], "--cache-size", "", *base[i + 2:], check=False)
+    assert "--cache-size is empty" in one_line_error(r)
+    r = acpfs("sync", str(m.mnt), env={**os.environ, "ACPFS_CACHE_FULL_TIMEOUT": "nan"}, check=False)
+    assert r.returncode == 0          # only mount reads it
+    (m.mnt / "f").write_bytes(b"x")
+    m.sync()
+    os.kill(m.pid, signal.SIGKILL)
+    time.sleep(0.3)
+    for args in (("sync", str(m.mnt / "f")), ("preload", str(m.mnt / "f"))):
+        line = one_line_error(acpfs(*args, check=False))
+        assert "daemon of the acpfs mount" in line and "is gone" in line, line
+    acpfs("umount", str(m.mnt))

@@ -86,7 +86,7 @@ def wait_durable(mountpoint: str, seq: int, timeout: float | None, label: str) -
                 f"{seq - applied} operations left, {format_size(st['flushing']['bytes'])} queued, "
                 f"{format_size(st['flush_rate_bytes_per_s'])}/s")
         if err:
-            text += f"; retrying {err['path']}: {err['reason']}"
+            text += f"; retrying {safe(err['path'])}: {err['reason']}"
         held = (st.get("peers") or {}).get("held")
         if held and not err:
             text += f"; {held_text(held)}"
@@ -97,7 +97,7 @@ def wait_durable(mountpoint: str, seq: int, timeout: float | None, label: str) -
         left = seq - e.status["queue"]["applied_seq"]
         err = e.status["errors"][0] if e.status["errors"] else None
         raise Failure(f"{label}: timed out after {timeout:g}s with {left} operations not yet "
-                      f"persisted" + (f" ({err['path']}: {err['reason']})" if err else "")) from None
+                      f"persisted" + (f" ({safe(err['path'])}: {err['reason']})" if err else "")) from None
     finally:
         prog.done()
 
@@ -425,9 +425,9 @@ def render_status(d: dict[str, Any]) -> str:
         lines.append(f"  recovered  {rec['files']} files and {rec['replayed_ops']} operations from a "
                      f"dead daemon ({_age(max(0.0, time.time() - rec['started']))} ago)")
         for path in rec["lost_open_files"][:10]:
-            lines.append(f"  LOST       {path}: open for writing at the crash; unsaved changes dropped")
+            lines.append(f"  LOST       {safe(path)}: open for writing at the crash; unsaved changes dropped")
         for path in rec["kept_aside"][:10]:
-            lines.append(f"  KEPT ASIDE {path} (in the backing): content of a file open at the crash")
+            lines.append(f"  KEPT ASIDE {safe(path)} (in the backing): content of a file open at the crash")
     if d.get("journal_error"):
         lines.append(f"  ERROR      the crash journal cannot be written ({d['journal_error']}): a "
                      f"daemon crash now would lose what is pending")
@@ -435,7 +435,7 @@ def render_status(d: dict[str, Any]) -> str:
         lines.append(f"  ERROR      the flusher has stopped: nothing more is persisted; see {d['log_file']}")
     if d["errors"]:
         for e in d["errors"]:
-            lines.append(f"  ERROR      {e['op']} {e['path']}: {e['reason']} "
+            lines.append(f"  ERROR      {e['op']} {safe(e['path'])}: {e['reason']} "
                          f"({e['attempts']} attempts, next in {e['next_retry_in_s']}s)")
     else:
         lines.append("  errors     none")
@@ -449,7 +449,7 @@ def render_status(d: dict[str, Any]) -> str:
     if d.get("peers") and (d["peers"]["peers"] or d["peers"].get("held") or d["peers"].get("error")):
         lines.extend(render_peers(d["peers"]))
     for f in d.get("files", {}).get("files", []):
-        lines.append(f"    {f['state']:<10} {format_size(f['size']):>10}  {f['path']}")
+        lines.append(f"    {safe(f['state']):<10} {format_size(f['size']):>10}  {safe(f['path'])}")
     if d.get("files", {}).get("truncated"):
         lines.append(f"    ... {d['files']['total']} files in all")
     return "\n".join(lines)
@@ -464,9 +464,9 @@ def cmd_sync(a: argparse.Namespace) -> int:
         except Failure as e:
             raise Failure(f"cannot sync {a.path}: {e.strerror}") from None
         if open_dirty:
-            print(f"acpfs: sync: {open_dirty} files under {a.path} are still open for writing; "
+            print(f"acpfs: sync: {open_dirty} files under {safe(a.path)} are still open for writing; "
                   f"their data is persisted after they are closed", file=sys.stderr)
-        wait_durable(mount, seq, a.timeout, f"sync {a.path}")
+        wait_durable(mount, seq, a.timeout, f"sync {safe(a.path)}")
         return 0
     targets = []
     stale = []
@@ -541,7 +541,7 @@ def preload(paths: list[str], quiet: bool = False) -> tuple[int, int, list[str]]
 def cmd_preload(a: argparse.Namespace) -> int:
     n, nbytes, left_out = preload(a.paths)
     for line in left_out[:20]:
-        print(f"acpfs: preload: not loaded: {line}", file=sys.stderr)
+        print(f"acpfs: preload: not loaded: {safe(line)}", file=sys.stderr)
     if len(left_out) > 20:
         print(f"acpfs: preload: ... and {len(left_out) - 20} more not loaded", file=sys.stderr)
     print(f"acpfs: preloaded {n} files ({format_size(nbytes)})"
@@ -774,10 +774,10 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--timeout must not be negative")
         return a.fn(a)
     except UsageError as e:
-        print(f"acpfs: {e}", file=sys.stderr)
+        print(f"acpfs: {safe(str(e))}", file=sys.stderr)
         return 2
     except Failure as e:
-        print(f"acpfs: {e}", file=sys.stderr)
+        print(f"acpfs: {safe(str(e))}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # e.g. 'acpfs status | head'
         return 141
@@ -785,7 +785,8 @@ def main(argv: list[str] | None = None) -> int:
         print("acpfs: interrupted", file=sys.stderr)
         return 130
     except OSError as e:
-        print(f"acpfs: {e.filename + ': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
+        name = f"{e.filename}: " if e.filename else ""
+        print(f"acpfs: {safe(str(name))}{safe(str(e.strerror or e))}", file=sys.stderr)
         return 1
 
 

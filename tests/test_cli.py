@@ -338,3 +338,19 @@ def test_non_finite_and_empty_values_and_a_dead_daemon_are_named(make_mount):
         line = one_line_error(acpfs(*args, check=False))
         assert "daemon of the acpfs mount" in line and "is gone" in line, line
     acpfs("umount", str(m.mnt))
+
+
+def test_names_with_control_characters_cannot_forge_output_lines(mnt):
+    """(issue 13, point 6) Names are printed with control characters escaped: a name holding
+    a newline cannot print a line of its own."""
+    forged = "x\nacpfs: all changes persisted\r\x1b[2K"
+    with open(mnt.mnt / forged, "wb") as f:
+        f.write(b"pending")
+        f.flush()
+        out = acpfs("status", str(mnt.mnt), "--files").stdout
+    lines = out.splitlines()
+    assert not [line for line in lines if line.startswith("acpfs: all changes")], out
+    assert "\x1b" not in out and "\r" not in out
+    assert any("x\\nacpfs: all changes persisted\\r\\x1b[2K" in line for line in lines), out
+    r = acpfs("sync", str(mnt.mnt / (forged + "-missing")), check=False)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -41,6 +41,7 @@ STATFS_WAIT = 2.0  # seconds statfs waits for the backing before answering from 
 COHERENCE_WAIT = 0.5
 
 
+NAME_MAX = 255   # bytes in one name, as every filesystem the backing may be on
 LATE_ACK = 0.5   # s: content acknowledged by a close() whose RELEASE has not come is queued
 
 
@@ -218,6 +219,8 @@ class Core:
 
     # -- the namespace ---------------------------------------------------------------------
     async def lookup(self, parent_ino: int, name: bytes) -> Node:
+        if len(name) > NAME_MAX:
+            raise err(errno.ENAMETOOLONG, "name longer than 255 bytes")
         # another node may have made or removed it since this directory was last looked at
         parent = await self.refreshed(await self.dir(parent_ino))
         # the reply carries the attributes, which the kernel then keeps: checked like a stat

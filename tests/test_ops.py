@@ -336,3 +336,13 @@ def test_every_change_visible_to_other_processes(mnt):
         f.flush()
         out = subprocess.run(["cat", str(mnt.mnt / "f")], capture_output=True, check=True).stdout
         assert out == b"v2-longer"
+
+
+def test_a_name_longer_than_255_bytes_is_too_long_on_lookup_too(mnt):
+    """(issue 13, point 12) ENAMETOOLONG, as on ext4, not ENOENT."""
+    for path in (mnt.mnt / ("n" * 256), mnt.mnt / ("é" * 128)):
+        with pytest.raises(OSError) as e:
+            os.stat(path)
+        assert e.value.errno == errno.ENAMETOOLONG
+    os.stat(mnt.mnt)
+    assert not (mnt.mnt / ("n" * 255)).exists()

@@ -8,7 +8,6 @@ at once; what was not persisted stays in the cache directory and the log says so
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fcntl
 import logging
@@ -19,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from .config import format_size, write_mount_record
 from .retry import describe
@@ -28,6 +27,8 @@ if TYPE_CHECKING:
     from .flusher import Flusher
 
 log = logging.getLogger("acpfs")
+T = TypeVar("T")
+RECORDS_AT_MOUNT = 5.0   # s the mount waits for the node records before it goes on without
 
 
 @dataclasses.dataclass
@@ -85,6 +86,21 @@ def lock_backing(backing: str, mountpoint: str) -> int:
     return fd
 
 
+def lock_cache_dir(cache_dir: str) -> int:
+    """Hold the cache directory for this daemon's life: a second daemon given the same one
+    (another mount, another backing) would take the live journal for a dead daemon's and
+    replay it into its own backing. Refused with one line instead."""
+    fd = os.open(os.path.join(cache_dir, "lock"),
+                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SystemExit(f"cache directory {cache_dir} is in use by another live acpfs daemon: "
+                         "give this mount a --cache-dir of its own") from None
+    return fd
+
+
 class Daemon:
     """One daemon's life, in phases: ``build`` (the cache, the flusher, the journal),
     ``recover`` (replay what a dead daemon left), ``serve`` (the FUSE loop), ``drain``
@@ -117,6 +133,7 @@ class Daemon:
                                              "pid": os.getpid(), "started": time.time()})
         os.makedirs(opts.cache_dir, mode=0o700, exist_ok=True)
         os.chmod(opts.cache_dir, 0o700)
+        self.cache_lock_fd = lock_cache_dir(opts.cache_dir)
         log.info("starting: mount %s, backing %s, cache %s in %s", opts.mountpoint, opts.backing,
                  format_size(opts.cache_size), opts.cache_dir)
 
@@ -169,9 +186,7 @@ class Daemon:
         opts = self.opts
         self.peers = Peers(opts.backing, instance, opts.mountpoint, skew=opts.max_clock_skew,
                            heartbeat=opts.peer_heartbeat, lease=opts.peer_lease)
-        with self._records():
-            return self.peers.find_predecessor(predecessor)
-        return None
+        return self._records(lambda: self.peers.find_predecessor(predecessor))
 
     def _join(self, front: float | None, predecessor: str | None) -> None:
         """Write this node's record among the other nodes' (after ``_find_peers``)."""
@@ -183,27 +198,42 @@ class Daemon:
             # without its record, the oldest stamp) holds the other nodes back until the
             # replayed changes are in the backing
             self.cache.recovery_stamp = front if front is not None else 1e-6
-        with self._records():
-            self.join_wait = peers.enter()
+
+        def enter() -> float:
+            wait = peers.enter()
             if predecessor is not None:
                 peers.forget_predecessor(predecessor)   # this node's record now covers it
+            return wait
+        self.join_wait = self._records(enter) or 0.0
         self.flusher.peers = self.core.peers = self.info.peers = peers
 
-    @contextlib.contextmanager
-    def _records(self) -> Iterator[None]:
-        """A backing that refuses the records (read-only, a file in the way, hung) does not
-        stop the mount: changes stay pending as for any failing backing, and the records
-        thread keeps trying (status.peers.error); until this node's record is written, the
-        other nodes do not know to wait for it."""
+    def _records(self, fn: Callable[[], T]) -> T | None:
+        """``fn()``, the records' I/O at mount. A backing that refuses the records (read-only,
+        a file in the way) or does not answer within RECORDS_AT_MOUNT seconds does not stop
+        the mount: changes stay pending as for any failing backing, and the records thread
+        keeps trying (status.peers.error); until this node's record is written, the other
+        nodes do not know to wait for it."""
         peers = self.peers
         assert peers is not None
-        try:
-            yield
-        except OSError as e:
-            peers.error = describe(e)
-            log.warning("global order: cannot keep this node's record in %s (%s); retrying "
-                        "in the background: until it is written, the other nodes do not wait "
-                        "for this one", peers.dir, describe(e))
+        out: list = []
+
+        def run() -> None:
+            try:
+                out.append(fn())
+            except OSError as e:
+                out.append(e)
+        t = threading.Thread(target=run, name="acpfs-records-at-mount", daemon=True)
+        t.start()
+        t.join(RECORDS_AT_MOUNT)
+        why = ("it does not answer" if not out else describe(out[0])
+               if isinstance(out[0], OSError) else None)
+        if why is None:
+            return out[0]
+        peers.error = why
+        log.warning("global order: cannot keep this node's record in %s (%s); retrying in the "
+                    "background: until it is written, the other nodes do not wait for this one",
+                    peers.dir, why)
+        return None
 
     def _allocating(self, done: int, total: int) -> None:
         if time.monotonic() - self._last_progress > 0.5 or done == total:
@@ -307,6 +337,7 @@ class Daemon:
         else:
             log.error("exiting with changes NOT persisted; the cache is kept in %s", opts.cache_dir)
         os.close(self.lock_fd)
+        os.close(self.cache_lock_fd)
         return 0 if drained else 1
 
 

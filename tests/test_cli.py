@@ -354,3 +354,19 @@ def test_names_with_control_characters_cannot_forge_output_lines(mnt):
     assert any("x\\nacpfs: all changes persisted\\r\\x1b[2K" in line for line in lines), out
     r = acpfs("sync", str(mnt.mnt / (forged + "-missing")), check=False)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_two_mounts_cannot_share_a_cache_directory(make_mount, tmp_path):
+    """(issue 13, point 5) A second daemon given a live daemon's cache directory is refused
+    with one line; the first mount's pending data stays its own."""
+    a = make_mount("a")
+    b = make_mount("b", mount=False)
+    (a.mnt / "pending").write_bytes(b"A" * 1000)
+    r = acpfs("mount", str(b.mnt), "--backing", str(b.back), "--cache-size", "64M",
+              "--cache-dir", str(a.cache_dir), "--log-file", str(b.log), check=False)
+    assert "is in use by another live acpfs daemon" in one_line_error(r)
+    assert not is_mounted(b.mnt)
+    a.sync()
+    assert (a.back / "pending").read_bytes() == b"A" * 1000
+    assert not (b.back / "pending").exists()
+    assert (a.mnt / "pending").read_bytes() == b"A" * 1000

@@ -63,6 +63,7 @@ def expected_states(ack_log: Path) -> tuple[dict[str, object], list[dict[str, ob
 def actual_state(root: Path) -> dict[str, object]:
     out: dict[str, object] = {}
     for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != ".acpfs-nodes"]   # global order's records
         for name in dirnames:
             out[str((Path(dirpath) / name).relative_to(root))] = "dir"
         for name in filenames:

@@ -56,13 +56,16 @@ picks = st.integers(0, 1 << 16)
 names = st.sampled_from(NAMES)
 
 
+NODES = ".acpfs-nodes"   # global order's node records: acpfs's own, hidden from the mount
+
+
 def tree(root: Path) -> dict[str, tuple]:
     """Names, kinds, modes, bytes and link targets under root (acpfs temp names excluded)."""
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(TEMP_PREFIX)]
+        dirnames[:] = [d for d in dirnames if not d.startswith(TEMP_PREFIX) and d != NODES]
         for name in sorted(dirnames + filenames):
-            if name.startswith(TEMP_PREFIX):
+            if name.startswith(TEMP_PREFIX) or name == NODES:
                 continue
             p = Path(dirpath) / name
             rel = str(p.relative_to(root))

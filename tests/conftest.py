@@ -137,6 +137,17 @@ def mnt(make_mount) -> Mount:
     return make_mount()
 
 
+def wait_for(pred, timeout: float = 30.0, what: str = "condition", every: float = 0.05):
+    """``pred()``'s first true value, polled every ``every`` seconds; fails after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        assert time.monotonic() < deadline, f"timed out after {timeout:g}s waiting for {what}"
+        time.sleep(every)
+
+
 def listing(path) -> list[str]:
     """The names in a backing directory, sorted, without acpfs's own (``.acpfs-*``: temporary
     files, the node records of global order, conflicts and recovered files)."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import acpfs, listing, tree
+from conftest import acpfs, listing, tree, wait_for
 
 MiB = 1 << 20
 TEMP_PREFIX = ".acpfs-tmp-"
@@ -42,17 +42,6 @@ def data_for(tag: str, size: int) -> bytes:
 def write_file(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
-
-
-def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 class Bounded(threading.Thread):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ACPFS, Node, Worker, acpfs, content
+from conftest import ACPFS, Node, Worker, acpfs, content, wait_for
 
 ROUNDS = int(os.environ.get("ORDER_ROUNDS", "6"))
 PAUSE = 3.0
@@ -188,16 +188,6 @@ def test_control_without_global_order_the_pointer_lands_first(tmp_path, nodes_ma
     assert watch.ahead, "without global order the pointer should have landed before B's shard"
 
 
-def wait_until(cond, what: str, timeout: float = 60, every: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(every)
-
-
 def test_a_node_killed_for_good_holds_the_others_only_for_its_lease(tmp_path, nodes_made):
     lease = 3.0
     node_a, node_b = make(tmp_path, 2, *FAST, "--peer-lease", str(lease))
@@ -214,7 +204,7 @@ def test_a_node_killed_for_good_holds_the_others_only_for_its_lease(tmp_path, no
         stopped = time.monotonic()
         a.do("write", "step_0/shard_a", "a0", 4)
         a.do("point", "latest", "step_0")
-        landed = wait_until(lambda: (back / "latest").exists() and time.monotonic(), "latest to land",
+        landed = wait_for(lambda: (back / "latest").exists() and time.monotonic(), what="latest to land",
                             timeout=lease + 20)
         os.kill(node_b.pid, signal.SIGKILL)
         os.kill(node_b.pid, signal.SIGCONT)
@@ -231,7 +221,7 @@ def test_a_node_killed_for_good_holds_the_others_only_for_its_lease(tmp_path, no
     assert "no longer waiting for it" in log
     # A's own changes go on at once from now on
     node_a.run("sh", "-c", f"echo 1 > {node_a.mnt}/after")
-    wait_until(lambda: (back / "after").exists(), "A's next change to land", timeout=5)
+    wait_for(lambda: (back / "after").exists(), what="A's next change to land", timeout=5)
 
 
 def test_a_node_that_unmounted_holds_nobody(tmp_path, nodes_made):
@@ -242,7 +232,7 @@ def test_a_node_that_unmounted_holds_nobody(tmp_path, nodes_made):
     node_b.run(*ACPFS, "umount", str(node_b.mnt), "--timeout", "60", timeout=120)
     start = time.monotonic()
     node_a.run("sh", "-c", f"echo step_0 > {node_a.mnt}/latest")
-    wait_until(lambda: (node_a.backing / "latest").exists(), "latest to land", timeout=5)
+    wait_for(lambda: (node_a.backing / "latest").exists(), what="latest to land", timeout=5)
     took = time.monotonic() - start
     st = node_a.status()["peers"]
     assert [p["state"] for p in st["peers"]] == ["left"], st
@@ -295,7 +285,7 @@ def test_a_backing_that_refuses_the_records_mounts_and_says_so(make_mount):
     log = m.log.read_text()
     assert "cannot keep this node's record" in log and "go on without waiting" in log, log
     os.unlink(m.back / ".acpfs-nodes")
-    wait_until(lambda: m.status()["peers"]["error"] is None, "the record to be written", timeout=10)
+    wait_for(lambda: m.status()["peers"]["error"] is None, what="the record to be written", timeout=10)
     assert [n for n in os.listdir(m.back / ".acpfs-nodes") if st["instance"] in n]
 
 
@@ -329,10 +319,10 @@ def test_a_file_closed_by_a_forked_process_and_still_open_holds_nobody(tmp_path,
         assert p.stdout.readline() == "forked\n"
         start = time.monotonic()
         node_b.run("sh", "-c", f"echo step_0 > {node_b.mnt}/latest")
-        wait_until(lambda: (node_a.backing / "latest").exists(), "B's latest to land", timeout=10)
+        wait_for(lambda: (node_a.backing / "latest").exists(), what="B's latest to land", timeout=10)
         assert time.monotonic() - start < 5
         # the content the child's close acknowledged landed too, the file still open
-        wait_until(lambda: (node_a.backing / "log").exists(), "A's log to land", timeout=10)
+        wait_for(lambda: (node_a.backing / "log").exists(), what="A's log to land", timeout=10)
         assert (node_a.backing / "log").read_bytes() == b"x" * 100000
         assert p.poll() is None
     finally:

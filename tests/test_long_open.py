@@ -8,16 +8,9 @@ import os
 import signal
 import time
 
-from conftest import acpfs, staged_files
+from conftest import acpfs, staged_files, wait_for
 
 AGE = "1"
-
-
-def wait_for(pred, timeout: float = 20.0) -> None:
-    deadline = time.time() + timeout
-    while not pred():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.1)
 
 
 def test_an_appended_log_is_published_while_open(make_mount):

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import ACPFS, content, digest, listing
+from conftest import ACPFS, content, digest, listing, wait_for
 
 ROUNDS = int(os.environ.get("MULTINODE_ROUNDS", "50"))
 
@@ -143,13 +143,6 @@ def settled(*nodes) -> list[dict]:
         assert st["errors"] == [] and st["queue"]["applied_seq"] == st["queue"]["last_seq"], st
         out.append(st)
     return out
-
-
-def wait_for(pred, timeout: float = 30, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 STEPS = int(os.environ.get("MULTINODE_STEPS", "12"))

@@ -21,7 +21,7 @@ import signal
 import time
 from pathlib import Path
 
-from conftest import Node
+from conftest import Node, wait_for
 
 ROUNDS = int(os.environ.get("MULTINODE_CRASH_ROUNDS", "3"))
 B_FILES = 20                    # per round: 14 into the shared step directory, 6 at the root
@@ -45,16 +45,6 @@ def temps(root: Path, instance: str) -> set[str]:
     return out
 
 
-def wait_for(cond, what: str, timeout: float = 30, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(every)
-
-
 def kill(node: Node) -> None:
     os.kill(node.pid, signal.SIGKILL)
 
@@ -64,7 +54,7 @@ def kill(node: Node) -> None:
                 return f.read().rsplit(")", 1)[1].split()[0] == "Z"
         except FileNotFoundError:
             return True
-    wait_for(gone, f"{node.name}'s daemon to die", timeout=10)
+    wait_for(gone, what=f"{node.name}'s daemon to die", timeout=10)
 
 
 def settled(node: Node) -> None:
@@ -110,7 +100,7 @@ def test_recovery_never_removes_another_nodes_uploads_in_flight(faults, make_nod
             for rel, data in pend_a.items():
                 a.path(rel).write_bytes(data)
             a_files.update(pend_a)
-            wait_for(lambda: temps(shared, a_inst), "A's first upload to start")
+            wait_for(lambda: temps(shared, a_inst), what="A's first upload to start")
             q = a.status()["queue"]
             assert q["applied_seq"] < q["last_seq"], ("A has nothing pending", q)
 
@@ -130,7 +120,7 @@ def test_recovery_never_removes_another_nodes_uploads_in_flight(faults, make_nod
                 t = temps(shared, b_inst)
                 dirs = {os.path.dirname(p) for p in t}
                 return t if len(t) >= workers and dirs == {"", step} else None
-            in_flight = wait_for(b_uploads, f"{workers} of B's uploads to be in flight")
+            in_flight = wait_for(b_uploads, what=f"{workers} of B's uploads to be in flight")
 
             # A dies with work pending and is recovered while B's uploads sit in the backing
             kill(a)

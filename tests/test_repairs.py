@@ -21,17 +21,7 @@ import time
 
 import pytest
 
-from conftest import acpfs, listing
-
-
-def wait_for(pred, timeout: float = 30, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+from conftest import acpfs, listing, wait_for
 
 
 @pytest.mark.parametrize("how", ["moved away", "swapped for a symlink"])

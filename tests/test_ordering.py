@@ -156,7 +156,7 @@ def test_pointer_never_ahead_of_checkpoint(make_mount, cache_size):
         # 1. every file in the backing is either absent or complete
         present = set()
         for ent in os.scandir(back):
-            if ent.name.startswith(TEMP_PREFIX) or ent.name == "latest":
+            if ent.name.startswith(".acpfs-") or ent.name == "latest":   # acpfs's own names
                 continue
             if check_file(ent.name, required=False):
                 present.add(ent.name)

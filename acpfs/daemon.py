@@ -58,7 +58,13 @@ def setup_logging(opts: Options) -> None:
     handlers: list[logging.Handler] = []
     if opts.log_file != "-":
         os.makedirs(os.path.dirname(opts.log_file), exist_ok=True)
-        handlers.append(logging.FileHandler(opts.log_file))
+        # private (it names files), never through a symlink, appended to (logrotate's
+        # copytruncate works); one of ours made 0644 by an earlier version becomes 0600
+        fd = os.open(opts.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC |
+                     os.O_NOFOLLOW, 0o600)
+        if os.fstat(fd).st_uid == os.geteuid():
+            os.fchmod(fd, 0o600)
+        handlers.append(logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8")))
     if opts.foreground or opts.log_file == "-":
         handlers.append(logging.StreamHandler(sys.stderr))
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")

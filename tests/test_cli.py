@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -370,3 +371,17 @@ def test_two_mounts_cannot_share_a_cache_directory(make_mount, tmp_path):
     assert (a.back / "pending").read_bytes() == b"A" * 1000
     assert not (b.back / "pending").exists()
     assert (a.mnt / "pending").read_bytes() == b"A" * 1000
+
+
+def test_the_daemon_log_is_private(make_mount):
+    """(issue 13, point 2, the log) The log names files: 0600, also one an older version left
+    0644."""
+    m = make_mount(mount=False)
+    m.log.write_text("an older daemon's line\n")
+    os.chmod(m.log, 0o644)
+    m.mount()
+    (m.mnt / "secret-name").write_bytes(b"x")
+    m.sync()
+    assert stat.S_IMODE(os.stat(m.log).st_mode) == 0o600
+    text = m.log.read_text()
+    assert text.startswith("an older daemon's line\n") and "mounted" in text

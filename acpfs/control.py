@@ -13,7 +13,8 @@ socket and work with ordinary permissions (``getfattr`` works too):
                         preload``); ENOSPC when the cache cannot hold it
 
 The status document's keys are stable within ``"version": 1``; keys may be added, never
-renamed or removed.
+renamed or removed. Users other than root and the mount's owner get no file names
+(``hide_names``; docs/status.md).
 """
 
 from __future__ import annotations
@@ -54,10 +55,14 @@ class MountInfo:
     recovery: dict | None = None   # what this daemon recovered from a dead one (recovery.py)
     peers: Any = None              # global order (peers.Peers); None when off
     pid: int = dataclasses.field(default_factory=os.getpid)
+    owner: int = dataclasses.field(default_factory=os.getuid)   # the mount's owner
     started: float = dataclasses.field(default_factory=time.time)
 
 
-def get(cache: Cache, info: MountInfo, node: Node, name: bytes) -> bytes:
+def get(cache: Cache, info: MountInfo, node: Node, name: bytes, trusted: bool = True) -> bytes:
+    """The value of control attribute ``name`` of ``node``. ``trusted``: the caller is root or
+    the mount's owner; others get no file names (the pending list is refused, the status
+    document has its paths left out: ``hide_names``)."""
     if name == STATE:
         return cache.state_of(node).encode()
     if name == SEQ:
@@ -65,10 +70,30 @@ def get(cache: Cache, info: MountInfo, node: Node, name: bytes) -> bytes:
         return json.dumps({"seq": seq, "open_dirty": open_dirty}).encode()
     if node is cache.root:
         if name == STATUS:
-            return json.dumps(status(cache, info), separators=(",", ":")).encode()
+            doc = status(cache, info)
+            return json.dumps(doc if trusted else hide_names(doc), separators=(",", ":")).encode()
         if name == FILES:
+            if not trusted:
+                raise OSError(errno.EACCES, "the pending files are listed to root and the "
+                                            "mount's owner only")
             return json.dumps(pending_files(cache), separators=(",", ":")).encode()
     raise OSError(errno.ENODATA, "no such attribute")
+
+
+HIDDEN = "(hidden: readable by root and the mount's owner)"
+
+
+def hide_names(doc: dict[str, Any]) -> dict[str, Any]:
+    """The status document without the names of files, for other users (docs/status.md)."""
+    for e in doc["errors"]:
+        e["path"] = HIDDEN
+    doc["conflicts"]["recent"] = []
+    if doc.get("recovery"):
+        doc["recovery"] = {**doc["recovery"], "lost_open_files": [], "kept_aside": []}
+    held = (doc.get("peers") or {}).get("held")
+    if held:
+        held["path"] = HIDDEN
+    return doc
 
 
 def status(cache: Cache, info: MountInfo) -> dict[str, Any]:

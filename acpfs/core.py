@@ -521,12 +521,15 @@ class Core:
             done.set()
 
     # -- extended attributes ---------------------------------------------------------------
-    async def getxattr(self, ino: int, name: bytes) -> bytes:
+    async def getxattr(self, ino: int, name: bytes, uid: int = 0) -> bytes:
         node = self.node(ino)
         if name == control.PRELOAD:
             return await self.preload(node)
         if name.startswith(control.PREFIX):
-            return control.get(self.cache, self.info, node, name)
+            # file names are for root and the mount's owner (with --allow-other, other users
+            # could otherwise read names inside directories they may not list)
+            return control.get(self.cache, self.info, node, name,
+                               trusted=uid in (0, self.info.owner))
         if not name.startswith(b"user."):
             raise err(errno.ENODATA)
         value = (await self.xattrs_loaded(node)).get(name)

@@ -245,7 +245,7 @@ class Operations(pyfuse3.Operations):
     # -- extended attributes ---------------------------------------------------------------
     @replies
     async def getxattr(self, inode, name, ctx):
-        return await self.core.getxattr(inode, name)
+        return await self.core.getxattr(inode, name, ctx.uid)
 
     @replies
     @acknowledges

@@ -72,13 +72,23 @@ def acknowledges(fn: Callable) -> Callable:
     return wrapper
 
 
+def dir_links(node: Node) -> int:
+    """A directory's link count, as on a local filesystem: 2 and one per subdirectory (its
+    ".."); 2 while its entries are not loaded (find and ls only use it as a hint then).
+    Counted at each stat: a directory's attributes are asked for far less than its files'."""
+    kids = node.children
+    if not node.nlink:
+        return 0
+    return 2 + (sum(1 for c in kids.values() if c.is_dir) if kids else 0)
+
+
 def attrs(node: Node) -> pyfuse3.EntryAttributes:
     a = pyfuse3.EntryAttributes()
     a.st_ino = node.ino
     a.entry_timeout = kernel_timeout
     a.attr_timeout = kernel_timeout
     a.st_mode = node.mode
-    a.st_nlink = node.nlink if not node.is_dir else 2
+    a.st_nlink = node.nlink if not node.is_dir else dir_links(node)
     a.st_uid = node.uid
     a.st_gid = node.gid
     a.st_size = node.size

@@ -346,3 +346,20 @@ def test_a_name_longer_than_255_bytes_is_too_long_on_lookup_too(mnt):
         assert e.value.errno == errno.ENAMETOOLONG
     os.stat(mnt.mnt)
     assert not (mnt.mnt / ("n" * 255)).exists()
+
+
+def test_a_directorys_link_count_counts_its_subdirectories(mnt):
+    """(issue 13, point 12) 2 + subdirectories, as on ext4 (find's leaf optimisation and
+    pjdfstest rely on it)."""
+    d = mnt.mnt / "d"
+    d.mkdir()
+    assert os.stat(d).st_nlink == 2
+    for name in ("a", "b", "c"):
+        (d / name).mkdir()
+    (d / "file").write_bytes(b"x")
+    os.symlink("a", d / "link")
+    assert os.stat(d).st_nlink == 5
+    os.rmdir(d / "c")
+    os.rename(d / "b", mnt.mnt / "b")
+    assert os.stat(d).st_nlink == 3
+    assert os.stat(mnt.mnt).st_nlink == 4          # d and b below the root

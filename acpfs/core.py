@@ -41,6 +41,7 @@ STATFS_WAIT = 2.0  # seconds statfs waits for the backing before answering from 
 COHERENCE_WAIT = 0.5
 
 
+PRIV_BITS = statmod.S_ISUID | statmod.S_ISGID
 NAME_MAX = 255   # bytes in one name, as every filesystem the backing may be on
 LATE_ACK = 0.5   # s: content acknowledged by a close() whose RELEASE has not come is queued
 
@@ -54,12 +55,14 @@ class Caller(Protocol):
 
 class Handle:
     """An open file."""
-    __slots__ = ("node", "writable", "append", "backing_fd", "backing_version")
+    __slots__ = ("node", "writable", "append", "backing_fd", "backing_version", "kill_priv")
 
-    def __init__(self, node: Node, writable: bool, append: bool = False) -> None:
+    def __init__(self, node: Node, writable: bool, append: bool = False,
+                 kill_priv: bool = False) -> None:
         self.node = node
         self.writable = writable
         self.append = append         # opened with O_APPEND
+        self.kill_priv = kill_priv   # opened by a user other than root: its writes clear setuid
         self.backing_fd = -1         # the backing copy, for files not in the cache
         self.backing_version = 0     # Node.versions when backing_fd was opened
 
@@ -271,7 +274,7 @@ class Core:
 
     async def setattr(self, ino: int, *, size: int | None = None, mode: int | None = None,
                       uid: int | None = None, gid: int | None = None, atime: int | None = None,
-                      mtime: int | None = None) -> Node:
+                      mtime: int | None = None, caller_uid: int = 0) -> Node:
         node = self.node(ino)
         if size is not None:
             if not node.is_reg:
@@ -280,6 +283,9 @@ class Core:
             await self.wt.truncate(node, size)
         if (mode, uid, gid, atime, mtime) != (None,) * 5:
             self.cache.setattr(node, mode=mode, uid=uid, gid=gid, atime=atime, mtime=mtime)
+        if mode is None and node.is_reg and node.mode & PRIV_BITS and (
+                (size is not None and caller_uid != 0) or uid is not None or gid is not None):
+            self.kill_priv(node, chown=True)     # the reply carries the new mode
         return node
 
     # -- directories -----------------------------------------------------------------------
@@ -303,7 +309,7 @@ class Core:
             await self.wt.wait_seq(self.cache.seq)
 
     # -- files -----------------------------------------------------------------------------
-    async def open(self, ino: int, flags: int) -> tuple[int, bool]:
+    async def open(self, ino: int, flags: int, uid: int = 0) -> tuple[int, bool]:
         """Open a file: (file handle, whether the kernel should bypass its page cache)."""
         node = await self.revalidated(self.node(ino))
         if node.is_dir:
@@ -315,7 +321,7 @@ class Core:
         if writable:
             await self.xattrs_loaded(node)
             await self.wt.open_for_writing(node, trunc)
-        h = Handle(node, writable, append)
+        h = Handle(node, writable, append, kill_priv=writable and uid != 0)
         # Readers of a cached file skip the page cache where shared mmap survives it: each
         # READ is then one copy from the pool into the reader's buffer (the page cache path
         # copies twice and allocates a page per 4 KiB). Files read from the backing keep
@@ -377,10 +383,28 @@ class Core:
     def write_now(self, fh: int, off: int, data: memoryview) -> int | None:
         """A WRITE straight from libfuse's buffer: bytes written, or None to take the async
         path (``write``). ``data`` is valid only during this call: it is copied into the pool."""
-        return self.wt.write_now(self.handle(fh).node, off, data)
+        h = self.handle(fh)
+        if h.kill_priv and h.node.mode & PRIV_BITS:
+            self.kill_priv(h.node)
+        return self.wt.write_now(h.node, off, data)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        return await self.wt.write(self.handle(fh).node, off, buf)
+        h = self.handle(fh)
+        if h.kill_priv and h.node.mode & PRIV_BITS:
+            self.kill_priv(h.node)
+        return await self.wt.write(h.node, off, buf)
+
+    def kill_priv(self, node: Node, chown: bool = False) -> None:
+        """As the kernel does for a local filesystem: a write or truncate by a user other
+        than root (who has CAP_FSETID), or any change of owner, clears setuid, and setgid
+        where the group may execute (a setgid file without it is a locking mark, kept)."""
+        mode = node.mode & ~statmod.S_ISUID
+        if node.mode & statmod.S_IXGRP:
+            mode &= ~statmod.S_ISGID
+        if mode != node.mode:
+            self.cache.setattr(node, mode=mode)
+            if not chown and self.cache.forget_attrs is not None:
+                self.cache.forget_attrs(node.ino)   # the kernel asks for the new mode
 
     def flush(self, fh: int) -> None:
         """close(): what it acknowledges is journaled and stamped here.

@@ -137,7 +137,8 @@ class Operations(pyfuse3.Operations):
             uid=attr.st_uid if fields.update_uid else None,
             gid=attr.st_gid if fields.update_gid else None,
             atime=attr.st_atime_ns if fields.update_atime else None,
-            mtime=attr.st_mtime_ns if fields.update_mtime else None))
+            mtime=attr.st_mtime_ns if fields.update_mtime else None,
+            caller_uid=ctx.uid))
 
     @replies
     async def readlink(self, inode, ctx):
@@ -203,7 +204,7 @@ class Operations(pyfuse3.Operations):
     # -- files -----------------------------------------------------------------------------
     @replies
     async def open(self, inode, flags, ctx):
-        fh, direct = await self.core.open(inode, flags)
+        fh, direct = await self.core.open(inode, flags, ctx.uid)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False)
 
     @replies

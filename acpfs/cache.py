@@ -220,7 +220,12 @@ class Cache:
                     self.replaced_elsewhere(child, st)
                 child.checked_at = now
         for name, child in list(kids.items()):
-            if name in seen or child.backing_parent is not node or child.backing_name != name:
+            if name in seen:
+                continue
+            # a file with no copy in the backing and nothing pending: its source was gone
+            # when this mount renamed it (the "gone" conflict): another writer removed it
+            orphan = child.backing_parent is None and not child.is_dir
+            if not orphan and (child.backing_parent is not node or child.backing_name != name):
                 continue
             if not self._subtree_quiescent(child, applied):
                 continue    # something of this mount is pending on it, or under it

@@ -129,19 +129,13 @@ def test_every_node_reads_every_nodes_files(make_nodes, workers):
     print(f"{OPS} operations on 3 nodes, {checks} checks of every view: all equal to the model")
 
 
-# Seeds of the converge test (MODEL_SEED runs one of your choice). Seeds 2 and 635963647 fail
-# on this version (found in the session after issue 12; not yet understood): after the holds,
-# a node's view kept a name the backing no longer had after a rename whose source another
-# node had removed ("gone"), or a walk of the mount met EIO. They are kept as expected
-# failures, to pass once the cause is fixed.
-CONVERGE_SEEDS = [1, 3, 411547727]
-OPEN_BUGS = [2, 635963647]
+# Seeds of the converge test (MODEL_SEED runs one of your choice). Seeds 2 and 635963647 failed
+# before a file renamed after another node removed it left the view (Cache.merge_listing).
+CONVERGE_SEEDS = [1, 2, 3, 411547727, 635963647]
 
 
-@pytest.mark.parametrize("seed", [int(os.environ["MODEL_SEED"])] if "MODEL_SEED" in os.environ else
-                         CONVERGE_SEEDS + [pytest.param(s, marks=pytest.mark.xfail(
-                             reason="open: a view diverges after a rename whose source another "
-                                    "node removed, or EIO in a walk")) for s in OPEN_BUGS])
+@pytest.mark.parametrize("seed", [int(os.environ["MODEL_SEED"])] if "MODEL_SEED" in os.environ
+                         else CONVERGE_SEEDS)
 def test_nodes_converge_after_random_holds(faults, make_nodes, workers, tmp_path, seed):
     """The same operations, now without the discipline: no sync, no wait, and each node's
     way to the backing held back at random (each rename answered 0.3 s late: uploads go on,

@@ -198,3 +198,21 @@ def test_a_symlink_made_where_another_writer_put_a_file_replaces_it(core):
     settled(core, replaced=1)
     assert os.readlink(back / "ln") == "target"
     assert os.readlink(back / "same") == "target"
+
+
+def test_a_file_renamed_after_another_writer_removed_it_leaves_the_view(core):
+    """The rename finds its source gone ("gone"): nothing will publish the file under its new
+    name, so the next listing of its directory drops it from this mount's view, which then
+    equals the backing (a node once kept such a name for good: seeds 2 and 635963647 of
+    test_multinode_model's converge test)."""
+    cache, back = core.cache, core.back
+    save(cache, b"x", b"content")
+    core.drain()
+    os.unlink(back / "x")                               # another node removed it
+    cache.rename(cache.root, b"x", cache.root, b"y")
+    core.drain()
+    assert not (back / "y").exists()
+    listing, known, applied = cache.relist_backing(cache.root)
+    cache.merge_listing(cache.root, listing, known, applied)
+    assert b"y" not in cache.root.children and b"x" not in cache.root.children
+    assert core.flusher.conflicts.status()["by_kind"]["gone"] == 1

@@ -491,13 +491,15 @@ class Flusher:
                                     f"{os.fsdecode(b'/'.join(src + [node.backing_name]))!r}",
                                     "nothing at the source",
                                     "the directory is made again at the new name" if node.is_dir
-                                    else "its next snapshot lands under the new name")
+                                    else "it is gone; it leaves this node's view at the next "
+                                    "listing, unless written again")
                 if there:
                     self._remove(op.path, dcomps, name, replaced)  # type: ignore[arg-type]
                 if node.is_dir:   # the mount still has it, and ops into it follow: make it again
                     self.backing.mkdir(dcomps, name, node.mode, node.uid, node.gid)
                     node.backing_parent, node.backing_name = dst, name
-                else:             # absent; its next snapshot lands under the new name
+                else:             # absent: leaves the view at the next listing
+                                  # (Cache.merge_listing), unless a snapshot lands it again
                     node.backing_parent = None
             else:
                 node.backing_parent, node.backing_name = dst, name

@@ -202,6 +202,12 @@ class Flusher:
             if self.abort.is_set():
                 raise Aborted()
             now = time.time()
+            if now - since > peers.lease:
+                # a safety valve: the rule admits no circle, but a hold is never longer than
+                # a lease, whatever holds it (docs/semantics.md, section 11)
+                log.warning("global order: %s %r held for %.0f s, longer than the lease: it "
+                            "goes on without waiting further", op.kind, op.path, now - since)
+                break
             self.held = {"op": str(op.kind), "path": op.path, "since": since,
                          "waiting_for": None if ok is None else ok.record.label,
                          "instance": None if ok is None else ok.record.instance}

@@ -6,11 +6,14 @@ on a mount with ``--allow-other`` (without it, the kernel lets no other user in 
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
 import sys
 import textwrap
+
+from conftest import acpfs
 
 NOBODY = 65534
 
@@ -68,3 +71,28 @@ def test_a_write_or_truncate_by_another_user_clears_setuid_and_setgid(make_mount
     os.chmod(pub / "mine", 0o6755)
     os.chown(pub / "mine", NOBODY, -1)
     assert stat.S_IMODE(os.stat(pub / "mine").st_mode) == 0o755
+
+
+def test_other_users_get_no_file_names(make_mount):
+    """(point 2) Another user reads the status document but no file names: the pending list
+    is refused, paths in the status are left out; root and the mount's owner still see them."""
+    m, pub = shared_mount(make_mount)
+    private = m.mnt / "private"
+    private.mkdir(mode=0o700)
+    with open(private / "secret-name", "wb") as f:
+        f.write(b"pending")
+        f.flush()
+        assert "secret-name" in acpfs("status", str(m.mnt), "--files").stdout
+        r = as_nobody("""
+            try:
+                os.getxattr(sys.argv[1], "user.acpfs.files")
+                print("files: read")
+            except OSError as e:
+                print("files:", e.errno)
+            print("status:", os.getxattr(sys.argv[1], "user.acpfs.status").decode())
+        """, str(m.mnt))
+    assert r.returncode == 0, r.stderr
+    assert "files: 13" in r.stdout                # EACCES
+    assert "secret-name" not in r.stdout
+    doc = json.loads(r.stdout.split("status: ", 1)[1])
+    assert doc["dirty"]["files"] == 1             # the counts are there

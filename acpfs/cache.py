@@ -46,6 +46,7 @@ from typing import Callable
 
 from .backing import Backing, check_name, is_internal_name
 from .journal import CLEAN, DIRTY, FLUSHED, Journal, Record
+from .peers import stamp_after
 from .pool import Pool, PoolFull
 from .types import JournalState, Node, Op, OpKind, OpSink, OpState, Snapshot, err, now_ns
 
@@ -97,8 +98,7 @@ class Cache:
         """A stamp later than every one given before (hold self.lock)."""
         if self.recovery_stamp is not None:
             return self.recovery_stamp
-        s = max(time.time(), self.last_stamp + 1e-6)
-        self.last_stamp = s
+        s = self.last_stamp = stamp_after(time.time(), self.last_stamp)
         return s
 
     def note_ack(self, node: Node) -> None:

@@ -190,11 +190,14 @@ class Flusher:
         warned = False
         # Invariant (no waiting in a circle): a node's frontier is never behind the stamp
         # its head op is held to. Changes are queued in the order they were acknowledged
-        # (Core.flush), so the head holds the oldest stamp but for a file written through,
-        # queued at its RELEASE after a change made meanwhile: then the head waits only for
-        # what the other nodes acknowledged before that file (docs/design.md).
-        oldest = self.frontier()[0]
-        stamp = op.stamp if oldest >= (op.floor or op.stamp) else min(op.stamp, oldest)
+        # (Core.flush), so the head holds the oldest stamp but (1) for a file written
+        # through, queued at its RELEASE after a change made meanwhile, and (2) for a file
+        # closed more than once before it was queued (a copy of its descriptor closed
+        # first, as a shell's redirection does): its frontier is its first close, its
+        # stamp the last. Either way the head waits only for what the other nodes
+        # acknowledged before this node's oldest pending change (docs/design.md). Held to
+        # its last close instead, two such files on two nodes waited for each other.
+        stamp = min(op.stamp, self.frontier()[0])
         while True:
             ok = peers.cleared(stamp)
             if ok is True:

@@ -77,7 +77,7 @@ class RecordName:
 
     def encode(self) -> bytes:
         return b"%s.%d.%d.%d.%s.%s" % (self.instance.encode(), self.version,
-                                       int(self.frontier * 1e6), int(self.heartbeat * 1e6),
+                                       round(self.frontier * 1e6), round(self.heartbeat * 1e6),
                                        self.state.encode(), self.label.encode()[:LABEL_MAX])
 
     @classmethod
@@ -88,6 +88,21 @@ class RecordName:
         inst, ver, front, beat, state, label = m.groups()
         return cls(inst.decode(), int(ver), int(front) / 1e6, int(beat) / 1e6, state.decode(),
                    label.decode(errors="replace"))
+
+
+def stamp_after(now: float, last: float) -> float:
+    """A stamp: ``now`` in whole microseconds, later than ``last``.
+
+    Invariant: stamps and frontiers are whole microseconds, the unit of a record, so a
+    frontier read from a record compares with the stamps of its node exactly. (They were
+    cut to microseconds in the record only: two nodes whose oldest changes fell into the
+    same microsecond each saw the other's frontier before its own stamp, and waited for
+    each other.)"""
+    return max(int(now * 1e6), round(last * 1e6) + 1) / 1e6
+
+
+def whole_us(t: float) -> float:
+    return round(t * 1e6) / 1e6
 
 
 def safe_label(text: str) -> str:
@@ -357,7 +372,7 @@ class Peers:
                 else:
                     state = IDLE
                     if self.live():
-                        front += self.promise
+                        front = whole_us(front + self.promise)
                 self.promised = front if state == IDLE and front > self.clock() else 0.0
             self._write(front, state, create)
 

@@ -18,7 +18,7 @@ import threading
 import pytest
 
 from acpfs.backing import NODES_DIR
-from acpfs.peers import Peers, RecordName
+from acpfs.peers import Peers, RecordName, stamp_after
 
 SEEDS = int(os.environ.get("PEERS_SEEDS", "60"))
 
@@ -50,7 +50,7 @@ class SimNode:
         return self.cluster.now + self.offset
 
     def stamp(self) -> float:
-        self.last = max(self.clock(), self.last + 1e-6)
+        self.last = stamp_after(self.clock(), self.last)     # as Cache.next_stamp
         return self.last
 
     def frontier(self) -> tuple[float, bool]:
@@ -154,6 +154,33 @@ def test_changes_made_after_another_nodes_answer_are_applied_after_it(tmp_path, 
     c.drain()
     assert c.violations == [], c.violations[:3]
     assert sorted(c.applied) == sorted(c.made), "a change was never applied"
+
+
+def test_changes_stamped_in_the_same_microsecond_on_two_nodes_do_not_wait_for_each_other(tmp_path):
+    """Records carry microseconds. Stamps with finer digits were cut in the record, so two
+    nodes whose oldest changes fell into one microsecond each read the other's frontier as
+    older than its own stamp, and waited for each other (three nodes of the simultaneous
+    first saves test did, until their leases ran out). Stamps are whole microseconds now."""
+    c = Cluster(str(tmp_path), 2, 0.01, spread=0.0, rnd=random.Random(1))
+    c.applied_set = set()
+    a, b = c.nodes
+    a.offset, b.offset = 0.2e-6, 0.7e-6
+    c.now = 2000.0000001
+    c.make(0)
+    c.make(1)
+    assert int(a.queue[0][0] * 1e6) == int(b.queue[0][0] * 1e6)   # the same microsecond
+    c.drain()
+    assert sorted(c.applied) == sorted(c.made) and c.violations == []
+
+
+def test_stamps_are_whole_microseconds_and_survive_a_record_exactly():
+    last = 0.0
+    for now in (1795593897.3220734, 1795593897.3220734, 1795593897.3220736, 1795593897.9999999):
+        s = stamp_after(now, last)
+        assert s > last and round(s * 1e6) / 1e6 == s
+        r = RecordName("0123456789ab", 1, s, now, "up", "h")
+        assert RecordName.parse(r.encode()).frontier == s
+        last = s
 
 
 def test_clocks_further_apart_than_the_skew_can_break_the_order(tmp_path):
@@ -303,4 +330,34 @@ def test_a_change_queued_after_an_older_acknowledgement_waits_no_longer_than_it(
     core.drain()
     assert mkdir_stamp > first
     assert held[0] == first, (held, first, mkdir_stamp)    # the mkdir, lowered to z's
+    fl.peers = None
+
+
+def test_a_file_closed_twice_before_it_is_queued_is_held_to_its_first_close(core):
+    """A shell's redirection closes a copy of the descriptor before the command writes: two
+    acknowledgements, one op. The node's frontier is the first; the head is held to it, not
+    to the last close. Held to the last, two such files on two nodes, their closes
+    interleaved, each waited for the other's older frontier: a circle."""
+    from harness import write_file
+    cache, fl = core.cache, core.flusher
+    held = []
+
+    class Recorder:
+        lease = 30.0
+
+        def cleared(self, stamp):
+            held.append(stamp)
+            return True
+
+        def kick(self):
+            pass
+    fl.peers = Recorder()
+    z = write_file(cache, b"latest", b"step_5\n")
+    cache.note_ack(z)                      # close(3) after dup2(3, 1)
+    cache.note_ack(z)                      # the command's exit closes 1
+    first, last = cache.acked[z.ino]
+    cache.release(z, True)
+    assert first < last and fl.queue[-1].stamp == last
+    core.drain()
+    assert held[0] == first, (held, first, last)
     fl.peers = None

@@ -26,6 +26,7 @@ import trio
 
 from . import control
 from .cache import Cache
+from .peers import UNIT
 from .pool import PoolFull
 from .types import Node, err
 from .writethrough import WriteThrough
@@ -469,7 +470,7 @@ class Core:
                 await trio.to_thread.run_sync(peers.announce, abandon_on_cancel=True)
                 promised = 0.0
             if promised:
-                until = max(until, promised + peers.skew)
+                until = max(until, promised + peers.skew + UNIT)
         delay = until - time.time()
         if delay > 0:
             await trio.sleep(delay)

@@ -101,6 +101,9 @@ def stamp_after(now: float, last: float) -> float:
     return max(int(now * 1e6), round(last * 1e6) + 1) / 1e6
 
 
+UNIT = 1e-6   # a stamp's unit: a stamp is at most this much before the moment it was taken
+
+
 def whole_us(t: float) -> float:
     return round(t * 1e6) / 1e6
 
@@ -292,10 +295,12 @@ class Peers:
 
     def commit_until(self, stamp: float) -> float:
         """When a request that acknowledged a change stamped ``stamp`` may be answered (0:
-        at once; no live peer can order itself against it)."""
+        at once; no live peer can order itself against it). A stamp is the clock cut to
+        whole microseconds, so the wait is one unit longer than the skew: a change made
+        anywhere after the answer is stamped strictly later, not in the same microsecond."""
         if not self.peers or not self.live():
             return 0.0
-        return stamp + self.skew
+        return stamp + self.skew + UNIT
 
     def kick(self) -> None:
         """The frontier moved or the sequencer waits: write and list soon."""

@@ -18,7 +18,7 @@ import threading
 import pytest
 
 from acpfs.backing import NODES_DIR
-from acpfs.peers import Peers, RecordName, stamp_after
+from acpfs.peers import UNIT, Peers, RecordName, stamp_after
 
 SEEDS = int(os.environ.get("PEERS_SEEDS", "60"))
 
@@ -88,7 +88,7 @@ class Cluster:
         if promised > s and self.rnd.random() < 0.9:
             node.peers.announce()          # the record says "up" before the answer
         elif promised > s:
-            until = max(until, promised + node.peers.skew)   # the backing hung: promise runs out
+            until = max(until, promised + node.peers.skew + UNIT)   # the backing hung: promise runs out
         self.made[cid] = (i, self.now)
         # answered once the node's own clock passed ``until`` (commit wait)
         node.busy_until = self.answered[cid] = max(self.now, until - node.offset)
@@ -151,6 +151,30 @@ def test_changes_made_after_another_nodes_answer_are_applied_after_it(tmp_path, 
     c.applied_set = set()
     for _ in range(400):
         c.step()
+    c.drain()
+    assert c.violations == [], c.violations[:3]
+    assert sorted(c.applied) == sorted(c.made), "a change was never applied"
+
+
+@pytest.mark.parametrize("seed", range(SEEDS // 2))
+def test_changes_microseconds_apart_on_several_nodes_are_all_applied(tmp_path, seed):
+    """Every change is applied in the end when the nodes' changes come within microseconds
+    of each other (simultaneous saves). With stamps finer than a record's microseconds,
+    293 of 300 seeds of this test ended with nodes waiting for each other."""
+    rnd = random.Random(seed)
+    c = Cluster(str(tmp_path), rnd.randint(2, 4), 0.0, spread=0.0, rnd=rnd)
+    c.applied_set = set()
+    for _ in range(300):
+        r, i = rnd.random(), rnd.randrange(len(c.nodes))
+        if r < 0.4:
+            c.make(i)
+        elif r < 0.55:
+            c.nodes[i].peers._publish()
+        elif r < 0.7:
+            c.nodes[i].peers._list()
+        else:
+            c.apply(i)
+        c.now += rnd.choice([0.0, 2e-7, 5e-7, 1e-6])
     c.drain()
     assert c.violations == [], c.violations[:3]
     assert sorted(c.applied) == sorted(c.made), "a change was never applied"

@@ -21,10 +21,10 @@ import sys
 import time
 from typing import Any
 
-from . import __version__, client
+from . import __version__, client, private
 from .client import FSTYPE, Failure
 from .config import (UsageError, default_cache_dir, default_cache_size, default_log_file, env,
-                     env_flag, format_size, key_of, parse_size, runtime_dir)
+                     env_flag, format_size, key_of, parse_size)
 
 
 # -- stale mounts ------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
         if os.listdir(mountpoint):
             raise UsageError(f"mount point {mountpoint} is not empty")
         check_backing_free(backing)
-        os.makedirs(os.path.dirname(cache_dir), mode=0o700, exist_ok=True)
+        private.secure_dir(cache_dir, "cache directory")
         cache_size = parse_size(cache_size_text, "cache size") if cache_size_text \
             else default_cache_size(os.path.dirname(cache_dir))
         check_cache_fits(cache_size, os.path.dirname(cache_dir), cache_dir)
@@ -268,7 +268,7 @@ def existing(path: str) -> None:
 
 
 def open_lock(name: str):
-    return open(os.path.join(runtime_dir(), name), "a+")
+    return os.fdopen(private.open_private(name), "a+")
 
 
 def check_backing_free(backing: str) -> None:

@@ -59,38 +59,6 @@ def key_of(path: str) -> str:
     return hashlib.sha256(os.fsencode(path)).hexdigest()[:16]
 
 
-def runtime_dir() -> str:
-    """Lock files of live mounts (private per user)."""
-    d = "/run/acpfs" if os.geteuid() == 0 else f"/tmp/acpfs-{os.getuid()}"
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    return d
-
-
-def mount_record_path(mountpoint: str) -> str:
-    return os.path.join(runtime_dir(), f"mount-{key_of(mountpoint)}.json")
-
-
-def write_mount_record(mountpoint: str, record: dict) -> None:
-    """Where a mount's backing and cache live, kept after the daemon exits or dies so that
-    ``acpfs.torch`` can fall back to the backing and a new mount can find the old cache."""
-    import json
-    path = mount_record_path(mountpoint)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, path)
-
-
-def read_mount_record(mountpoint: str) -> dict | None:
-    """The record of the last daemon that served ``mountpoint`` (an absolute, real path)."""
-    import json
-    try:
-        with open(mount_record_path(mountpoint)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def default_cache_dir(backing: str) -> str:
     """One directory per backing directory, so that a new mount finds what a dead one left."""
     return os.path.join("/dev/shm", f"acpfs-{os.getuid()}", key_of(backing))

@@ -20,7 +20,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from .config import format_size, write_mount_record
+from .config import format_size
+from .private import open_private, secure_dir, write_mount_record
 from .retry import describe
 
 if TYPE_CHECKING:
@@ -77,9 +78,8 @@ def setup_logging(opts: Options) -> None:
 
 def lock_backing(backing: str, mountpoint: str) -> int:
     """Hold a lock on the backing directory for the daemon's lifetime (one mount per backing)."""
-    from .config import key_of, runtime_dir
-    path = os.path.join(runtime_dir(), f"backing-{key_of(backing)}.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    from .config import key_of
+    fd = open_private(f"backing-{key_of(backing)}.lock")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -137,8 +137,7 @@ class Daemon:
         write_mount_record(opts.mountpoint, {"mountpoint": opts.mountpoint, "backing": opts.backing,
                                              "cache_dir": opts.cache_dir, "log_file": opts.log_file,
                                              "pid": os.getpid(), "started": time.time()})
-        os.makedirs(opts.cache_dir, mode=0o700, exist_ok=True)
-        os.chmod(opts.cache_dir, 0o700)
+        secure_dir(opts.cache_dir, "cache directory")
         self.cache_lock_fd = lock_cache_dir(opts.cache_dir)
         log.info("starting: mount %s, backing %s, cache %s in %s", opts.mountpoint, opts.backing,
                  format_size(opts.cache_size), opts.cache_dir)

@@ -78,18 +78,11 @@ def awaiting_recovery(backing: str) -> dict[str, str]:
     """Instances of daemons on this host that died over ``backing`` and whose journal waits
     for the next mount: instance -> cache directory. Their temporary files (staged content
     of files acknowledged before the crash) must stay until that mount recovers them."""
-    import glob
-    import json
-
-    from .config import default_cache_dir, runtime_dir
+    from .config import default_cache_dir
     from .journal import read_instance
+    from .private import mount_records
     dirs = {default_cache_dir(backing)}
-    for rec in glob.glob(os.path.join(runtime_dir(), "mount-*.json")):
-        try:
-            with open(rec) as f:
-                r = json.load(f)
-        except (OSError, ValueError):
-            continue
+    for r in mount_records():
         if os.path.realpath(r.get("backing", "")) == backing and r.get("cache_dir"):
             dirs.add(r["cache_dir"])
     out = {}

@@ -63,7 +63,7 @@ API
     acpfs mount without a record.
 
 Where the backing of a path comes from: ``configure()``, then the mount record
-(``acpfs.config.read_mount_record``), then the live daemon's status, then the environment.
+(``acpfs.private.read_mount_record``), then the live daemon's status, then the environment.
 Paths are resolved without touching the FUSE mount (a hung daemon cannot block resolution):
 symbolic links are followed up to the mount point, not inside it.
 
@@ -105,7 +105,7 @@ from typing import Any, Callable, Iterable, Literal
 
 import torch
 
-from . import client, config, journal
+from . import client, config, journal, private
 
 __all__ = ["save", "load", "wait_persisted", "preload", "configure", "Saved", "Preloaded",
            "NotPersisted"]
@@ -228,7 +228,7 @@ def _known_backing(mountpoint: str, mounted: bool) -> str | None:
     """configure(), then the mount record, then the environment (the status is asked later)."""
     if mountpoint in _overrides:
         return _overrides[mountpoint]
-    rec = config.read_mount_record(mountpoint)
+    rec = private.read_mount_record(mountpoint)
     if rec and rec.get("backing"):
         return rec["backing"]
     return _env_backing(mountpoint, mounted)
@@ -238,7 +238,7 @@ def _recorded_backing(directory: str) -> str | None:
     """The backing of a directory that is a recorded (or configured) but unmounted mount point."""
     if directory in _overrides:
         return _overrides[directory]
-    rec = config.read_mount_record(directory)
+    rec = private.read_mount_record(directory)
     if rec and rec.get("backing") and os.path.isdir(rec["backing"]):
         return rec["backing"]
     return _env_backing(directory, False)
@@ -435,7 +435,7 @@ def _tell_recovery(t: _Target) -> None:
     daemon does not replay an older version over this one (``acpfs.recovery``)."""
     if t.mountpoint is None:
         return
-    rec = config.read_mount_record(t.mountpoint)
+    rec = private.read_mount_record(t.mountpoint)
     if not rec or not rec.get("cache_dir") or not os.path.isdir(rec["cache_dir"]):
         return
     try:

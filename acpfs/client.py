@@ -202,9 +202,21 @@ def read_seq(path: str) -> tuple[int, int]:
 
 
 def read_files(mountpoint: str) -> dict[str, Any]:
-    """The files of the mount not yet persisted, with their state (capped: ``truncated``)."""
-    return json.loads(_getxattr(mountpoint, control.FILES,
-                                f"cannot read the pending files of {mountpoint}"))
+    """The files of the mount not yet persisted, with their state, sorted by path: one
+    listing, read page by page (``control.Listings``)."""
+    what = f"cannot read the pending files of {mountpoint}"
+    for attempt in range(3):
+        try:
+            page = json.loads(_getxattr(mountpoint, control.FILES, what))
+            files = page["files"]
+            while page.get("next"):
+                page = json.loads(_getxattr(mountpoint, page["next"].encode(), what))
+                files.extend(page["files"])
+            return {"files": files, "total": len(files), "truncated": False}
+        except Failure as e:
+            if e.errno != errno.EAGAIN or attempt == 2:   # EAGAIN: the listing expired
+                raise
+    raise AssertionError("not reached")
 
 
 def preload(path: str) -> bool:

@@ -8,7 +8,11 @@ socket and work with ordinary permissions (``getfattr`` works too):
                         mount's "applied_seq" reaches N (K files under it are still open
                         with unsaved data, and are saved at their last close)
     user.acpfs.status   mount root: the status document (schema in docs/status.md)
-    user.acpfs.files    mount root: files not yet persisted, with their state (capped)
+    user.acpfs.files    mount root: files not yet persisted, with their state, sorted by
+                        path: the first page of a listing made at that moment; its "next"
+                        names the attribute of the next page, ``user.acpfs.files.<listing>.
+                        <offset>``, until "next" is null (``Listings``; an xattr value is at
+                        most 64 KiB, a listing of 100,000 long paths is megabytes)
     user.acpfs.preload  a regular file: reading it loads the file into the cache (``acpfs
                         preload``); ENOSPC when the cache cannot hold it
 
@@ -23,6 +27,8 @@ import dataclasses
 import errno
 import json
 import os
+import secrets
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +44,7 @@ STATUS = b"user.acpfs.status"
 FILES = b"user.acpfs.files"
 PRELOAD = b"user.acpfs.preload"   # a file: read it into the cache; {"size": N, "cached": true}
 STATUS_VERSION = 1
-FILES_CAP = 400  # an xattr value is at most 64 KiB
+PAGE_BYTES = 60000     # a page of the files listing: an xattr value is at most 64 KiB
 
 
 @dataclasses.dataclass
@@ -72,12 +78,72 @@ def get(cache: Cache, info: MountInfo, node: Node, name: bytes, trusted: bool = 
         if name == STATUS:
             doc = status(cache, info)
             return json.dumps(doc if trusted else hide_names(doc), separators=(",", ":")).encode()
-        if name == FILES:
+        if name == FILES or name.startswith(FILES + b"."):
             if not trusted:
                 raise OSError(errno.EACCES, "the pending files are listed to root and the "
                                             "mount's owner only")
-            return json.dumps(pending_files(cache), separators=(",", ":")).encode()
+            if name == FILES:
+                return listings.start(pending_files(cache))
+            return listings.page(name[len(FILES) + 1:])
     raise OSError(errno.ENODATA, "no such attribute")
+
+
+class Listings:
+    """Listings of pending files read page by page. A listing is taken whole when its first
+    page is asked for, so its pages agree with each other however the mount changes in
+    between; the newest few are kept, each for ``KEEP`` seconds after its last page was
+    read."""
+    KEEP = 60.0
+    MAX = 4
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+
+    def start(self, files: list[dict[str, Any]]) -> bytes:
+        token = secrets.token_hex(4)
+        now = time.monotonic()
+        with self._lock:
+            for t, (used, _) in list(self._kept.items()):
+                if now - used > self.KEEP:
+                    del self._kept[t]
+            while len(self._kept) >= self.MAX:
+                del self._kept[min(self._kept, key=lambda t: self._kept[t][0])]
+            self._kept[token] = (now, files)
+        return self._page(token, files, 0)
+
+    def page(self, rest: bytes) -> bytes:
+        try:
+            token, offset = rest.decode().split(".")
+            start = int(offset)
+        except ValueError:
+            raise OSError(errno.ENODATA, "no such attribute") from None
+        with self._lock:
+            kept = self._kept.get(token)
+            if kept is None:
+                raise OSError(errno.EAGAIN, "this listing of pending files is gone (older "
+                                            f"than {self.KEEP:.0f} s): start again")
+            self._kept[token] = (time.monotonic(), kept[1])
+        return self._page(token, kept[1], start)
+
+    @staticmethod
+    def _page(token: str, files: list[dict[str, Any]], start: int) -> bytes:
+        """The entries from ``start`` that fit in ``PAGE_BYTES`` (at least one)."""
+        out, size, i = [], 200, start
+        while i < len(files):
+            one = json.dumps(files[i], separators=(",", ":"))
+            if out and size + len(one) + 1 > PAGE_BYTES:
+                break
+            out.append(one)
+            size += len(one) + 1
+            i += 1
+        nxt = (FILES + b".%s.%d" % (token.encode(), i)).decode() if i < len(files) else None
+        head = json.dumps({"total": len(files), "offset": start, "next": nxt,
+                           "truncated": False}, separators=(",", ":"))
+        return (head[:-1] + ',"files":[' + ",".join(out) + "]}").encode()
+
+
+listings = Listings()
 
 
 HIDDEN = "(hidden: readable by root and the mount's owner)"
@@ -155,7 +221,8 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
     }
 
 
-def pending_files(cache: Cache) -> dict[str, Any]:
+def pending_files(cache: Cache) -> list[dict[str, Any]]:
+    """Every file of the mount not yet persisted: dirty, or queued; sorted by path."""
     out = []
     seen = set()
     for node in list(cache.dirty_nodes):
@@ -169,6 +236,6 @@ def pending_files(cache: Cache) -> dict[str, Any]:
         if op.kind == OpKind.PUBLISH and op.node.ino not in seen and op.state != OpState.VOID:
             seen.add(op.node.ino)
             out.append(op.node)
-    files = [{"path": cache.path(n), "state": cache.state_of(n), "size": n.size}
-             for n in out[:FILES_CAP]]
-    return {"files": files, "total": len(out), "truncated": len(out) > FILES_CAP}
+    files = [{"path": cache.path(n), "state": cache.state_of(n), "size": n.size} for n in out]
+    files.sort(key=lambda f: f["path"])
+    return files

@@ -385,3 +385,35 @@ def test_the_daemon_log_is_private(make_mount):
     assert stat.S_IMODE(os.stat(m.log).st_mode) == 0o600
     text = m.log.read_text()
     assert text.startswith("an older daemon's line\n") and "mounted" in text
+
+
+def test_status_files_lists_every_pending_file_whatever_the_length_of_the_list(make_mount, faults):
+    """(issue 13, point 7) The pending list is read page by page (an xattr value is at most
+    64 KiB): 30 files with 4 KiB paths and 1,500 ordinary ones, held by a read-only backing,
+    are all listed, each once, by `acpfs status --files` and its --json form. The
+    100,000-file case is in tests/unit/test_control.py."""
+    m = make_mount("files", cache_size="256M", mount=False)
+    faults.tmpfs(m.back, "64M")
+    faults.mount(m)
+    deep = m.mnt.joinpath(*(f"{i:02d}" + "d" * 248 for i in range(15)))
+    deep.mkdir(parents=True)
+    (m.mnt / "many").mkdir()
+    m.sync()
+    faults.remount(m.back, "ro")
+    want = set()
+    for i in range(30):
+        p = deep / (f"{i:02d}" + "f" * 200)
+        p.write_bytes(b"x")
+        want.add(str(p.relative_to(m.mnt)))
+    assert len(str(p.relative_to(m.mnt)).encode()) > 3900
+    for i in range(1500):
+        (m.mnt / "many" / f"shard-{i:05d}.bin").write_bytes(b"y")
+        want.add(f"many/shard-{i:05d}.bin")
+    doc = json.loads(acpfs("status", str(m.mnt), "--json", "--files").stdout)
+    paths = [f["path"] for f in doc["files"]["files"]]
+    assert doc["files"]["total"] == 1530 and sorted(paths) == sorted(want)
+    text = acpfs("status", str(m.mnt), "--files").stdout
+    listed = [line.split()[-1] for line in text.splitlines() if line.endswith(".bin") or line.endswith("f" * 200)]
+    assert sorted(listed) == sorted(want)
+    faults.remount(m.back, "rw")
+    m.sync(timeout=120)

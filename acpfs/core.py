@@ -70,12 +70,12 @@ class Handle:
 
 class Core:
     def __init__(self, cache: Cache, info: control.MountInfo,
-                 readers_direct_io: Callable[[], bool] = lambda: False) -> None:
+                 direct_io_mmap: Callable[[], bool] = lambda: False) -> None:
         self.cache = cache
         self.backing = cache.backing
         self.info = info
         self.wt = WriteThrough(cache, info.cache_full_timeout, info.persist_open_after)
-        self.readers_direct_io = readers_direct_io   # asked at each open: the INIT reply decides
+        self.direct_io_mmap = direct_io_mmap   # asked at each open: the INIT reply decides
         self.handles: dict[int, Handle] = {}
         self.dirs: dict[int, list[tuple[bytes, Node]]] = {}
         self._next_fh = 1
@@ -323,12 +323,14 @@ class Core:
             await self.xattrs_loaded(node)
             await self.wt.open_for_writing(node, trunc)
         h = Handle(node, writable, append, kill_priv=writable and uid != 0)
-        # Readers of a cached file skip the page cache where shared mmap survives it: each
-        # READ is then one copy from the pool into the reader's buffer (the page cache path
-        # copies twice and allocates a page per 4 KiB). Files read from the backing keep
-        # the page cache and its read-ahead. Writers always: 1 MiB requests straight into
-        # the pool, no page cache cap.
-        direct = writable or (node.blocks is not None and self.readers_direct_io())
+        # direct_io only where shared mmap survives it (the kernel granted it in INIT:
+        # Linux 6.9+ with the fast write extension; elsewhere a shared writable mapping of a
+        # direct_io file fails with ENODEV, which breaks SQLite's WAL and np.memmap).
+        # There, writers get it (1 MiB requests straight into the pool, no page cache cap),
+        # and readers of a cached file (one copy from the pool into the reader's buffer,
+        # where the page cache copies twice and allocates a page per 4 KiB). Files read
+        # from the backing keep the page cache and its read-ahead.
+        direct = self.direct_io_mmap() and (writable or node.blocks is not None)
         if not writable and node.blocks is None and node.staged is None and node.is_reg:
             # Open the backing copy now, so that the reader keeps the version it opened
             # even if the file is renamed over, deleted or republished meanwhile.

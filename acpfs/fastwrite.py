@@ -10,7 +10,8 @@ Everything degrades to pyfuse3's own path (and says so in the log and in ``statu
 the extension is not built, pyfuse3 was imported before it, or the hook was not reached.
 
 The extension also asks the kernel for shared mmap of direct_io files (its INIT exchange):
-where granted, ``readers_direct_io`` lets readers of cached files skip the page cache.
+only where granted (``direct_io_mmap``) do writers, and readers of cached files, skip the page
+cache: elsewhere shared writable mappings of their files would fail with ENODEV.
 
 Copies into the pool are large (up to 1 MiB per WRITE) and not read again soon, so the
 daemon copies with non-temporal stores: glibc's memcpy uses them from NT_THRESHOLD up (its
@@ -72,8 +73,8 @@ def uninstall() -> None:
         _ext.set_handler(None)
 
 
-def readers_direct_io() -> bool:
-    """Whether readers may get direct_io without losing shared mmap: the INIT reply granted
+def direct_io_mmap() -> bool:
+    """Whether files may get direct_io without losing shared mmap: the INIT reply granted
     FUSE_DIRECT_IO_ALLOW_MMAP (see acpfs/_fastwrite.c; off with ACPFS_NO_READ_DIRECT_IO=1)."""
     return _ext is not None and _ext.direct_io_mmap()
 
@@ -117,7 +118,8 @@ def nt_threshold() -> int | None:
 def state() -> dict:
     """For ``acpfs status``: whether the fast path is on, how many WRITEs took each path, and
     the non-temporal copy threshold."""
-    nt = {"non_temporal_threshold": nt_threshold(), "readers_direct_io": readers_direct_io()}
+    nt = {"non_temporal_threshold": nt_threshold(), "readers_direct_io": direct_io_mmap(),
+          "writers_direct_io": direct_io_mmap()}
     if _ext is None or not _ext.stats()["sessions_hooked"]:
         return {"on": False, "why_not": _why_not, **nt}
     hidden = ("sessions_hooked", "custom_io", "kernel_flags")

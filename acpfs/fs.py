@@ -210,7 +210,8 @@ class Operations(pyfuse3.Operations):
     @replies
     async def create(self, parent_inode, name, mode, flags, ctx):
         fh, node = await self.core.create(parent_inode, name, mode, flags, ctx)
-        return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False), entry(node)
+        return pyfuse3.FileInfo(fh=fh, direct_io=self.core.direct_io_mmap(), keep_cache=False), \
+            entry(node)
 
     async def read(self, fh, off, size):
         try:
@@ -295,10 +296,10 @@ def _send_forgets() -> None:
 
 
 def make_operations(core: Core) -> Operations:
-    """The adapter over ``core``; readers' direct_io follows the kernel's INIT reply."""
+    """The adapter over ``core``; direct_io follows the kernel's INIT reply."""
     global kernel_timeout
     kernel_timeout = min(ATTR_TIMEOUT, core.info.coherence_timeout)
-    core.readers_direct_io = fastwrite.readers_direct_io
+    core.direct_io_mmap = fastwrite.direct_io_mmap
     # a name another node removed leaves the kernel's dentry cache at once, not after
     # ATTR_TIMEOUT (Cache.merge_listing)
     core.cache.forget_entry = lambda parent_ino, name: pyfuse3.invalidate_entry_async(

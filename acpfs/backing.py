@@ -480,6 +480,26 @@ class Backing:
         finally:
             os.close(dfd)
 
+    def mknod(self, comps: Comps, name: bytes, mode: int, rdev: int, uid: int, gid: int) -> None:
+        """Make a FIFO, socket or device node with its owner and mode at once: made under a
+        temporary name (mode 0), given its owner and mode, renamed into place."""
+        check_name(name)
+        dfd = self.open_dir(comps)
+        try:
+            tmp = self.temp_name()
+            os.mknod(tmp, statmod.S_IFMT(mode), rdev, dir_fd=dfd)
+            try:
+                if IS_ROOT:
+                    os.chown(tmp, uid, gid, dir_fd=dfd, follow_symlinks=False)
+                _chmod_by_name(dfd, tmp, mode)
+                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except OSError:
+                os.unlink(tmp, dir_fd=dfd)
+                raise
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
     def read_link(self, comps: Comps, name: bytes) -> bytes | None:
         """The target of a symlink; None if it is gone or not a symlink."""
         check_name(name)
@@ -558,15 +578,19 @@ class Backing:
         finally:
             os.close(sfd)
 
-    def setattr(self, comps: Comps, name: bytes, is_link: bool, mode: int | None, uid: int | None,
+    def setattr(self, comps: Comps, name: bytes, by_name: bool, mode: int | None, uid: int | None,
                 gid: int | None, times: tuple[int, int] | None) -> None:
+        """``by_name``: a symlink or special file, changed by name (opening a device node
+        would open the device); else the file is opened (O_NONBLOCK, never a symlink)."""
         check_name(name)
         dfd = self.open_dir(comps)
         try:
-            if is_link:
+            if by_name:
                 if IS_ROOT and (uid is not None or gid is not None):
                     os.chown(name, -1 if uid is None else uid, -1 if gid is None else gid,
                              dir_fd=dfd, follow_symlinks=False)
+                if mode is not None:
+                    _chmod_by_name(dfd, name, mode)
                 if times is not None:
                     os.utime(name, ns=times, dir_fd=dfd, follow_symlinks=False)
                 return
@@ -895,3 +919,14 @@ def iter_extents(blocks: list[int], size: int, block_size: int) -> Iterator[tupl
         start_f, start_p, length = foff, poff, n
     if length:
         yield start_f, start_p, length
+
+
+def _chmod_by_name(dfd: int, name: bytes, mode: int) -> None:
+    """chmod ``name`` in ``dfd`` without following a symlink or opening the file (an O_PATH
+    descriptor); a symlink's mode is left as it is (Linux has none to set)."""
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        if not statmod.S_ISLNK(os.fstat(fd).st_mode):
+            os.chmod(f"/proc/self/fd/{fd}", statmod.S_IMODE(mode))
+    finally:
+        os.close(fd)

@@ -168,6 +168,7 @@ class Cache:
         child.checked_at = time.monotonic()
         if target is not None:
             child.target = target
+        child.rdev = st.st_rdev
         if statmod.S_ISDIR(st.st_mode):
             child.nlink = 2
         node.children[name] = child  # type: ignore[index]
@@ -365,6 +366,17 @@ class Cache:
         kids[name] = node
         parent.mtime = parent.ctime = node.mtime
         self._enqueue(OpKind.SYMLINK, node, parent=parent, name=name, attrs=(node.mode, uid, gid))
+        return node
+
+    def mknod(self, parent: Node, name: bytes, mode: int, rdev: int, uid: int, gid: int) -> Node:
+        """A FIFO, socket or device node: a name with a mode, persisted by MKNOD."""
+        kids = self._free_name(parent, name)
+        node = self._new_node(mode, uid, gid, parent, name)
+        node.rdev = rdev
+        node.xattrs = {}
+        kids[name] = node
+        parent.mtime = parent.ctime = node.mtime
+        self._enqueue(OpKind.MKNOD, node, parent=parent, name=name, attrs=(node.mode, uid, gid))
         return node
 
     def unlink(self, parent: Node, name: bytes) -> None:
@@ -878,6 +890,9 @@ class Cache:
         if kind == OpKind.SYMLINK:
             return Record(op.seq, kind, node.ino, self.mount_path(node), target=node.target,
                           uid=node.uid, gid=node.gid)
+        if kind == OpKind.MKNOD:
+            return Record(op.seq, kind, node.ino, self.mount_path(node), mode=node.mode,
+                          uid=node.uid, gid=node.gid, size=node.rdev)
         if kind in (OpKind.UNLINK, OpKind.RMDIR):
             return Record(op.seq, kind, node.ino, old_path)
         if kind == OpKind.RENAME:

@@ -245,6 +245,24 @@ class Core:
         parent = await self.dir(parent_ino)
         return self.cache.symlink(parent, name, target, caller.uid, self._gid(parent, caller))
 
+    async def mknod(self, parent_ino: int, name: bytes, mode: int, rdev: int, caller: Caller) -> Node:
+        """mknod(2): a regular file (empty, queued at once), a FIFO, a socket, or a device
+        node (the kernel lets only callers with CAP_MKNOD ask; the daemon makes it in the
+        backing, so it must be root too)."""
+        parent = await self.dir(parent_ino)
+        kind = statmod.S_IFMT(mode) or statmod.S_IFREG
+        perm = statmod.S_IMODE(mode) & ~caller.umask
+        gid = self._gid(parent, caller)
+        if kind == statmod.S_IFREG:
+            node = self.cache.create(parent, name, perm, caller.uid, gid)
+            self.cache.snapshot(node)
+            return node
+        if kind in (statmod.S_IFCHR, statmod.S_IFBLK) and os.geteuid() != 0:
+            raise err(errno.EPERM, "device nodes need an acpfs daemon running as root")
+        if kind not in (statmod.S_IFCHR, statmod.S_IFBLK, statmod.S_IFIFO, statmod.S_IFSOCK):
+            raise err(errno.EINVAL)
+        return self.cache.mknod(parent, name, kind | perm, rdev, caller.uid, gid)
+
     async def unlink(self, parent_ino: int, name: bytes) -> None:
         self.cache.unlink(await self.dir(parent_ino), name)
 

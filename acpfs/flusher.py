@@ -302,12 +302,14 @@ class Flusher:
         def run() -> None:
             with cache.position_lock:
                 kind = op.kind
-                if kind in (OpKind.MKDIR, OpKind.SYMLINK):
+                if kind in (OpKind.MKDIR, OpKind.SYMLINK, OpKind.MKNOD):
                     comps = cache.backing_path(op.parent)  # type: ignore[arg-type]
                     mode, uid, gid = op.attrs   # as made: later changes are ops of their own
                     self._make_way(op, comps, op.name, None)
                     if kind == OpKind.MKDIR:
                         backing.mkdir(comps, op.name, mode, uid, gid)
+                    elif kind == OpKind.MKNOD:
+                        backing.mknod(comps, op.name, mode, node.rdev, uid, gid)
                     else:
                         backing.symlink(comps, op.name, node.target, uid, gid)
                     node.backing_parent, node.backing_name = op.parent, op.name
@@ -333,7 +335,7 @@ class Flusher:
                     raise AssertionError(f"unknown op {kind}")
 
         def repair(exc: BaseException) -> None:
-            if op.kind in (OpKind.MKDIR, OpKind.SYMLINK, OpKind.RENAME):
+            if op.kind in (OpKind.MKDIR, OpKind.SYMLINK, OpKind.MKNOD, OpKind.RENAME):
                 self._restore_dirs(op.parent, exc)  # type: ignore[arg-type]
             elif op.kind in (OpKind.SETATTR, OpKind.XATTR) and node.backing_parent is not None:
                 self._restore_dirs(node.backing_parent, exc)
@@ -346,7 +348,8 @@ class Flusher:
         comps = self.cache.backing_path(node.backing_parent)  # type: ignore[arg-type]
         if op.kind == OpKind.SETATTR:
             mode, uid, gid, times = op.attrs
-            self.backing.setattr(comps, node.backing_name, node.is_link, mode, uid, gid, times)
+            self.backing.setattr(comps, node.backing_name, node.is_link or node.is_special, mode,
+                                 uid, gid, times)
             if times is not None and node.is_reg and node.backing_version is not None:
                 # its own copy's new mtime; another node's version there stays another's
                 # (same inode and size: the copy this node knew), so that coherence sees it
@@ -431,8 +434,8 @@ class Flusher:
             ours += f" of {op.nbytes} bytes"
         self.conflicts.note("replaced", path, ours, f"{describe_entry(st)} it never saw",
                             "the last publisher wins: this node's replaces it")
-        if op.kind == OpKind.SYMLINK:
-            self.backing.unlink(comps, name, False)    # symlink(2) does not replace
+        if op.kind in (OpKind.SYMLINK, OpKind.MKNOD):
+            self.backing.unlink(comps, name, False)    # symlink(2) and mknod(2) do not replace
 
     def _make_way_for_dir(self, path: str, comps: Comps, name: bytes) -> None:
         st = self.backing.stat_entry(comps, name)
@@ -723,4 +726,5 @@ def _version(st: os.stat_result) -> tuple[int, int, int]:
 
 
 def _kind(node: Node) -> str:
-    return "directory" if node.is_dir else "symlink" if node.is_link else "file"
+    return "directory" if node.is_dir else "symlink" if node.is_link else \
+        "file" if node.is_reg else "special file"

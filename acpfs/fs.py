@@ -92,6 +92,7 @@ def attrs(node: Node) -> pyfuse3.EntryAttributes:
     a.st_uid = node.uid
     a.st_gid = node.gid
     a.st_size = node.size
+    a.st_rdev = node.rdev
     a.st_blksize = BLKSIZE
     a.st_blocks = (node.size + 511) // 512
     a.st_atime_ns = node.atime
@@ -177,8 +178,9 @@ class Operations(pyfuse3.Operations):
         raise OSError(errno.EPERM, "hard links are not supported")
 
     @replies
+    @acknowledges
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        raise OSError(errno.EPERM, "only regular files, directories and symlinks are supported")
+        return entry(await self.core.mknod(parent_inode, name, mode, rdev, ctx))
 
     # -- directories -----------------------------------------------------------------------
     @replies

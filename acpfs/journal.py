@@ -66,6 +66,7 @@ LAYOUT: dict[str, tuple[str, ...]] = {
     FLUSHED: ("path",) + CONTENT,
     "mkdir": ("path", "mode", "uid", "gid"),
     "symlink": ("path", "target", "uid", "gid"),
+    "mknod": ("path", "mode", "uid", "gid", "size"),   # size: the device number
     "unlink": ("path",),
     "rmdir": ("path",),
     "rename": ("src_path", "path"),

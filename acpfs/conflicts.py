@@ -21,6 +21,9 @@ kind                   case, and the rule
                        snapshot, a directory is made again.
 ``dir_recreated``      a directory this node still writes into was removed or moved by another
                        writer: it is made again, from this node's view, and the writes land.
+``refused``            the backing refuses a special file with ``EPERM`` (device nodes on an NFS
+                       export with ``root_squash``): no retry can make it, so it stays in this
+                       mount only and the queue moves on.
 ``moved_aside``        an entry of another kind (a directory where this node puts a file, a
                        file where it makes a directory, a non-empty directory a directory is
                        renamed over) stands in the way: it is moved to
@@ -44,7 +47,7 @@ import time
 
 log = logging.getLogger(__name__)
 
-KINDS = ("replaced", "kept", "not_empty", "gone", "dir_recreated", "moved_aside")
+KINDS = ("replaced", "kept", "not_empty", "gone", "dir_recreated", "moved_aside", "refused")
 RECENT = 20     # conflicts kept in full for ``status``
 
 

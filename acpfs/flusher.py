@@ -309,7 +309,17 @@ class Flusher:
                     if kind == OpKind.MKDIR:
                         backing.mkdir(comps, op.name, mode, uid, gid)
                     elif kind == OpKind.MKNOD:
-                        backing.mknod(comps, op.name, mode, node.rdev, uid, gid)
+                        try:
+                            backing.mknod(comps, op.name, mode, node.rdev, uid, gid)
+                        except PermissionError as e:
+                            if e.errno != errno.EPERM:
+                                raise
+                            # the backing forbids the kind (root_squash): no retry can help,
+                            # and the queue must move on (a conflict, docs/semantics.md)
+                            self.conflicts.note("refused", op.path, f"makes a {_kind(node)}",
+                                                f"a backing that refuses it ({describe(e)})",
+                                                "kept in this mount only")
+                            return
                     else:
                         backing.symlink(comps, op.name, node.target, uid, gid)
                     node.backing_parent, node.backing_name = op.parent, op.name

@@ -216,3 +216,14 @@ def test_a_file_renamed_after_another_writer_removed_it_leaves_the_view(core):
     cache.merge_listing(cache.root, listing, known, applied)
     assert b"y" not in cache.root.children and b"x" not in cache.root.children
     assert core.flusher.conflicts.status()["by_kind"]["gone"] == 1
+
+
+def test_a_special_file_the_backing_refuses_stays_in_the_mount_and_the_queue_moves_on(core):
+    """A device node on an NFS export with root_squash: EPERM, which no retry mends. It is
+    a conflict ("refused"), kept in the mount only; what comes after lands."""
+    import errno
+    import stat
+    core.backing.inject("mknod", errno=errno.EPERM)
+    core.cache.mknod(core.cache.root, b"dev", stat.S_IFCHR | 0o600, os.makedev(1, 3), 0, 0)
+    settled(core, refused=1)
+    assert not (core.back / "dev").exists() and b"dev" in core.cache.root.children

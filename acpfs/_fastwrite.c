@@ -220,6 +220,39 @@ static void fast_write_buf(fuse_req_t req, fuse_ino_t ino, struct fuse_bufvec *b
     }
 }
 
+/* FALLOCATE, which pyfuse3 has no handler for (libfuse would answer ENOSYS, and the kernel
+ * would then refuse every fallocate on the mount): offered to the callable set with
+ * set_fallocate_handler() as (fh, mode, offset, length) -> 0 or -errno; EOPNOTSUPP without
+ * one (glibc's posix_fallocate then writes the range itself). The GIL is held, as for WRITE. */
+static PyObject *fallocate_handler;
+
+static void fast_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset, off_t length,
+                           struct fuse_file_info *fi)
+{
+    (void)ino;
+    PyObject *fn = fallocate_handler;
+    if (fn == NULL) {
+        fuse_reply_err(req, EOPNOTSUPP);
+        return;
+    }
+    Py_INCREF(fn);
+    PyObject *res = PyObject_CallFunction(fn, "KiLL", (unsigned long long)fi->fh, mode,
+                                          (long long)offset, (long long)length);
+    int error = EIO;
+    if (res == NULL) {
+        PyErr_WriteUnraisable(fn);
+    } else {
+        long v = PyLong_AsLong(res);
+        Py_DECREF(res);
+        if (v == -1 && PyErr_Occurred())
+            PyErr_WriteUnraisable(fn);
+        else if (v <= 0 && v > -4096)
+            error = (int)-v;
+    }
+    Py_DECREF(fn);
+    fuse_reply_err(req, error);     /* 0: done */
+}
+
 /* libfuse's own definition of a function this library interposes; NULL (and a line on
  * stderr) if it cannot be found. */
 static void *libfuse_symbol(const char *name)
@@ -336,6 +369,9 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
     memcpy(ours, op, op_size);
     next_write_buf = op->write_buf;
     ours->write_buf = fast_write_buf;
+    if (op_size >= offsetof(struct fuse_lowlevel_ops, fallocate) + sizeof(op->fallocate)
+        && ours->fallocate == NULL)
+        ours->fallocate = fast_fallocate;
     struct fuse_session *se = real(args, ours, op_size, userdata);
     free(ours);
     if (se != NULL)
@@ -358,6 +394,21 @@ static PyObject *set_handler(PyObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+static PyObject *set_fallocate_handler(PyObject *self, PyObject *arg)
+{
+    if (arg != Py_None && !PyCallable_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "handler must be callable or None");
+        return NULL;
+    }
+    Py_XDECREF(fallocate_handler);
+    fallocate_handler = NULL;
+    if (arg != Py_None) {
+        Py_INCREF(arg);
+        fallocate_handler = arg;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *stats(PyObject *self, PyObject *unused)
 {
     return Py_BuildValue("{s:i,s:K,s:K,s:K,s:K,s:i,s:K}", "sessions_hooked", sessions_hooked,
@@ -374,6 +425,8 @@ static PyObject *get_direct_io_mmap(PyObject *self, PyObject *unused)
 static PyMethodDef methods[] = {
     {"set_handler", set_handler, METH_O,
      "Set the callable offered each WRITE as (fh, off, memoryview) -> int | None; None unsets."},
+    {"set_fallocate_handler", set_fallocate_handler, METH_O,
+     "Set the callable offered each FALLOCATE as (fh, mode, offset, length) -> 0 | -errno."},
     {"direct_io_mmap", get_direct_io_mmap, METH_NOARGS,
      "Whether the INIT reply granted FUSE_DIRECT_IO_ALLOW_MMAP (shared mmap of direct_io files)."},
     {"stats", stats, METH_NOARGS,

@@ -34,6 +34,7 @@ from .writethrough import WriteThrough
 if TYPE_CHECKING:
     from .peers import Peers
 
+FALLOC_FL_KEEP_SIZE = 0x01
 log = logging.getLogger(__name__)
 
 STATFS_WAIT = 2.0  # seconds statfs waits for the backing before answering from memory
@@ -408,6 +409,29 @@ class Core:
         if h.kill_priv and h.node.mode & PRIV_BITS:
             self.kill_priv(h.node)
         return self.wt.write_now(h.node, off, data)
+
+    def fallocate(self, fh: int, mode: int, off: int, length: int) -> int:
+        """fallocate(2): mode 0 extends the file to off + length (the range reads as zeros;
+        RAM is taken as it is written, so a later write can still wait for a full cache);
+        FALLOC_FL_KEEP_SIZE changes nothing. Other modes (punching or zeroing holes,
+        collapsing ranges) and files written through to the backing: EOPNOTSUPP, where
+        glibc's posix_fallocate writes the range itself. Returns 0 or -errno."""
+        h = self.handle(fh)
+        if not h.writable:
+            return -errno.EBADF
+        if mode & ~FALLOC_FL_KEEP_SIZE:
+            return -errno.EOPNOTSUPP
+        if off < 0 or length <= 0:
+            return -errno.EINVAL
+        node, end = h.node, off + length
+        if mode & FALLOC_FL_KEEP_SIZE or end <= node.size:
+            return 0
+        if node.staged is not None or node.ino in self.wt.slots or node.blocks is None:
+            return -errno.EOPNOTSUPP
+        if h.kill_priv and node.mode & PRIV_BITS:
+            self.kill_priv(node)
+        self.cache.truncate(node, end)
+        return 0
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self.handle(fh)

@@ -286,7 +286,7 @@ class Daemon:
         if opts.allow_other:
             fuse_opts.add("allow_other")
         pyfuse3.init(ops, opts.mountpoint, fuse_opts)
-        fastwrite.install(ops.write_now)
+        fastwrite.install(ops.write_now, ops.fallocate_now)
         log.info("mounted %s over %s", opts.mountpoint, opts.backing)
         self.notify("ready")
 

@@ -54,8 +54,11 @@ def _load() -> tuple[Optional[ModuleType], str]:
 _ext, _why_not = _load()
 
 
-def install(handler: Callable[[int, int, memoryview], Optional[int]]) -> bool:
-    """After pyfuse3.init: route WRITEs through ``handler``; False (and why, logged) if unavailable."""
+def install(handler: Callable[[int, int, memoryview], Optional[int]],
+            fallocate: Callable[[int, int, int, int], int] | None = None) -> bool:
+    """After pyfuse3.init: route WRITEs through ``handler`` and FALLOCATEs through
+    ``fallocate`` (pyfuse3 has no handler for them); False (and why, logged) if unavailable:
+    then fallocate fails with EOPNOTSUPP."""
     global _why_not
     if _ext is None:
         log.info("fast write path off: %s; writes take pyfuse3's path", _why_not)
@@ -65,12 +68,15 @@ def install(handler: Callable[[int, int, memoryview], Optional[int]]) -> bool:
         log.warning("fast write path off: %s; writes take pyfuse3's path", _why_not)
         return False
     _ext.set_handler(handler)
+    if fallocate is not None:
+        _ext.set_fallocate_handler(fallocate)
     return True
 
 
 def uninstall() -> None:
     if _ext is not None:
         _ext.set_handler(None)
+        _ext.set_fallocate_handler(None)
 
 
 def direct_io_mmap() -> bool:

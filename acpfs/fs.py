@@ -229,6 +229,13 @@ class Operations(pyfuse3.Operations):
         except Exception as e:
             return -errno_of(e, "write")
 
+    def fallocate_now(self, fh: int, mode: int, off: int, length: int) -> int:
+        """FALLOCATE (acpfs/_fastwrite.c; pyfuse3 has no handler): 0 or -errno."""
+        try:
+            return self.core.fallocate(fh, mode, off, length)
+        except Exception as e:
+            return -errno_of(e, "fallocate")
+
     async def write(self, fh, off, buf):
         try:
             return await self.core.write(fh, off, buf)

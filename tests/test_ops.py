@@ -430,3 +430,31 @@ def test_fifos_sockets_and_device_nodes(make_mount, faults):
     m.sync()
     check(back)
     check(mnt)
+
+
+def test_fallocate_extends_keeps_size_and_refuses_holes(make_mount):
+    """(issue 13, point 12) pyfuse3 has no FALLOCATE handler (the kernel got ENOSYS and
+    refused fallocate on the whole mount); the C extension answers it. Mode 0 extends the
+    file (zeros), FALLOC_FL_KEEP_SIZE succeeds without changing it, hole punching fails with
+    EOPNOTSUPP; posix_fallocate works; the bytes and size land in the backing."""
+    m = make_mount(cache_size="64M")
+    f = m.mnt / "pre"
+    f.write_bytes(b"head")
+    assert subprocess.run(["fallocate", "-l", "1MiB", str(f)]).returncode == 0
+    assert f.stat().st_size == 1 << 20
+    assert subprocess.run(["fallocate", "-n", "-l", "4MiB", str(f)]).returncode == 0
+    assert f.stat().st_size == 1 << 20
+    r = subprocess.run(["fallocate", "-p", "-o", "0", "-l", "4096", str(f)], capture_output=True, text=True)
+    assert r.returncode != 0 and "unsupported" in r.stderr
+    fd = os.open(m.mnt / "posix", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, 3 << 20)
+        os.pwrite(fd, b"tail", (3 << 20) - 4)
+    finally:
+        os.close(fd)
+    want = {"pre": b"head" + bytes((1 << 20) - 4), "posix": bytes((3 << 20) - 4) + b"tail"}
+    for name, data in want.items():
+        assert (m.mnt / name).read_bytes() == data
+    m.sync()
+    for name, data in want.items():
+        assert (m.back / name).read_bytes() == data

@@ -379,34 +379,30 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
     return se;
 }
 
-static PyObject *set_handler(PyObject *self, PyObject *arg)
+/* Replace the callable in *slot with arg (None: none). */
+static PyObject *set_callable(PyObject **slot, PyObject *arg)
 {
     if (arg != Py_None && !PyCallable_Check(arg)) {
         PyErr_SetString(PyExc_TypeError, "handler must be callable or None");
         return NULL;
     }
-    Py_XDECREF(handler);
-    handler = NULL;
+    Py_XDECREF(*slot);
+    *slot = NULL;
     if (arg != Py_None) {
         Py_INCREF(arg);
-        handler = arg;
+        *slot = arg;
     }
     Py_RETURN_NONE;
 }
 
+static PyObject *set_handler(PyObject *self, PyObject *arg)
+{
+    return set_callable(&handler, arg);
+}
+
 static PyObject *set_fallocate_handler(PyObject *self, PyObject *arg)
 {
-    if (arg != Py_None && !PyCallable_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "handler must be callable or None");
-        return NULL;
-    }
-    Py_XDECREF(fallocate_handler);
-    fallocate_handler = NULL;
-    if (arg != Py_None) {
-        Py_INCREF(arg);
-        fallocate_handler = arg;
-    }
-    Py_RETURN_NONE;
+    return set_callable(&fallocate_handler, arg);
 }
 
 static PyObject *stats(PyObject *self, PyObject *unused)

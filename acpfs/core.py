@@ -406,8 +406,7 @@ class Core:
         """A WRITE straight from libfuse's buffer: bytes written, or None to take the async
         path (``write``). ``data`` is valid only during this call: it is copied into the pool."""
         h = self.handle(fh)
-        if h.kill_priv and h.node.mode & PRIV_BITS:
-            self.kill_priv(h.node)
+        self._clear_priv(h)
         return self.wt.write_now(h.node, off, data)
 
     def fallocate(self, fh: int, mode: int, off: int, length: int) -> int:
@@ -426,18 +425,22 @@ class Core:
         node, end = h.node, off + length
         if mode & FALLOC_FL_KEEP_SIZE or end <= node.size:
             return 0
-        if node.staged is not None or node.ino in self.wt.slots or node.blocks is None:
+        if node.blocks is None or not self.wt.in_pool(node):
             return -errno.EOPNOTSUPP
-        if h.kill_priv and node.mode & PRIV_BITS:
-            self.kill_priv(node)
+        self._clear_priv(h)
         self.cache.truncate(node, end)
         return 0
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self.handle(fh)
+        self._clear_priv(h)
+        return await self.wt.write(h.node, off, buf)
+
+    def _clear_priv(self, h: Handle) -> None:
+        """Before a change of content through ``h``: clears setuid/setgid (``kill_priv``)
+        if it was opened by a user other than root."""
         if h.kill_priv and h.node.mode & PRIV_BITS:
             self.kill_priv(h.node)
-        return await self.wt.write(h.node, off, buf)
 
     def kill_priv(self, node: Node, chown: bool = False) -> None:
         """As the kernel does for a local filesystem: a write or truncate by a user other

@@ -333,10 +333,15 @@ class WriteThrough:
             delay = min(delay * 2, 0.05)
 
     # -- changes of a file's content -------------------------------------------------------
+    def in_pool(self, node: Node) -> bool:
+        """The file's content is changed in the pool alone: not staged in the backing, and
+        no staging of it under way."""
+        return node.staged is None and node.ino not in self.slots
+
     def write_now(self, node: Node, off: int, data: memoryview) -> int | None:
         """A write that needs no waiting: into the pool, or None when it must wait (for free
         blocks or a staged file: ``write``)."""
-        if node.staged is not None or node.ino in self.slots:
+        if not self.in_pool(node):
             return None
         try:
             return self.cache.write(node, off, data)

@@ -327,24 +327,29 @@ def test_a_removed_record_or_records_directory_is_written_again(tmp_path):
     assert len(os.listdir(records)) == 2
 
 
+class HoldRecorder:
+    """Stands in for ``Peers`` in a flusher: clears every hold, noting the stamp held to."""
+    lease = 30.0
+
+    def __init__(self, held: list[float]) -> None:
+        self.held = held
+
+    def cleared(self, stamp: float) -> bool:
+        self.held.append(stamp)
+        return True
+
+    def kick(self) -> None:
+        pass
+
+
 def test_a_change_queued_after_an_older_acknowledgement_waits_no_longer_than_it(core):
     """A file written through is queued at RELEASE; a change made between its close() and
     RELEASE is queued first. Its hold is then lowered to the older acknowledgement, so that
     this node's frontier is never behind the stamp its head is held to (no circle)."""
     from harness import write_file
     cache, fl = core.cache, core.flusher
-    held = []
-
-    class Recorder:
-        lease = 30.0
-
-        def cleared(self, stamp):
-            held.append(stamp)
-            return True
-
-        def kick(self):
-            pass
-    fl.peers = Recorder()
+    held: list[float] = []
+    fl.peers = HoldRecorder(held)
     z = write_file(cache, b"z", b"z" * 100)
     cache.note_ack(z)                      # close() of z acknowledged, RELEASE not yet
     first = cache.acked[z.ino][0]
@@ -364,18 +369,8 @@ def test_a_file_closed_twice_before_it_is_queued_is_held_to_its_first_close(core
     interleaved, each waited for the other's older frontier: a circle."""
     from harness import write_file
     cache, fl = core.cache, core.flusher
-    held = []
-
-    class Recorder:
-        lease = 30.0
-
-        def cleared(self, stamp):
-            held.append(stamp)
-            return True
-
-        def kick(self):
-            pass
-    fl.peers = Recorder()
+    held: list[float] = []
+    fl.peers = HoldRecorder(held)
     z = write_file(cache, b"latest", b"step_5\n")
     cache.note_ack(z)                      # close(3) after dup2(3, 1)
     cache.note_ack(z)                      # the command's exit closes 1

@@ -578,6 +578,29 @@ class Backing:
         finally:
             os.close(sfd)
 
+    def link(self, scomps: Comps, sname: bytes, dcomps: Comps, dname: bytes) -> None:
+        """A hard link to the entry at ``scomps``/``sname`` as ``dcomps``/``dname``, replacing
+        what stands there in one step: linked under a temporary name, renamed over."""
+        check_name(sname)
+        check_name(dname)
+        sfd = self.open_dir(scomps)
+        try:
+            dfd = self.open_dir(dcomps) if dcomps != scomps else sfd
+            try:
+                tmp = self.temp_name()
+                os.link(sname, tmp, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
+                try:
+                    os.rename(tmp, dname, src_dir_fd=dfd, dst_dir_fd=dfd)
+                finally:
+                    # rename(2) of a link over another link of the same file does nothing
+                    self.remove_temp(dfd, tmp)
+                os.fsync(dfd)
+            finally:
+                if dfd != sfd:
+                    os.close(dfd)
+        finally:
+            os.close(sfd)
+
     def setattr(self, comps: Comps, name: bytes, by_name: bool, mode: int | None, uid: int | None,
                 gid: int | None, times: tuple[int, int] | None) -> None:
         """``by_name``: a symlink or special file, changed by name (opening a device node

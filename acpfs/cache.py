@@ -92,6 +92,9 @@ class Cache:
         self.last_stamp = 0.0                       # (lock)
         self.acked: dict[int, tuple[float, float]] = {}   # (lock)
         self.recovery_stamp: float | None = None
+        # files found in the backing with more than one name, by backing inode: a second
+        # name listed later is the same node (hard links, ``_attach``)
+        self.linked: dict[int, Node] = {}
 
     # -- stamps (global order) -------------------------------------------------------------
     def next_stamp(self) -> float:
@@ -134,6 +137,11 @@ class Cache:
         parts.reverse()
         return b"/".join(parts)
 
+    def name_path(self, parent: Node, name: bytes) -> bytes | None:
+        """The mount path of the name ``name`` in ``parent`` (one of a file's hard links)."""
+        d = self.mount_path(parent)
+        return None if d is None else (d + b"/" + name if d else name)
+
     def path(self, node: Node) -> str:
         """The node's path relative to the mount root, for humans."""
         parts = []
@@ -159,13 +167,28 @@ class Cache:
         node.listed_at = time.monotonic()
 
     def _attach(self, node: Node, name: bytes, st: os.stat_result, target: bytes | None) -> Node:
-        """A child found in the backing."""
+        """A child found in the backing. A file with several names there is one node: a
+        name of a file met before (same backing inode, same version) is one more of its
+        names (docs/semantics.md, hard links)."""
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if statmod.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            same = self.linked.get(st.st_ino)
+            if same is not None and same.nlink and same.backing_version == version \
+                    and same.backing_parent is not None \
+                    and (self.flusher is None or self.quiescent(same)):
+                same.add_name(node, name)     # counted already: nlink is the backing's
+                same.backing_links = (same.backing_links or []) + [(node, name)]
+                node.children[name] = same  # type: ignore[index]
+                return same
         child = self._new_node(st.st_mode, st.st_uid, st.st_gid, node, name)
         child.size = st.st_size
         self._stat_times(child, st)
         child.backing_parent, child.backing_name = node, name
-        child.backing_version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        child.backing_version = version
         child.checked_at = time.monotonic()
+        if statmod.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            self.linked[st.st_ino] = child
+            child.nlink = st.st_nlink   # its names in directories not listed yet count too
         if target is not None:
             child.target = target
         child.rdev = st.st_rdev
@@ -188,7 +211,7 @@ class Cache:
                 queued = [op.node for op in fl.queue] + [op.replaced for op in fl.queue if op.replaced]
                 applied = fl.applied_seq
             mine = list((node.children or {}).values()) + queued
-            known = {n.backing_name for n in mine if n.backing_parent is node}
+            known = {name for n in mine for d, name in n.positions() if d is node}
             return listing, known, applied
 
     def merge_listing(self, node: Node, listing: list, known: set[bytes], applied: int) -> None:
@@ -207,12 +230,12 @@ class Cache:
                 if name not in known:
                     self._attach(node, name, st, target)
             elif statmod.S_IFMT(child.mode) != statmod.S_IFMT(st.st_mode) \
-                    and child.backing_parent is node and child.backing_name == name \
+                    and child.position_at(node, name) is not None \
                     and self._subtree_quiescent(child, applied):
                 # another writer put another kind of entry under the name
                 self._removed_elsewhere(node, name, child)
                 self._attach(node, name, st, target)
-            elif child.is_reg and child.backing_parent is node and child.backing_name == name \
+            elif child.is_reg and child.position_at(node, name) is not None \
                     and child.backing_version is not None and statmod.S_ISREG(st.st_mode) \
                     and self.quiescent(child, applied):
                 # the listing's lstat checks each clean file at once (Core.revalidated then
@@ -226,7 +249,7 @@ class Cache:
             # a file with no copy in the backing and nothing pending: its source was gone
             # when this mount renamed it (the "gone" conflict): another writer removed it
             orphan = child.backing_parent is None and not child.is_dir
-            if not orphan and (child.backing_parent is not node or child.backing_name != name):
+            if not orphan and child.position_at(node, name) is None:
                 continue
             if not self._subtree_quiescent(child, applied):
                 continue    # something of this mount is pending on it, or under it
@@ -281,19 +304,25 @@ class Cache:
 
     def _removed_elsewhere(self, parent: Node, name: bytes, node: Node) -> None:
         """Another writer removed ``node`` (with all below it) from the backing: it leaves
-        this mount's view."""
+        this mount's view (a file with other names keeps those)."""
         del parent.children[name]  # type: ignore[union-attr]
         if self.forget_entry is not None:
             self.forget_entry(parent.ino, name)
-        stack = [node]
+        stack = [(parent, name, node)]
         while stack:
-            n = stack.pop()
+            d, name, n = stack.pop()
+            if n.links:   # a file with other names keeps those
+                n.rename_name((d, name), None)
+                n.move_position((d, name), None)
+                n.nlink -= 1
+                self._rejournal(n)
+                continue
             if n.children:
-                stack.extend(n.children.values())
+                stack.extend((n, k, c) for k, c in n.children.items())
                 n.children = {}
             n.parent = None
             n.nlink = 0
-            n.backing_parent = None
+            n.set_positions([])
             if n.opens == 0:
                 self.drop(n)
 
@@ -383,7 +412,7 @@ class Cache:
         node = self.lookup(parent, name)
         if node.is_dir:
             raise err(errno.EISDIR)
-        path = self.mount_path(node)
+        path = self.name_path(parent, name)
         self._remove(parent, name, node)
         self._enqueue(OpKind.UNLINK, node, parent=parent, name=name, old_path=path)
 
@@ -401,6 +430,12 @@ class Cache:
     def _remove(self, parent: Node, name: bytes, node: Node) -> None:
         del parent.children[name]  # type: ignore[union-attr]
         parent.mtime = parent.ctime = now_ns()
+        if node.links:   # one of several names: the file stays, under the others
+            node.rename_name((parent, name), None)
+            node.nlink -= 1
+            node.ctime = parent.ctime
+            self._rejournal(node)
+            return
         node.nlink = 0
         node.parent = None
         self._cancel(node)
@@ -431,13 +466,29 @@ class Cache:
                 if target.children:
                     raise err(errno.ENOTEMPTY)
             self._remove(p2, n2, target)
-        src_path = self.mount_path(node)
+        src_path = self.name_path(p1, n1)
         del p1.children[n1]  # type: ignore[union-attr]
         kids2[n2] = node
-        node.parent, node.name = p2, n2
+        node.rename_name((p1, n1), (p2, n2))
         t = now_ns()
         p1.mtime = p1.ctime = p2.mtime = p2.ctime = node.ctime = t
-        self._enqueue(OpKind.RENAME, node, parent=p2, name=n2, replaced=target, src=p1, src_path=src_path)
+        self._enqueue(OpKind.RENAME, node, parent=p2, name=n2, replaced=target, src=p1,
+                      src_name=n1, src_path=src_path)
+
+    def link(self, node: Node, parent: Node, name: bytes) -> None:
+        """One more name for a file, symlink or special file (a hard link): the same node,
+        persisted as a link to its inode in the backing."""
+        if node.is_dir:
+            raise err(errno.EPERM, "hard links to directories are not allowed")
+        if not node.nlink:
+            raise err(errno.ENOENT)
+        kids = self._free_name(parent, name)
+        src_path = self.mount_path(node)
+        kids[name] = node
+        node.add_name(parent, name)
+        node.nlink += 1
+        parent.mtime = parent.ctime = node.ctime = now_ns()
+        self._enqueue(OpKind.LINK, node, parent=parent, name=name, src_path=src_path)
 
     def setattr(self, node: Node, mode: int | None = None, uid: int | None = None,
                 gid: int | None = None, atime: int | None = None, mtime: int | None = None) -> None:
@@ -762,6 +813,8 @@ class Cache:
         self.dirty_nodes.discard(node)
         if node.journal_state != JournalState.NONE:
             self._journal_state(node, JournalState.NONE)
+        if node.backing_version is not None and self.linked.get(node.backing_version[0]) is node:
+            del self.linked[node.backing_version[0]]
         if node.lookups <= 0:
             self.nodes.pop(node.ino, None)
 
@@ -787,7 +840,7 @@ class Cache:
         if node.journal_state != JournalState.NONE:
             self._journal_state(node, JournalState.NONE, record=False)   # the publish record says it
         self._enqueue(OpKind.PUBLISH, node, parent=node.parent, name=node.name, snap=snap,
-                      stamp=(stamp, floor))
+                      stamp=(stamp, floor), links=list(node.links) if node.links else None)
 
     def snapshot_open_files(self) -> int:
         """At shutdown: queue every file with unsaved changes, open or not. Returns the count."""
@@ -858,6 +911,12 @@ class Cache:
                                         (node.atime, node.mtime), dict(node.xattrs or {}))
         return Record(0, CLEAN, node.ino)
 
+    def _rejournal(self, node: Node) -> None:
+        """A journaled file lost the name its record gives: say it again under its first name."""
+        if node.journal_state != JournalState.NONE and self.journal is not None:
+            with self.lock:
+                self.journal.append(self._state_record(node))
+
     def live_file_records(self) -> list[Record]:
         """The records a cut-back journal must hold again (FUSE thread, under lock)."""
         return [self._state_record(n) for n in self.journaled]
@@ -895,8 +954,9 @@ class Cache:
                           uid=node.uid, gid=node.gid, size=node.rdev)
         if kind in (OpKind.UNLINK, OpKind.RMDIR):
             return Record(op.seq, kind, node.ino, old_path)
-        if kind == OpKind.RENAME:
-            return Record(op.seq, kind, node.ino, self.mount_path(node), src_path=src_path)
+        if kind in (OpKind.RENAME, OpKind.LINK):
+            return Record(op.seq, kind, node.ino, self.name_path(op.parent, op.name),  # type: ignore[arg-type]
+                          src_path=src_path)
         if kind == OpKind.SETATTR:
             mode, uid, gid, times = op.attrs
             return Record(op.seq, kind, node.ino, self.mount_path(node), mode=mode, uid=uid,
@@ -913,7 +973,9 @@ class Cache:
         node was; ``src_path``: where a renamed one came from; ``stamp``: (stamp, floor) of a
         change close() acknowledged earlier, else it is stamped when queued)."""
         self.seq += 1
-        where = old_path if kind in (OpKind.UNLINK, OpKind.RMDIR) else self.mount_path(node)
+        where = old_path if kind in (OpKind.UNLINK, OpKind.RMDIR) else \
+            self.name_path(kw["parent"], kw["name"]) if kind in (OpKind.RENAME, OpKind.LINK) \
+            else self.mount_path(node)
         op = Op(self.seq, kind, node, path=os.fsdecode(where) if where else self.path(node), **kw)
         op.stamp, op.floor = stamp
         node.last_seq = self.seq

@@ -264,6 +264,13 @@ class Core:
             raise err(errno.EINVAL)
         return self.cache.mknod(parent, name, kind | perm, rdev, caller.uid, gid)
 
+    async def link(self, ino: int, parent_ino: int, name: bytes) -> Node:
+        """link(2): one more name for a file (the kernel refuses directories and checks the
+        caller's permissions; protected_hardlinks is the kernel's too)."""
+        node = self.node(ino)
+        self.cache.link(node, await self.dir(parent_ino), name)
+        return node
+
     async def unlink(self, parent_ino: int, name: bytes) -> None:
         self.cache.unlink(await self.dir(parent_ino), name)
 

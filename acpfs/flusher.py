@@ -322,13 +322,16 @@ class Flusher:
                             return
                     else:
                         backing.symlink(comps, op.name, node.target, uid, gid)
-                    node.backing_parent, node.backing_name = op.parent, op.name
+                    node.set_positions([(op.parent, op.name)])  # type: ignore[list-item]
                 elif kind in (OpKind.UNLINK, OpKind.RMDIR):
-                    if node.backing_parent is not None:
-                        self._remove(op.path, cache.backing_path(node.backing_parent), node.backing_name, node)
-                        node.backing_parent = None
+                    pos = node.position_at(op.parent, op.name)
+                    if pos is not None:
+                        self._remove(op.path, cache.backing_path(pos[0]), pos[1], node)
+                        node.move_position(pos, None)
                 elif kind == OpKind.RENAME:
                     self._rename(op)
+                elif kind == OpKind.LINK:
+                    self._link(op, node.positions(), op.parent, op.name)  # type: ignore[arg-type]
                 elif kind in (OpKind.SETATTR, OpKind.XATTR):
                     if node is cache.root:
                         backing.set_xattr([], b".", *op.attrs)
@@ -345,7 +348,7 @@ class Flusher:
                     raise AssertionError(f"unknown op {kind}")
 
         def repair(exc: BaseException) -> None:
-            if op.kind in (OpKind.MKDIR, OpKind.SYMLINK, OpKind.MKNOD, OpKind.RENAME):
+            if op.kind in (OpKind.MKDIR, OpKind.SYMLINK, OpKind.MKNOD, OpKind.RENAME, OpKind.LINK):
                 self._restore_dirs(op.parent, exc)  # type: ignore[arg-type]
             elif op.kind in (OpKind.SETATTR, OpKind.XATTR) and node.backing_parent is not None:
                 self._restore_dirs(node.backing_parent, exc)
@@ -380,7 +383,7 @@ class Flusher:
             self.backing.mkdir(self.cache.backing_path(node.backing_parent), node.backing_name,  # type: ignore[arg-type]
                                node.mode, node.uid, node.gid)
         else:
-            node.backing_parent = None
+            node.set_positions([])
 
     def _restore_dirs(self, where: Node, exc: BaseException) -> None:
         """A directory the mount has, and the flusher put in the backing, is missing there
@@ -414,10 +417,12 @@ class Flusher:
                                     "made again from this node's view")
 
     # -- conflicts: the backing changed by another writer (conflicts.py) -------------------
-    def _make_way(self, op: Op, comps: Comps, name: bytes, known: Node | None) -> None:
+    def _make_way(self, op: Op, comps: Comps, name: bytes, known: Node | None,
+                  seen: tuple[int, int, int] | None = None) -> None:
         """Before ``op`` puts its node's entry at ``comps``/``name`` (hold position_lock):
         resolve what another writer left there. ``known`` is the node whose backing copy
-        this node expects at the name (the one it replaces), or None."""
+        this node expects at the name (the one it replaces), or None; ``seen`` a version
+        of a file this node expects there."""
         node = op.node
         st = self.backing.stat_entry(comps, name)
         if st is None:
@@ -434,7 +439,8 @@ class Flusher:
             self._move_aside(path, comps, name, st, f"puts a {_kind(node)} at {path!r}")
             return
         # a file or symlink over a file or symlink: the last publisher wins, whole files only
-        if known is not None and known.backing_version in (None, _version(st)):
+        if (known is not None and known.backing_version in (None, _version(st))) \
+                or (seen is not None and seen == _version(st)):
             return        # its own copy, or one it saw
         if node.is_link and statmod.S_ISLNK(st.st_mode) and op.kind == OpKind.SYMLINK:
             if self.backing.read_link(comps, name) == node.target:
@@ -495,22 +501,23 @@ class Flusher:
         """
         cache = self.cache
         node, dst, name, replaced = op.node, op.parent, op.name, op.replaced
-        there = replaced is not None and replaced.backing_parent is dst and replaced.backing_name == name
+        there = replaced is not None and replaced.position_at(dst, name) is not None
         dcomps = cache.backing_path(dst)  # type: ignore[arg-type]
-        if node.backing_parent is not None:
-            src = cache.backing_path(node.backing_parent)
+        pos = node.position_at(op.src, op.src_name)
+        if pos is not None:
+            src = cache.backing_path(pos[0])
             self._make_way(op, dcomps, name, replaced if there else None)
             try:
-                self.backing.rename(src, node.backing_name, dcomps, name)
+                self.backing.rename(src, pos[1], dcomps, name)
             except OSError as e:
                 if e.errno != errno.ENOENT or (isinstance(e, MissingDir) and e.comps is not src):
                     raise   # a missing destination directory: _restore_dirs makes it
-                if not isinstance(e, MissingDir) and self.backing.exists(src, node.backing_name):
+                if not isinstance(e, MissingDir) and self.backing.exists(src, pos[1]):
                     raise   # not the source: the destination went away meanwhile; retried
                 # The source is gone from the backing, removed by something else. Everything
                 # below is safe to redo: the node changes only once it is all done.
                 self.conflicts.note("gone", op.path, f"renames this {_kind(node)} from "
-                                    f"{os.fsdecode(b'/'.join(src + [node.backing_name]))!r}",
+                                    f"{os.fsdecode(b'/'.join(src + [pos[1]]))!r}",
                                     "nothing at the source",
                                     "the directory is made again at the new name" if node.is_dir
                                     else "it is gone; it leaves this node's view at the next "
@@ -519,16 +526,53 @@ class Flusher:
                     self._remove(op.path, dcomps, name, replaced)  # type: ignore[arg-type]
                 if node.is_dir:   # the mount still has it, and ops into it follow: make it again
                     self.backing.mkdir(dcomps, name, node.mode, node.uid, node.gid)
-                    node.backing_parent, node.backing_name = dst, name
+                    node.move_position(pos, (dst, name))  # type: ignore[arg-type]
                 else:             # absent: leaves the view at the next listing
                                   # (Cache.merge_listing), unless a snapshot lands it again
-                    node.backing_parent = None
+                    node.move_position(pos, None)
             else:
-                node.backing_parent, node.backing_name = dst, name
+                node.move_position(pos, (dst, name))  # type: ignore[arg-type]
         elif there:
             self._remove(op.path, dcomps, name, replaced)  # type: ignore[arg-type]
         if there:
-            replaced.backing_parent = None  # type: ignore[union-attr]
+            replaced.move_position((dst, name), None)  # type: ignore[union-attr, arg-type]
+
+    def _link(self, op: Op, sources: list[tuple[Node, bytes]], dst: Node, name: bytes,
+              seen: tuple[int, int, int] | None = None) -> None:
+        """Give ``op``'s node the name ``dst``/``name`` in the backing too (hold position_lock):
+        a hard link to its copy at the first of ``sources`` still there, made under a
+        temporary name and renamed into place, so that the name goes from what stood there
+        straight to the file. ``seen``: the version this node left at the name itself. With
+        no source left (none yet, or all removed by another writer) nothing is done: the
+        node's next publish lands under every name it has then (``Op.links``)."""
+        node = op.node
+        dcomps = self.cache.backing_path(dst)
+        for pos in sources:
+            src = self.cache.backing_path(pos[0])
+            self._make_way(op, dcomps, name, None, seen)
+            try:
+                self.backing.link(src, pos[1], dcomps, name)
+            except FileNotFoundError as e:
+                if isinstance(e, MissingDir) and e.comps is not src:
+                    raise       # the destination's directory: _restore_dirs makes it
+                if self.backing.exists(src, pos[1]):
+                    raise
+                self.conflicts.note("gone", op.path, f"links this {_kind(node)} from "
+                                    f"{os.fsdecode(b'/'.join(src + [pos[1]]))!r}",
+                                    "nothing at the source", "linked from another of its names, "
+                                    "or landed by its next snapshot")
+                node.move_position(pos, None)
+                continue
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.EXDEV):
+                    raise
+                # the backing forbids the link: no retry can help, the queue must move on
+                self.conflicts.note("refused", op.path, f"links this {_kind(node)}",
+                                    f"a backing that refuses it ({describe(e)})",
+                                    "this name is kept in this mount only")
+                return
+            node.set_positions(node.positions() + [(dst, name)])
+            return
 
     # -- uploads ------------------------------------------------------------------------
     def _upload(self, op: Op) -> bool:
@@ -678,6 +722,7 @@ class Flusher:
             return
         cache = self.cache
         redo = False
+        seen = op.node.backing_version   # the version before this one, at every name
 
         def run() -> None:
             nonlocal redo
@@ -687,7 +732,7 @@ class Flusher:
             with cache.position_lock:
                 node = op.node
                 comps = cache.backing_path(op.parent)  # type: ignore[arg-type]
-                mine = node.backing_parent is op.parent and node.backing_name == op.name
+                mine = node.position_at(op.parent, op.name) is not None
                 self._make_way(op, comps, op.name, node if mine else None)
                 # the directory where the file is now, by path: the one the temporary file
                 # was written in may have been moved away meanwhile
@@ -700,7 +745,10 @@ class Flusher:
                     self.backing.publish(op.dir_fd, op.temp_name, dst, op.name)
                 finally:
                     self.backing.close_fd(dst)
-                node.backing_parent, node.backing_name = op.parent, op.name
+                # its other names still hold the version before, until _publish_links
+                first = (op.parent, op.name)
+                node.set_positions([first] + [p for p in node.positions()  # type: ignore[list-item]
+                                              if p[0] is not first[0] or p[1] != first[1]])
                 node.backing_version, node.checked_at = version, time.monotonic()
                 node.versions += 1
 
@@ -718,7 +766,32 @@ class Flusher:
                 self.backing.close_fd(op.dir_fd)
         if staged:
             self.backing.remove_staging_dir(op.temp_name)
+        if op.links:
+            self._publish_links(op, seen)
         op.state = OpState.DONE
+
+    def _publish_links(self, op: Op, seen: tuple[int, int, int] | None) -> None:
+        """A file with hard links: its new version, now under its first name, goes under each
+        other name it had when queued, one name after the other, each in one step (a link
+        renamed over the version before, ``seen``). Until the last one, the names still to
+        come hold the version before: the one exception to "the backing is a state the
+        mount had" (docs/semantics.md, hard links)."""
+        cache, node = self.cache, op.node
+        first = [(op.parent, op.name)]
+        todo = list(op.links or ())
+
+        def run() -> None:
+            with cache.position_lock:
+                while todo:
+                    d, name = todo[0]
+                    node.move_position((d, name), None)   # the version before, replaced now
+                    self._link(op, first, d, name, seen)  # type: ignore[arg-type]
+                    todo.pop(0)
+
+        def repair(exc: BaseException) -> None:
+            if todo:
+                self._restore_dirs(todo[0][0], exc)
+        self._retry(run, op, "publish of", repair)
 
     def discard_staged(self, sp: Staged) -> None:
         """Remove the staged file of a file deleted, or never written, before its last

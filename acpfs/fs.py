@@ -174,8 +174,9 @@ class Operations(pyfuse3.Operations):
                                noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE))
 
     @replies
+    @acknowledges
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        raise OSError(errno.EPERM, "hard links are not supported")
+        return entry(await self.core.link(inode, new_parent_inode, new_name))
 
     @replies
     @acknowledges

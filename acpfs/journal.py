@@ -70,6 +70,7 @@ LAYOUT: dict[str, tuple[str, ...]] = {
     "unlink": ("path",),
     "rmdir": ("path",),
     "rename": ("src_path", "path"),
+    "link": ("src_path", "path"),         # src_path: a name the file had; path: the new one
     "setattr": ("path", "mode", "uid", "gid", "times"),
     "xattr": ("path", "key", "value"),
     DIRTY: ("path",),

@@ -176,6 +176,17 @@ class Replayer:
             except OSError as e:
                 self.skip(rec, e.strerror or str(e))
             return
+        if kind == OpKind.LINK:
+            _, _, node = self.resolve(rec.src_path)
+            p2, n2, there = self.resolve(rec.path)
+            if node is None or p2 is None or node.is_dir:
+                self.skip(rec, "the file or the new name's directory is gone")
+                return
+            if there is not None:
+                self.skip(rec, "already present" if there is node else "another file has the name")
+                return
+            cache.link(node, p2, n2)
+            return
         parent, name, node = self.resolve(rec.path)
         if kind in (OpKind.MKDIR, OpKind.SYMLINK, OpKind.MKNOD):
             if parent is None or node is not None:

@@ -15,6 +15,9 @@ Vocabulary (one name per concept):
     snapshot      an immutable picture of a file at its last close: what one upload writes
     position      where a node currently is in the backing (``backing_parent``/``backing_name``),
                   which lags behind its place in the mount until the flusher catches up
+    name          a (directory, name) pair naming a node in the mount; a file with hard links
+                  has several (``Node.parent``/``name`` first, ``Node.links`` the others),
+                  and as many positions in the backing (``backing_links``), all one inode there
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def now_ns() -> int:
 class OpKind(str, enum.Enum):
     """What an ``Op`` does to the backing. The values are what the journal stores."""
     PUBLISH = "publish"    # a file's snapshot: upload to a temporary name, rename into place
+    LINK = "link"          # one more name for a node (a hard link)
     MKDIR = "mkdir"
     SYMLINK = "symlink"
     MKNOD = "mknod"        # a FIFO, socket or device node
@@ -79,7 +83,8 @@ class Node:
                  "children", "target", "blocks", "backing_parent", "backing_name",
                  "writers", "appenders", "opens", "nlink", "lookups", "dirty", "dirty_since",
                  "publish_ops", "last_seq", "xattrs", "staged", "versions", "journal_state",
-                 "journal_blocks", "truncated", "listed_at", "backing_version", "checked_at", "rdev")
+                 "journal_blocks", "truncated", "listed_at", "backing_version", "checked_at", "rdev",
+                 "links", "backing_links")
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, parent: Node | None, name: bytes) -> None:
         self.ino = ino
@@ -118,6 +123,12 @@ class Node:
                                                          # (ino, size, mtime_ns) of the backing
                                                          # copy that matches this node's content
         self.checked_at = 0.0                            # when that was last compared (monotonic)
+        # hard links: the names beyond (parent, name), and the positions in the backing
+        # beyond (backing_parent, backing_name) (position lock); None while there are none.
+        # Invariant: nlink >= 1 + len(links) while a file is in the mount; more where the
+        # backing has names of it in directories not listed yet (Cache._attach).
+        self.links: list[tuple[Node, bytes]] | None = None
+        self.backing_links: list[tuple[Node, bytes]] | None = None
 
     @property
     def is_dir(self) -> bool:
@@ -136,11 +147,70 @@ class Node:
         """A FIFO, socket or device node: a name with a mode (and a device number) only."""
         return not (self.is_reg or self.is_dir or self.is_link)
 
+    # -- names and positions (hard links) ------------------------------------------------
+    def names(self) -> list[tuple[Node, bytes]]:
+        """Every name of the node in the mount, the first one (``parent``/``name``) first."""
+        if self.parent is None:
+            return []
+        return [(self.parent, self.name)] + (self.links or [])
+
+    def set_names(self, names: list[tuple[Node, bytes]]) -> None:
+        if names:
+            (self.parent, self.name), rest = names[0], names[1:]
+        else:
+            self.parent, rest = None, []
+        self.links = rest or None
+
+    def add_name(self, parent: Node, name: bytes) -> None:
+        self.set_names(self.names() + [(parent, name)])
+
+    def rename_name(self, old: tuple[Node, bytes], new: tuple[Node, bytes] | None) -> None:
+        """Move the name ``old`` to ``new``; None drops it (the next one becomes the first)."""
+        self.set_names(_replaced(self.names(), old, new))
+
+    def positions(self) -> list[tuple[Node, bytes]]:
+        """Every position of the node in the backing (hold position_lock)."""
+        if self.backing_parent is None:
+            return []
+        return [(self.backing_parent, self.backing_name)] + (self.backing_links or [])
+
+    def set_positions(self, positions: list[tuple[Node, bytes]]) -> None:
+        if positions:
+            (self.backing_parent, self.backing_name), rest = positions[0], positions[1:]
+        else:
+            self.backing_parent, rest = None, []
+        self.backing_links = rest or None
+
+    def position_at(self, parent: Node | None, name: bytes) -> tuple[Node, bytes] | None:
+        """The backing position of the name ``parent``/``name`` the node had when an op was
+        queued, or None if that name is absent from the backing. Applied in order, ops leave
+        each name where the mount had it when they were queued (hold position_lock)."""
+        for pos in self.positions():
+            if pos[0] is parent and pos[1] == name:
+                return pos
+        return None
+
+    def move_position(self, old: tuple[Node, bytes], new: tuple[Node, bytes] | None) -> None:
+        """Move the position ``old`` to ``new``; None drops it (hold position_lock)."""
+        self.set_positions(_replaced(self.positions(), old, new))
+
     @property
     def appended_only(self) -> bool:
         """Open for writing, every writer with O_APPEND, and not shrunk since its last
         version: the backing's copy is always a prefix of it."""
         return bool(self.writers) and self.appenders == self.writers and not self.truncated
+
+
+def _replaced(pairs: list[tuple[Node, bytes]], old: tuple[Node, bytes],
+              new: tuple[Node, bytes] | None) -> list[tuple[Node, bytes]]:
+    out = []
+    for pair in pairs:
+        if pair[0] is old[0] and pair[1] == old[1]:
+            if new is not None:
+                out.append(new)
+        else:
+            out.append(pair)
+    return out
 
 
 class Staged:
@@ -192,18 +262,21 @@ class Op:
     """One mutation of the mount, to be applied to the backing in seq order."""
     __slots__ = ("seq", "kind", "node", "parent", "name", "replaced", "src", "snap", "attrs",
                  "path", "state", "future", "dir_fd", "temp_name", "error", "attempts",
-                 "next_retry", "since", "nbytes", "stamp", "floor")
+                 "next_retry", "since", "nbytes", "stamp", "floor", "src_name", "links")
 
     def __init__(self, seq: int, kind: OpKind, node: Node, *, path: str, parent: Node | None = None,
                  name: bytes = b"", replaced: Node | None = None, src: Node | None = None,
-                 snap: Snapshot | None = None, attrs: Any = None) -> None:
+                 snap: Snapshot | None = None, attrs: Any = None, src_name: bytes = b"",
+                 links: list[tuple[Node, bytes]] | None = None) -> None:
         self.seq = seq
         self.kind = kind
         self.node = node
-        self.parent = parent        # the directory it lands in (mkdir, symlink, publish, rename)
-        self.name = name
+        self.parent = parent        # the directory it lands in (mkdir, symlink, publish, rename,
+        self.name = name            # link) or leaves (unlink, rmdir), and the name there
         self.replaced = replaced    # rename: the node it replaced
-        self.src = src              # rename: the directory it left
+        self.src = src              # rename: the directory it left, and the name it had
+        self.src_name = src_name
+        self.links = links          # publish: the file's other names (hard links) when queued
         self.snap = snap            # publish
         self.attrs = attrs          # setattr: (mode, uid, gid, times); xattr: (key, value);
                                     # mkdir, symlink: (mode, uid, gid) it was made with

@@ -32,6 +32,7 @@ FORMAT_01 = {
     "unlink": ("path",),
     "rmdir": ("path",),
     "rename": ("src_path", "path"),
+    "link": ("src_path", "path"),                      # added later too
     "setattr": ("path", "mode", "uid", "gid", "times"),
     "xattr": ("path", "key", "value"),
     "dirty": ("path",),

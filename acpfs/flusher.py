@@ -7,9 +7,11 @@ reaches its op and renames the temporary file over the final name.
 
 Ordering invariant (contract 4): an op is applied only after every op queued before it has
 been applied; ``applied_seq`` is the seq of the last applied op, so the backing always
-shows a state of the mount's history, with no exceptions: the only uploads skipped are
-snapshots whose very next op removes their file (``Cache._cancel``), which takes the
-backing from the state before the snapshot straight to the one after the removal.
+shows a state of the mount's history. The only uploads skipped are snapshots whose very
+next op removes their file (``Cache._cancel``), which takes the backing from the state
+before the snapshot straight to the one after the removal. The one exception: a new version
+of a file with several names (hard links) lands under them one after the other
+(``_publish_links``), so names still to come hold the version before for that while.
 
 Op states: queued -> uploading -> finalizing -> done, or queued/uploading -> void (that
 skip). A void op's upload stops early and its temporary file is removed before the

@@ -221,13 +221,6 @@ def test_symlinks(mnt):
     assert tree(mnt.back) == tree(mnt.mnt)
 
 
-def test_hard_links_refused_with_eperm(mnt):
-    (mnt.mnt / "f").write_bytes(b"x")
-    with pytest.raises(OSError) as e:
-        os.link(mnt.mnt / "f", mnt.mnt / "g")
-    assert e.value.errno == errno.EPERM
-
-
 def test_chmod_chown_utimens(mnt):
     p = mnt.mnt / "f"
     p.write_bytes(b"x")

@@ -240,9 +240,13 @@ class Cache:
                     and self.quiescent(child, applied):
                 # the listing's lstat checks each clean file at once (Core.revalidated then
                 # need not look at them one by one)
-                if (st.st_ino, st.st_size, st.st_mtime_ns) != child.backing_version:
+                if (st.st_ino, st.st_size, st.st_mtime_ns) == child.backing_version:
+                    child.checked_at = now
+                elif child.links or (st.st_nlink > 1 and st.st_ino in self.linked):
+                    self.split(node, name, child, st)
+                else:
                     self.replaced_elsewhere(child, st)
-                child.checked_at = now
+                    child.checked_at = now
         for name, child in list(kids.items()):
             if name in seen:
                 continue
@@ -301,6 +305,14 @@ class Cache:
         node.versions += 1    # readers that open it again read the new version
         if self.forget_attrs is not None:
             self.forget_attrs(node.ino)
+
+    def split(self, parent: Node, name: bytes, node: Node, st: os.stat_result) -> None:
+        """Another writer put another file under ``name``, one of the names of a file with
+        several (or one of a file met under other names in the backing): that name is
+        another file now. If another node gave every name one new version, the names meet
+        again in ``_attach`` as they are looked at."""
+        self._removed_elsewhere(parent, name, node)
+        self._attach(parent, name, st, None)
 
     def _removed_elsewhere(self, parent: Node, name: bytes, node: Node) -> None:
         """Another writer removed ``node`` (with all below it) from the backing: it leaves

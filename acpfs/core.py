@@ -197,7 +197,13 @@ class Core:
         if st is not None and statmod.S_ISREG(st.st_mode) and cache.quiescent(node, applied) \
                 and node.backing_version is not None \
                 and (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version:
-            cache.replaced_elsewhere(node, st)
+            if node.links:
+                # the name looked at (its first) holds another file now; its other names are
+                # looked at by their own checks. This open may have come through another
+                # name: it goes on with the file, which that name still holds.
+                cache.split(node.backing_parent, node.backing_name, node, st)  # type: ignore[arg-type]
+            else:
+                cache.replaced_elsewhere(node, st)
         return node
 
     async def _check(self, node: Node, fn):

@@ -19,6 +19,7 @@ files included), so a test can wrap a ``Backing`` to fail or hang any one call
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -561,45 +562,43 @@ class Backing:
                     raise NotEmpty(name, others) from None
                 raise
 
-    def rename(self, scomps: Comps, sname: bytes, dcomps: Comps, dname: bytes) -> None:
-        check_name(sname)
-        check_name(dname)
+    @contextlib.contextmanager
+    def _two_dirs(self, scomps: Comps, dcomps: Comps) -> Iterator[tuple[int, int]]:
+        """Descriptors of two directories (one, twice, if they are the same), closed after."""
         sfd = self.open_dir(scomps)
         try:
             dfd = self.open_dir(dcomps) if dcomps != scomps else sfd
             try:
-                os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
-                os.fsync(dfd)
-                if dfd != sfd:
-                    os.fsync(sfd)
+                yield sfd, dfd
             finally:
                 if dfd != sfd:
                     os.close(dfd)
         finally:
             os.close(sfd)
 
+    def rename(self, scomps: Comps, sname: bytes, dcomps: Comps, dname: bytes) -> None:
+        check_name(sname)
+        check_name(dname)
+        with self._two_dirs(scomps, dcomps) as (sfd, dfd):
+            os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
+            if dfd != sfd:
+                os.fsync(sfd)
+
     def link(self, scomps: Comps, sname: bytes, dcomps: Comps, dname: bytes) -> None:
         """A hard link to the entry at ``scomps``/``sname`` as ``dcomps``/``dname``, replacing
         what stands there in one step: linked under a temporary name, renamed over."""
         check_name(sname)
         check_name(dname)
-        sfd = self.open_dir(scomps)
-        try:
-            dfd = self.open_dir(dcomps) if dcomps != scomps else sfd
+        with self._two_dirs(scomps, dcomps) as (sfd, dfd):
+            tmp = self.temp_name()
+            os.link(sname, tmp, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
             try:
-                tmp = self.temp_name()
-                os.link(sname, tmp, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
-                try:
-                    os.rename(tmp, dname, src_dir_fd=dfd, dst_dir_fd=dfd)
-                finally:
-                    # rename(2) of a link over another link of the same file does nothing
-                    self.remove_temp(dfd, tmp)
-                os.fsync(dfd)
+                os.rename(tmp, dname, src_dir_fd=dfd, dst_dir_fd=dfd)
             finally:
-                if dfd != sfd:
-                    os.close(dfd)
-        finally:
-            os.close(sfd)
+                # rename(2) of a link over another link of the same file does nothing
+                self.remove_temp(dfd, tmp)
+            os.fsync(dfd)
 
     def setattr(self, comps: Comps, name: bytes, by_name: bool, mode: int | None, uid: int | None,
                 gid: int | None, times: tuple[int, int] | None) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import os
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from harness import Core
-from test_prefix_model import SHRINK, WAIT, Countdown, OwnedLock, backing_tree, diff, show
+from test_prefix_model import SHRINK, WAIT, OwnedLock, backing_tree, diff, hold, show
 
 SCALE = float(os.environ.get("PREFIX_MODEL_SCALE", "1"))
 PATHS = ["a", "b", "c", "d/a", "d/b", "d/c"]
@@ -196,15 +195,8 @@ class LinksModel(RuleBasedStateMachine):
 
     # -- rules: the flusher ------------------------------------------------------------------
     def _pause(self, method: str, skip: int):
-        f = self.core.backing.inject(method, hang=True, times=1, armed=Countdown(skip))
-        act = f.act
-
-        def tracked(m, p):
-            f.thread = threading.current_thread()
-            act(m, p)
-        f.act = tracked
         self.pause_desc = f"{method} after {skip} calls"
-        return f
+        return hold(self.core.backing, method, skip)
 
     @initialize(method=st.none() | st.sampled_from(PAUSE_METHODS), skip=st.sampled_from([0, 1, 2, 4]))
     def start(self, method, skip):

@@ -223,6 +223,20 @@ class Countdown(threading.Event):
         return True
 
 
+def hold(backing, method: str, skip: int):
+    """Hold the next call of ``method`` of a FaultyBacking after ``skip`` of them went by;
+    the fault knows the thread it holds (``thread``) and the call (``where``)."""
+    f = backing.inject(method, hang=True, times=1, armed=Countdown(skip))
+    act = f.act
+
+    def tracked(m, p):
+        f.thread = threading.current_thread()
+        f.where = f"{m} {p}"
+        act(m, p)
+    f.act = tracked
+    return f
+
+
 LIVE: list[Core] = []   # cores of running examples: closed by the test even if teardown did not run
 _counter = itertools.count()
 
@@ -602,15 +616,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
 
         # -- rules: the flusher ------------------------------------------------------------------
         def _pause(self, method: str, skip: int):
-            f = self.core.backing.inject(method, hang=True, times=1, armed=Countdown(skip))
-            act = f.act
-
-            def tracked(m, p):
-                f.thread = threading.current_thread()
-                f.where = f"{m} {p}"
-                act(m, p)
-            f.act = tracked
-            return f
+            return hold(self.core.backing, method, skip)
 
         @initialize(method=st.none() | methods, skip=skips)
         @guarded

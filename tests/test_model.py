@@ -60,10 +60,12 @@ NODES = ".acpfs-nodes"   # global order's node records: acpfs's own, hidden from
 
 
 def tree(root: Path) -> dict[str, tuple]:
-    """Names, kinds, modes, bytes and link targets under root (acpfs temp names excluded)."""
+    """Names, kinds, modes, bytes and link targets under root (acpfs temp names excluded); a
+    file with several names also has its link count and its first name (hard links)."""
     out = {}
+    first: dict[int, str] = {}
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(TEMP_PREFIX) and d != NODES]
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(TEMP_PREFIX) and d != NODES)
         for name in sorted(dirnames + filenames):
             if name.startswith(TEMP_PREFIX) or name == NODES:
                 continue
@@ -76,6 +78,8 @@ def tree(root: Path) -> dict[str, tuple]:
                 out[rel] = ("dir", oct(st_.st_mode & 0o7777))
             else:
                 out[rel] = ("file", oct(st_.st_mode & 0o7777), p.read_bytes())
+            if st_.st_nlink > 1 and not p.is_dir():
+                out[rel] += (st_.st_nlink, first.setdefault(st_.st_ino, rel))
     return out
 
 
@@ -246,6 +250,16 @@ def make_machine(m: Mount, ref_root: Path):
             if rel is None:
                 return
             self.both(f"rmdir {rel}", lambda root, side: os.rmdir(root / rel))
+
+        @rule(src=picks, parent=picks, name=names)
+        @guarded
+        def link(self, src, parent, name):
+            s = self.pick(src, ("file", "link", "dir"))
+            if s is None:
+                return
+            d = self.child(parent, name)
+            self.both(f"link {s} -> {d}",
+                      lambda root, side: os.link(root / s, root / d, follow_symlinks=False))
 
         @rule(src=picks, parent=picks, name=names)
         @guarded

@@ -426,7 +426,8 @@ class Cache:
             raise err(errno.EISDIR)
         path = self.name_path(parent, name)
         self._remove(parent, name, node)
-        self._enqueue(OpKind.UNLINK, node, parent=parent, name=name, old_path=path)
+        self._enqueue(OpKind.UNLINK, node, parent=parent, name=name, old_path=path,
+                      links=node.names() or None)
 
     def rmdir(self, parent: Node, name: bytes) -> None:
         node = self.lookup(parent, name)

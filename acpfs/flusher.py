@@ -327,7 +327,9 @@ class Flusher:
                     node.set_positions([(op.parent, op.name)])  # type: ignore[list-item]
                 elif kind in (OpKind.UNLINK, OpKind.RMDIR):
                     pos = node.position_at(op.parent, op.name)
-                    if pos is not None:
+                    if pos is not None and op.links and node.positions() == [pos]:
+                        self._move_last_copy(op, pos, op.links[0])
+                    elif pos is not None:
                         self._remove(op.path, cache.backing_path(pos[0]), pos[1], node)
                         node.move_position(pos, None)
                 elif kind == OpKind.RENAME:
@@ -771,6 +773,17 @@ class Flusher:
         if op.links:
             self._publish_links(op, seen)
         op.state = OpState.DONE
+
+    def _move_last_copy(self, op: Op, pos: tuple[Node, bytes], keep: tuple[Node, bytes]) -> None:
+        """Unlink of the only name the backing has of a file that keeps other names there
+        too in the mount (names whose link the backing refused): its copy moves to the name
+        it keeps, which is the state the mount has after the unlink; removed, the file would
+        be in the mount alone (hold position_lock)."""
+        cache = self.cache
+        dcomps = cache.backing_path(keep[0])
+        self._make_way(op, dcomps, keep[1], None)
+        self.backing.rename(cache.backing_path(pos[0]), pos[1], dcomps, keep[1])
+        op.node.move_position(pos, keep)
 
     def _publish_links(self, op: Op, seen: tuple[int, int, int] | None) -> None:
         """A file with hard links: its new version, now under its first name, goes under each

@@ -276,7 +276,8 @@ class Op:
         self.replaced = replaced    # rename: the node it replaced
         self.src = src              # rename: the directory it left, and the name it had
         self.src_name = src_name
-        self.links = links          # publish: the file's other names (hard links) when queued
+        self.links = links          # publish: the file's other names (hard links) when queued;
+                                    # unlink: the names it keeps
         self.snap = snap            # publish
         self.attrs = attrs          # setattr: (mode, uid, gid, times); xattr: (key, value);
                                     # mkdir, symlink: (mode, uid, gid) it was made with

@@ -208,3 +208,10 @@ def test_a_backing_that_refuses_hard_links_keeps_the_queue_moving(make_mount, fa
     st = m.status()
     assert st["conflicts"]["by_kind"]["refused"] == 1, st["conflicts"]
     assert any("links this file" in c["ours"] for c in st["conflicts"]["recent"]), st["conflicts"]
+    # the name the backing has goes: the file moves to the name the mount keeps, never lost
+    os.unlink(m.mnt / "f")
+    m.sync()
+    assert not (src / "f").exists() and (src / "g").read_bytes() == b"data"
+    m.umount()
+    m.mount()
+    assert (m.mnt / "g").read_bytes() == b"data" and not (m.mnt / "f").exists()

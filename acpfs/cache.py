@@ -946,9 +946,10 @@ class Cache:
         """A record of a file's content: of the node itself, or of ``what`` (a snapshot)."""
         src = what or node
         sp = src.staged
+        links = [p for p in (self.name_path(d, n) for d, n in node.links or ()) if p is not None]
         return Record(seq, kind, node.ino, self.mount_path(node), size=src.size, mode=src.mode,
                       uid=src.uid, gid=src.gid, times=times, xattrs=xattrs, blocks=blocks,
-                      staged_name=sp.name if sp is not None else b"")
+                      staged_name=sp.name if sp is not None else b"", links=links)
 
     def _record(self, op: Op, old_path: bytes | None, src_path: bytes | None) -> Record:
         node, kind = op.node, op.kind

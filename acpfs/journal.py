@@ -17,7 +17,9 @@ a torn record at the end is ignored, it was never acknowledged): one per queued 
 (``seq`` > 0, kinds as in ``types.OpKind``), and per-file state records (``seq`` 0):
 "flushed" (its last writer called close(): its content then), "dirty" (it got unsaved
 changes: it is open for writing) and "clean" (its "flushed"/"dirty" record no longer
-matters). ``LAYOUT`` gives each kind's fields in the order they are stored.
+matters). ``LAYOUT`` gives each kind's fields in the order they are stored; ``OPTIONAL``
+the fields a record may have after them (a content record of a file with hard links: its
+other names).
 
 Invariants:
 - A record is written before the FUSE request that caused it is answered; ``Cache.lock``
@@ -77,6 +79,9 @@ LAYOUT: dict[str, tuple[str, ...]] = {
     CLEAN: (),
 }
 CONTENT_KINDS = ("publish", FLUSHED)
+# Fields a record of these kinds may have after those of LAYOUT (added later: a record
+# without them reads as before): a file's other names (hard links), paths like ``path``.
+OPTIONAL: dict[str, tuple[str, ...]] = {"publish": ("links",), FLUSHED: ("links",)}
 
 
 def pack_blocks(blocks: list[int]) -> bytes:
@@ -110,17 +115,22 @@ class Record:
     target: bytes = b""
     key: bytes = b""
     value: bytes | None = None
+    links: list[bytes] = dataclasses.field(default_factory=list)   # a file's other names
 
     def encode(self) -> bytes:
         fields = [getattr(self, f) for f in LAYOUT[self.kind]]
         if "blocks" in LAYOUT[self.kind]:
             fields[LAYOUT[self.kind].index("blocks")] = pack_blocks(self.blocks)
+        if self.links and "links" in OPTIONAL.get(self.kind, ()):
+            fields.append(list(self.links))
         return marshal.dumps((self.seq, str(self.kind), self.ino, *fields))
 
     @classmethod
     def decode(cls, payload: bytes) -> Record:
         seq, kind, ino, *values = marshal.loads(payload)
         names = LAYOUT.get(kind)
+        if names is not None and len(values) > len(names):
+            names = names + OPTIONAL.get(kind, ())
         if names is None or len(names) != len(values):
             raise ValueError(f"unknown journal record {kind!r} with {len(values)} fields")
         fields = dict(zip(names, values))

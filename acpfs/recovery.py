@@ -87,14 +87,13 @@ def plan(left: Leftover) -> tuple[list[Record], list[Record]]:
             src, dst = r.src_path, r.path
             if src is None or dst is None:
                 continue
+            def carried(p: bytes | None) -> bytes | None:
+                if p is not None and (p == src or p.startswith(src + b"/")):
+                    return dst + p[len(src):]
+                return p
             for rec in moved:
-                p = rec.path
-                if p is None:
-                    continue
-                if p == src:
-                    rec.path = dst
-                elif p.startswith(src + b"/"):
-                    rec.path = dst + p[len(src):]
+                rec.path = carried(rec.path)
+                rec.links = [carried(p) for p in rec.links]  # type: ignore[misc]
         elif r.kind in (FLUSHED, DIRTY) and last[r.ino] == i:
             rec = dataclasses.replace(r)
             moved.append(rec)
@@ -279,6 +278,7 @@ class Replayer:
         assert rec.times is not None
         if node is None:
             node = cache.create(parent, name, rec.mode, rec.uid, rec.gid)
+        self._relink(rec, node)
         with cache.lock:
             if node.blocks:
                 cache.pool.decref(node.blocks)
@@ -292,6 +292,24 @@ class Replayer:
         node.dirty = True
         cache.snapshot(node)
         self.report.files += 1
+
+    def _relink(self, rec: Record, node: Node) -> None:
+        """The file's other names when its content was acknowledged (hard links): each one
+        names it again, so that its publish lands the content under all of them. A name the
+        backing shows as another file (a new version that reached only some names before
+        the crash) is that file's no more."""
+        for path in rec.links:
+            parent, name, there = self.resolve(path)
+            if there is node:
+                continue
+            if parent is None or (there is not None and not there.is_reg) or self.newer(path):
+                self.skip(rec, f"its name {os.fsdecode(path)!r} cannot be given back "
+                          "(its directory is gone, another kind of entry or a newer file is "
+                          "there)", logging.WARNING)
+                continue
+            if there is not None:
+                self.cache.unlink(parent, name)
+            self.cache.link(node, parent, name)
 
     def keep_aside(self, rec: Record, staged: Staged | None, why: str) -> None:
         """Content whose close() was acknowledged cannot go where the mount had it: keep it

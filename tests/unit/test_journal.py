@@ -102,6 +102,17 @@ def test_record_round_trip_and_stored_tuple(kind):
         assert isinstance(back.times, tuple)
 
 
+@pytest.mark.parametrize("kind", ["publish", "flushed"])
+def test_a_content_record_carries_the_other_names_of_a_file_after_its_format_01_fields(kind):
+    rec = record_of(kind)
+    rec.links = [b"d/g", b"h\xff"]
+    stored = marshal.loads(rec.encode())
+    assert stored[:-1] == marshal.loads(record_of(kind).encode())   # the same, then the names
+    assert stored[-1] == [b"d/g", b"h\xff"]
+    assert Record.decode(rec.encode()) == rec
+    assert Record.decode(record_of(kind).encode()).links == []     # a record without them
+
+
 def test_op_kinds_are_stored_as_plain_strings():
     from acpfs.types import OpKind
     rec = Record(3, OpKind.UNLINK, 8, b"gone")

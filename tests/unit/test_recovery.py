@@ -84,6 +84,15 @@ def test_a_flushed_path_follows_renames_already_applied_and_not_later_ones():
     assert [r.path for r in left.records[:3]] == [b"d/f", b"dd/f", b"d/sub/o"]
 
 
+def test_the_other_names_of_a_flushed_file_follow_renames_already_applied_too():
+    rec = content(0, 5, b"f")
+    rec.links = [b"d/g", b"dd/h", b"d"]
+    recs = [rec, rename(1, 2, b"d", b"e")]
+    replay, _ = plan(left_of(recs, applied=1))
+    assert replay[0].path == b"f" and replay[0].links == [b"e/g", b"dd/h", b"e"]
+    assert rec.links == [b"d/g", b"dd/h", b"d"]    # the leftover is kept as it was
+
+
 def test_renames_before_the_record_do_not_move_it():
     recs = [rename(1, 2, b"d", b"e"),            # applied, and before the close
             content(0, 5, b"e/f"),
@@ -407,3 +416,32 @@ def test_acknowledged_content_whose_directory_is_gone_is_kept_aside(tmp_path, ma
     assert (c.back / report.kept_aside[0]).read_bytes() == b"acknowledged"
     assert os.path.basename(report.kept_aside[0]) == "d%2Ff"
     assert os.listdir(c.back / "d.away") == []        # nothing went through the symlink
+
+
+def test_a_new_version_of_a_linked_file_cut_between_its_names_is_finished_by_the_replay(
+        tmp_path, make_core, restart):
+    """f and d/g are one file in the backing; its new version landed under f, and the daemon
+    died before it linked it under d/g (the backing: f new, d/g the old version, two
+    inodes). The replay gives the file its name d/g back from the journal (a content record
+    carries a file's other names) and lands the new version under both, one inode again."""
+    c = make_core("a", journal=True)
+    cache, root = c.cache, c.cache.root
+    d = cache.mkdir(root, b"d", 0o755, 0, 0)
+    f = write_file(cache, b"f", b"v1")
+    cache.release(f, True)
+    cache.link(f, d, b"g")
+    c.drain()
+    assert os.stat(c.back / "f").st_ino == os.stat(c.back / "d" / "g").st_ino
+    held = c.backing.inject("link", hang=True, errno=errno.EIO)   # between the names
+    cache.open(f, True, True)
+    cache.write(f, 0, b"v2 longer")
+    cache.release(f, True)
+    assert held.entered.wait(5)
+    assert tree(c.back) == {"f": b"v2 longer", "d": "dir", "d/g": b"v1"}
+    kill(c, held)
+    r = restart(c)
+    r.recover()
+    r.drain()
+    assert tree(c.back) == {"f": b"v2 longer", "d": "dir", "d/g": b"v2 longer"}
+    assert os.stat(c.back / "f").st_ino == os.stat(c.back / "d" / "g").st_ino
+    assert os.stat(c.back / "f").st_nlink == 2

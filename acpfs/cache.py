@@ -176,9 +176,12 @@ class Cache:
             if same is not None and same.nlink and same.backing_version == version \
                     and same.backing_parent is not None \
                     and (self.flusher is None or self.quiescent(same)):
-                same.add_name(node, name)     # counted already: nlink is the backing's
+                same.add_name(node, name)     # counted already, as a rule: nlink is the backing's
                 same.backing_links = (same.backing_links or []) + [(node, name)]
+                same.nlink = max(same.nlink, st.st_nlink, len(same.names()))
                 node.children[name] = same  # type: ignore[index]
+                if self.forget_attrs is not None:
+                    self.forget_attrs(same.ino)
                 return same
         child = self._new_node(st.st_mode, st.st_uid, st.st_gid, node, name)
         child.size = st.st_size
@@ -273,18 +276,19 @@ class Cache:
         return self.quiescent(node, applied) and all(
             self._subtree_quiescent(c, applied) for c in (node.children or {}).values())
 
-    def stat_backing(self, node: Node) -> tuple[os.stat_result | None, int]:
+    def stat_backing(self, node: Node) -> tuple[os.stat_result | None, int, tuple[Node, bytes] | None]:
         """Worker thread: lstat of the node's backing copy (None if it is gone), with the seq
         applied at that moment (under position_lock, so that no op of this mount lands in
-        between: a stat older than this node's own last change must not replace it)."""
+        between: a stat older than this node's own last change must not replace it) and the
+        position looked at."""
         fl = self.flusher
         assert fl is not None
         with self.position_lock:
             applied = fl.applied_seq
             if node.backing_parent is None:
-                return None, applied
-            return self.backing.stat_entry(self.backing_path(node.backing_parent),
-                                           node.backing_name), applied
+                return None, applied, None
+            pos = (node.backing_parent, node.backing_name)
+            return self.backing.stat_entry(self.backing_path(pos[0]), pos[1]), applied, pos
 
     def replaced_elsewhere(self, node: Node, st: os.stat_result) -> None:
         """Another writer put a new version of a clean file in the backing: this mount's
@@ -326,8 +330,9 @@ class Cache:
             if n.links:   # a file with other names keeps those
                 n.rename_name((d, name), None)
                 n.move_position((d, name), None)
-                n.nlink -= 1
-                self._rejournal(n)
+                self._one_name_less(n)
+                if self.forget_attrs is not None:
+                    self.forget_attrs(n.ino)
                 continue
             if n.children:
                 stack.extend((n, k, c) for k, c in n.children.items())
@@ -445,15 +450,21 @@ class Cache:
         parent.mtime = parent.ctime = now_ns()
         if node.links:   # one of several names: the file stays, under the others
             node.rename_name((parent, name), None)
-            node.nlink -= 1
             node.ctime = parent.ctime
-            self._rejournal(node)
+            self._one_name_less(node)
             return
         node.nlink = 0
         node.parent = None
         self._cancel(node)
         if node.opens == 0:
             self.drop(node)
+
+    def _one_name_less(self, node: Node) -> None:
+        """A file with several names lost one of them (already gone from ``node.names()``).
+        Invariant: its link count never falls below the names the mount has (it may count
+        more: names in the backing in directories not listed yet)."""
+        node.nlink = max(node.nlink - 1, len(node.names()))
+        self._rejournal(node)   # its record may give the name it lost
 
     def rename(self, p1: Node, n1: bytes, p2: Node, n2: bytes, noreplace: bool = False) -> None:
         node = self.lookup(p1, n1)
@@ -502,6 +513,7 @@ class Cache:
         node.nlink += 1
         parent.mtime = parent.ctime = node.ctime = now_ns()
         self._enqueue(OpKind.LINK, node, parent=parent, name=name, src_path=src_path)
+        self._rejournal(node)   # a "flushed" record names every name of the file
 
     def setattr(self, node: Node, mode: int | None = None, uid: int | None = None,
                 gid: int | None = None, atime: int | None = None, mtime: int | None = None) -> None:
@@ -993,7 +1005,9 @@ class Cache:
         op = Op(self.seq, kind, node, path=os.fsdecode(where) if where else self.path(node), **kw)
         op.stamp, op.floor = stamp
         node.last_seq = self.seq
-        for d in (kw.get("parent"), kw.get("src")):
+        # the replaced node too: a file with other names stays in the mount, and the rename
+        # still moves one of its positions (it is not quiescent until then)
+        for d in (kw.get("parent"), kw.get("src"), kw.get("replaced")):
             if d is not None:
                 d.last_seq = self.seq
         assert self.flusher is not None

@@ -193,15 +193,16 @@ class Core:
         except OSError as e:
             log.debug("revalidating %s: %s", cache.path(node), e)
             return node
-        st, applied = got if got is not None else (None, 0)
+        st, applied, pos = got if got is not None else (None, 0, None)
         if st is not None and statmod.S_ISREG(st.st_mode) and cache.quiescent(node, applied) \
-                and node.backing_version is not None \
+                and node.backing_version is not None and pos is not None \
+                and (node.backing_parent, node.backing_name) == pos \
                 and (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version:
             if node.links:
                 # the name looked at (its first) holds another file now; its other names are
                 # looked at by their own checks. This open may have come through another
                 # name: it goes on with the file, which that name still holds.
-                cache.split(node.backing_parent, node.backing_name, node, st)  # type: ignore[arg-type]
+                cache.split(pos[0], pos[1], node, st)
             else:
                 cache.replaced_elsewhere(node, st)
         return node

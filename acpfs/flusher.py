@@ -346,8 +346,8 @@ class Flusher:
                             if isinstance(e, MissingDir):
                                 raise    # its directory: the repair makes it again
                             self._gone(node, op.path)
-                            if node.backing_parent is not None:   # a directory, made again
-                                self._set_attrs(op)
+                            if node.backing_parent is not None:   # a directory, made again,
+                                self._set_attrs(op)               # or a file's next name
                 else:
                     raise AssertionError(f"unknown op {kind}")
 
@@ -356,6 +356,8 @@ class Flusher:
                 self._restore_dirs(op.parent, exc)  # type: ignore[arg-type]
             elif op.kind in (OpKind.SETATTR, OpKind.XATTR) and node.backing_parent is not None:
                 self._restore_dirs(node.backing_parent, exc)
+            elif op.kind == OpKind.UNLINK and op.links:   # _move_last_copy's destination
+                self._restore_dirs(op.links[0][0], exc)
         self._retry(run, op, op.kind, repair)
         op.state = OpState.DONE
 
@@ -382,12 +384,13 @@ class Flusher:
         follow); a file counts as absent there, and its next snapshot lands again."""
         self.conflicts.note("gone", path, f"changes the attributes of this {_kind(node)}", "nothing",
                             "the directory is made again" if node.is_dir
+                            else "changed under another of its names" if node.backing_links
                             else "its next snapshot lands again")
         if node.is_dir:
             self.backing.mkdir(self.cache.backing_path(node.backing_parent), node.backing_name,  # type: ignore[arg-type]
                                node.mode, node.uid, node.gid)
-        else:
-            node.set_positions([])
+        else:   # that name only: a file with others is changed there (the caller goes on)
+            node.move_position((node.backing_parent, node.backing_name), None)  # type: ignore[arg-type]
 
     def _restore_dirs(self, where: Node, exc: BaseException) -> None:
         """A directory the mount has, and the flusher put in the backing, is missing there
@@ -575,7 +578,8 @@ class Flusher:
                                     f"a backing that refuses it ({describe(e)})",
                                     "this name is kept in this mount only")
                 return
-            node.set_positions(node.positions() + [(dst, name)])
+            if node.position_at(dst, name) is None:
+                node.set_positions(node.positions() + [(dst, name)])
             return
 
     # -- uploads ------------------------------------------------------------------------
@@ -799,7 +803,7 @@ class Flusher:
             with cache.position_lock:
                 while todo:
                     d, name = todo[0]
-                    node.move_position((d, name), None)   # the version before, replaced now
+                    # the name keeps its position (the version before) until it is replaced
                     self._link(op, first, d, name, seen)  # type: ignore[arg-type]
                     todo.pop(0)
 

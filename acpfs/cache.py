@@ -190,8 +190,8 @@ class Cache:
         child.backing_version = version
         child.checked_at = time.monotonic()
         if statmod.S_ISREG(st.st_mode) and st.st_nlink > 1:
-            self.linked[st.st_ino] = child
             child.nlink = st.st_nlink   # its names in directories not listed yet count too
+            self._meet(child, st)
         if target is not None:
             child.target = target
         child.rdev = st.st_rdev
@@ -243,11 +243,18 @@ class Cache:
                     and self.quiescent(child, applied):
                 # the listing's lstat checks each clean file at once (Core.revalidated then
                 # need not look at them one by one)
+                same = self.linked.get(st.st_ino) if st.st_nlink > 1 else None
                 if (st.st_ino, st.st_size, st.st_mtime_ns) == child.backing_version:
                     child.checked_at = now
-                elif child.links or (st.st_nlink > 1 and st.st_ino in self.linked):
-                    self.split(node, name, child, st)
-                else:
+                    if st.st_nlink > child.nlink:   # linked elsewhere since it was listed
+                        child.nlink = st.st_nlink
+                        if self.forget_attrs is not None:
+                            self.forget_attrs(child.ino)
+                    if self.linked.get(st.st_ino) is not child:
+                        self._meet(child, st)
+                elif same is not None or (child.links and st.st_nlink < len(child.names())):
+                    self.split(node, name, child, st)   # another file, or one met elsewhere
+                else:   # a new version (of a linked file: under every name, as far as told)
                     self.replaced_elsewhere(child, st)
                     child.checked_at = now
         for name, child in list(kids.items()):
@@ -307,6 +314,36 @@ class Cache:
         self._stat_times(node, st)
         node.backing_version = (st.st_ino, st.st_size, st.st_mtime_ns)
         node.versions += 1    # readers that open it again read the new version
+        self._meet(node, st)
+        if self.forget_attrs is not None:
+            self.forget_attrs(node.ino)
+
+    def _meet(self, node: Node, st: os.stat_result) -> None:
+        """``node`` holds backing inode ``st`` (a file with several names there): names of
+        it that listings find later join it (``_attach``), and another node of this mount
+        found to hold the same version gives it its names now, so that the mount has one
+        node per file. Only between nodes with nothing pending and not open: otherwise they
+        meet at a later look (semantics: hard links)."""
+        if st.st_nlink <= 1:
+            return
+        other = self.linked.get(st.st_ino)
+        self.linked[st.st_ino] = node
+        if other is None or other is node or not other.nlink or other.opens \
+                or other.backing_version != node.backing_version \
+                or not self.quiescent(other) or not self.quiescent(node):
+            return
+        for d, name in other.names():
+            d.children[name] = node  # type: ignore[index]
+            node.add_name(d, name)
+            if self.forget_entry is not None:
+                self.forget_entry(d.ino, name)
+        node.set_positions(node.positions() + [p for p in other.positions()
+                                               if node.position_at(*p) is None])
+        node.nlink = max(node.nlink, other.nlink, st.st_nlink, len(node.names()))
+        other.set_names([])
+        other.set_positions([])
+        other.nlink = 0
+        self.drop(other)
         if self.forget_attrs is not None:
             self.forget_attrs(node.ino)
 

@@ -198,13 +198,16 @@ class Core:
                 and node.backing_version is not None and pos is not None \
                 and (node.backing_parent, node.backing_name) == pos \
                 and (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version:
-            if node.links:
-                # the name looked at (its first) holds another file now; its other names are
-                # looked at by their own checks. This open may have come through another
-                # name: it goes on with the file, which that name still holds.
-                cache.split(pos[0], pos[1], node, st)
-            else:
+            if not node.links or st.st_nlink >= len(node.names()):
+                # a new version (another node republishes a linked file under every name)
                 cache.replaced_elsewhere(node, st)
+            else:
+                # another file under the name looked at: the listing of its directory splits
+                # it off at the next lookup. This open (through whichever name) goes on with
+                # the file as the mount knows it: never with a file of another name.
+                pos[0].listed_at = 0.0
+                if cache.forget_entry is not None:
+                    cache.forget_entry(pos[0].ino, pos[1])
         return node
 
     async def _check(self, node: Node, fn):

@@ -580,6 +580,8 @@ class Flusher:
                 return
             if node.position_at(dst, name) is None:
                 node.set_positions(node.positions() + [(dst, name)])
+            if node.is_reg and node.backing_version is not None:
+                self.cache.linked[node.backing_version[0]] = node   # as in _apply_publish
             return
 
     # -- uploads ------------------------------------------------------------------------
@@ -759,6 +761,8 @@ class Flusher:
                                               if p[0] is not first[0] or p[1] != first[1]])
                 node.backing_version, node.checked_at = version, time.monotonic()
                 node.versions += 1
+                if op.links:   # names of it that listings meet later join it (Cache._attach)
+                    cache.linked[version[0]] = node
 
         def repair(exc: BaseException) -> None:
             nonlocal redo

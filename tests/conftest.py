@@ -363,7 +363,7 @@ def make_nodes(tmp_path):
 #   write PATH TAG UNITS   a file of UNITS x 32 bytes derived from TAG (makes its directory)
 #   point PATH TEXT        a pointer file such as `latest`, written in place as frameworks do
 #   rmtree PATH            shutil.rmtree, as a trainer's checkpoint rotation does
-#   rename SRC DST / unlink PATH / mkdir PATH
+#   rename SRC DST / unlink PATH / mkdir PATH / link SRC DST
 #   sha PATH / cat PATH / ls PATH   what this node reads there
 #   tree .                 every entry below PATH as JSON: {path: "dir" or sha256 of the file}
 # Each answers "ok [RESULT]", or "error ..." if the call failed.
@@ -396,6 +396,8 @@ WORKER = textwrap.dedent("""
                 os.rename(path, os.path.join(mnt, args[0]))
             elif cmd == "unlink":
                 os.unlink(path)
+            elif cmd == "link":
+                os.link(path, os.path.join(mnt, args[0]))
             elif cmd == "mkdir":
                 os.mkdir(path)
             elif cmd == "tree":

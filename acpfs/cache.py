@@ -245,7 +245,8 @@ class Cache:
                 # need not look at them one by one)
                 same = self.linked.get(st.st_ino) if st.st_nlink > 1 else None
                 if (st.st_ino, st.st_size, st.st_mtime_ns) == child.backing_version:
-                    child.checked_at = now
+                    if not child.links:   # a linked file's other names: checked at open
+                        child.checked_at = now
                     if st.st_nlink > child.nlink:   # linked elsewhere since it was listed
                         child.nlink = st.st_nlink
                         if self.forget_attrs is not None:
@@ -256,7 +257,8 @@ class Cache:
                     self.split(node, name, child, st)   # another file, or one met elsewhere
                 else:   # a new version (of a linked file: under every name, as far as told)
                     self.replaced_elsewhere(child, st)
-                    child.checked_at = now
+                    if not child.links:
+                        child.checked_at = now
         for name, child in list(kids.items()):
             if name in seen:
                 continue
@@ -283,19 +285,17 @@ class Cache:
         return self.quiescent(node, applied) and all(
             self._subtree_quiescent(c, applied) for c in (node.children or {}).values())
 
-    def stat_backing(self, node: Node) -> tuple[os.stat_result | None, int, tuple[Node, bytes] | None]:
-        """Worker thread: lstat of the node's backing copy (None if it is gone), with the seq
-        applied at that moment (under position_lock, so that no op of this mount lands in
-        between: a stat older than this node's own last change must not replace it) and the
-        position looked at."""
+    def stat_backing(self, node: Node) -> tuple[list[tuple[tuple[Node, bytes], os.stat_result | None]], int]:
+        """Worker thread: lstat of the node's backing copy under each of its positions (its
+        first one first; None where it is gone), with the seq applied at that moment (under
+        position_lock, so that no op of this mount lands in between: a stat older than this
+        node's own last change must not replace it)."""
         fl = self.flusher
         assert fl is not None
         with self.position_lock:
             applied = fl.applied_seq
-            if node.backing_parent is None:
-                return None, applied, None
-            pos = (node.backing_parent, node.backing_name)
-            return self.backing.stat_entry(self.backing_path(pos[0]), pos[1]), applied, pos
+            return [(pos, self.backing.stat_entry(self.backing_path(pos[0]), pos[1]))
+                    for pos in node.positions()], applied
 
     def replaced_elsewhere(self, node: Node, st: os.stat_result) -> None:
         """Another writer put a new version of a clean file in the backing: this mount's

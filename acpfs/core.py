@@ -193,9 +193,11 @@ class Core:
         except OSError as e:
             log.debug("revalidating %s: %s", cache.path(node), e)
             return node
-        st, applied, pos = got if got is not None else (None, 0, None)
-        if st is not None and statmod.S_ISREG(st.st_mode) and cache.quiescent(node, applied) \
-                and node.backing_version is not None and pos is not None \
+        stats, applied = got if got is not None else ([], 0)
+        if not stats or not cache.quiescent(node, applied) or node.backing_version is None:
+            return node
+        pos, st = stats[0]
+        if st is not None and statmod.S_ISREG(st.st_mode) \
                 and (node.backing_parent, node.backing_name) == pos \
                 and (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version:
             if not node.links or st.st_nlink >= len(node.names()):
@@ -205,10 +207,25 @@ class Core:
                 # another file under the name looked at: the listing of its directory splits
                 # it off at the next lookup. This open (through whichever name) goes on with
                 # the file as the mount knows it: never with a file of another name.
-                pos[0].listed_at = 0.0
-                if cache.forget_entry is not None:
-                    cache.forget_entry(pos[0].ino, pos[1])
+                self._look_again(pos)
+        # a file with several names: each of them, as close-to-open asks. A name another
+        # node removed leaves the file (which keeps its others: an open through it goes on
+        # with the file, as POSIX has it); one that holds another file is looked at again
+        for pos, st in stats if node.links else ():
+            if node.position_at(*pos) is None or pos[0].children is None \
+                    or pos[0].children.get(pos[1]) is not node or not node.links:
+                continue
+            if st is None:
+                cache._removed_elsewhere(pos[0], pos[1], node)
+            elif (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version:
+                self._look_again(pos)
         return node
+
+    def _look_again(self, pos: tuple[Node, bytes]) -> None:
+        """The next lookup of this name lists its directory again (Cache.merge_listing)."""
+        pos[0].listed_at = 0.0
+        if self.cache.forget_entry is not None:
+            self.cache.forget_entry(pos[0].ino, pos[1])
 
     async def _check(self, node: Node, fn):
         """``fn(node)`` in a worker thread that may be abandoned (a hung backing): at most one

@@ -12,9 +12,10 @@ with that discipline the nodes behave as one filesystem.
 
 ``MODEL_SEED`` replays a run; ``MODEL_OPS`` sets its length. ``MODEL_LINKS=1`` adds hard
 links (names in the top directory) to the first test, and checks which names are one inode
-on every node and in the backing: an open gap, not part of the suite yet. Files linked,
-rewritten in place by several nodes in turn and renamed across directories can still end
-with a name left at an older version (seeds 1 and 3; docs/semantics.md, hard links).
+on every node and in the backing: an open gap, not part of the suite yet. A node
+publishes a new version of a linked file under the names it knows, so a name other nodes
+gave it in a directory this node has not listed since keeps an older version (seed 1;
+seeds 3 and 9 to 16 pass; docs/semantics.md, hard links).
 """
 
 from __future__ import annotations

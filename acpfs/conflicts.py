@@ -47,7 +47,8 @@ import time
 
 log = logging.getLogger(__name__)
 
-KINDS = ("replaced", "kept", "not_empty", "gone", "dir_recreated", "moved_aside", "refused")
+KINDS = ("replaced", "kept", "not_empty", "gone", "dir_recreated", "moved_aside", "refused",
+         "split")
 RECENT = 20     # conflicts kept in full for ``status``
 
 

@@ -744,6 +744,8 @@ class Flusher:
                 comps = cache.backing_path(op.parent)  # type: ignore[arg-type]
                 mine = node.position_at(op.parent, op.name) is not None
                 self._make_way(op, comps, op.name, node if mine else None)
+                if mine and (node.nlink > 1 or op.links):
+                    self._note_unknown_names(op, comps)
                 # the directory where the file is now, by path: the one the temporary file
                 # was written in may have been moved away meanwhile
                 dst = self.backing.open_dir(comps)
@@ -792,6 +794,23 @@ class Flusher:
         self._make_way(op, dcomps, keep[1], None)
         self.backing.rename(cache.backing_path(pos[0]), pos[1], dcomps, keep[1])
         op.node.move_position(pos, keep)
+
+    def _note_unknown_names(self, op: Op, comps: Comps) -> None:
+        """Before a new version of a file with several names replaces the one at its first
+        name (hold position_lock): names of it in the backing that this node does not know
+        (in directories it has not listed since another node or program linked them) keep
+        the version before; the link is split there: a conflict, so that it shows."""
+        node = op.node
+        st = self.backing.stat_entry(comps, op.name)
+        known = len(node.positions())
+        if st is None or not statmod.S_ISREG(st.st_mode) or st.st_nlink <= known \
+                or _version(st) != node.backing_version:
+            return
+        self.conflicts.note("split", op.path, f"publishes a new version of this file of "
+                            f"{known} known names", f"the file under {st.st_nlink} names "
+                            f"(the others in directories this node has not listed since)",
+                            f"the names it does not know ({st.st_nlink - known}) keep the "
+                            "version before: the link is split there")
 
     def _publish_links(self, op: Op, seen: tuple[int, int, int] | None) -> None:
         """A file with hard links: its new version, now under its first name, goes under each

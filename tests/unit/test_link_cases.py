@@ -97,3 +97,23 @@ def test_a_link_made_after_close_acknowledged_content_is_in_its_journal_record(m
     last = [r for r in left.records if r.ino == f.ino and r.seq == 0][-1]
     assert (last.kind, last.path, last.links) == (jmod.FLUSHED, b"a", [b"d/b"])
     cache.release(f, True)
+
+
+def test_a_new_version_that_splits_a_link_the_mount_does_not_know_is_a_conflict(tmp_path, make_core):
+    """a and d/b are one file in the backing; d is never listed: a new version of a lands
+    under a only (the mount knows no other name), and the conflict says so."""
+    back = tmp_path / "s" / "back"
+    (back / "d").mkdir(parents=True)
+    (back / "a").write_bytes(b"old")
+    os.link(back / "a", back / "d" / "b")
+    core = make_core("s")
+    cache, root = core.cache, core.cache.root
+    node = cache.lookup(root, b"a")
+    cache.open(node, True, True)
+    cache.write(node, 0, b"new")
+    cache.release(node, True)
+    core.drain()
+    assert (back / "a").read_bytes() == b"new" and (back / "d" / "b").read_bytes() == b"old"
+    st = core.flusher.conflicts.status()
+    assert st["by_kind"]["split"] == 1, st
+    assert "the names it does not know (1) keep the version before" in st["recent"][-1]["resolution"]

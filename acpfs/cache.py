@@ -177,7 +177,7 @@ class Cache:
                     and same.backing_parent is not None \
                     and (self.flusher is None or self.quiescent(same)):
                 same.add_name(node, name)     # counted already, as a rule: nlink is the backing's
-                same.backing_links = (same.backing_links or []) + [(node, name)]
+                same.set_positions(same.positions() + [(node, name)])
                 same.nlink = max(same.nlink, st.st_nlink, len(same.names()))
                 node.children[name] = same  # type: ignore[index]
                 if self.forget_attrs is not None:
@@ -251,7 +251,7 @@ class Cache:
                         child.nlink = st.st_nlink
                         if self.forget_attrs is not None:
                             self.forget_attrs(child.ino)
-                    if self.linked.get(st.st_ino) is not child:
+                    if same is not child:
                         self._meet(child, st)
                 elif same is not None or (child.links and st.st_nlink < len(child.names())):
                     self.split(node, name, child, st)   # another file, or one met elsewhere

@@ -386,6 +386,35 @@ class Backing:
         finally:
             os.close(dfd)
 
+    def open_version(self, comps: Comps, name: bytes,
+                     version: tuple[int, int, int] | None) -> tuple[int, os.stat_result]:
+        """Open a regular file of the backing for reading, with the fstat of what was opened.
+        With ``version`` ((inode, size, mtime) of the copy the caller knows), another version
+        found under the name is ``ESTALE``: nothing is ever read from a file that replaced
+        the one whose size the mount reports (docs/semantics.md, section 10)."""
+        fd = self.open_file(comps, name)
+        try:
+            st = os.fstat(fd)
+            if version is not None and (st.st_ino, st.st_size, st.st_mtime_ns) != version:
+                raise OSError(errno.ESTALE, "another writer replaced the file in the backing")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
+
+    def dir_version(self, comps: Comps) -> tuple[int, int, int] | None:
+        """(inode, mtime, ctime) of a directory: any entry made or removed in it changes them
+        (to the resolution of the backing's clock). None if it is gone."""
+        try:
+            fd = self.open_dir(comps)
+        except MissingDir:
+            return None
+        try:
+            st = os.fstat(fd)
+            return st.st_ino, st.st_mtime_ns, st.st_ctime_ns
+        finally:
+            os.close(fd)
+
     def read_xattrs(self, comps: Comps, name: bytes | None) -> dict[bytes, bytes]:
         """User extended attributes of a file or directory (``name`` None: the directory itself)."""
         try:

@@ -42,7 +42,7 @@ import os
 import stat as statmod
 import threading
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .backing import Backing, check_name, is_internal_name
 from .journal import CLEAN, DIRTY, FLUSHED, Journal, Record
@@ -59,6 +59,14 @@ def check_not_reserved(name: bytes) -> None:
     """Names of acpfs's own temporary files cannot be created through the mount."""
     if is_internal_name(name):
         raise err(errno.EPERM, "names starting with .acpfs- are reserved")
+
+
+class Relisting(NamedTuple):
+    """A listing of a loaded directory, taken at one moment (``Cache.relist_backing``)."""
+    listing: list
+    known: set[bytes]                      # names this mount has something of its own on
+    applied: int                           # the flusher's last applied seq then
+    version: tuple[int, int, int] | None   # the directory's, before the listing
 
 
 class Cache:
@@ -153,16 +161,20 @@ class Cache:
         return os.fsdecode(b"/".join(reversed(parts))) or "."
 
     # -- loading from the backing ---------------------------------------------------------
-    def list_backing(self, node: Node) -> list:
-        """Runs in a worker thread: the backing listing of a directory not yet loaded."""
+    def list_backing(self, node: Node) -> tuple[list, tuple[int, int, int] | None]:
+        """Runs in a worker thread: the backing listing of a directory not yet loaded, and
+        the directory's version (``Backing.dir_version``) taken before it."""
         with self.position_lock:
-            return self.backing.listdir(self.backing_path(node))
+            comps = self.backing_path(node)
+            version = self.backing.dir_version(comps)
+            return self.backing.listdir(comps), version
 
-    def attach_listing(self, node: Node, listing: list) -> None:
+    def attach_listing(self, node: Node, listing: tuple[list, tuple[int, int, int] | None]) -> None:
         if node.children is not None:
             return
         node.children = {}
-        for name, st, target in listing:
+        entries, node.listed_version = listing
+        for name, st, target in entries:
             self._attach(node, name, st, target)
         node.listed_at = time.monotonic()
 
@@ -201,23 +213,55 @@ class Cache:
         return child
 
     # -- other writers of the backing (other nodes) -----------------------------------------
-    def relist_backing(self, node: Node) -> tuple[list, set[bytes], int]:
+    def relist_backing(self, node: Node, unless: tuple[int, int, int] | None = None) -> Relisting | None:
         """Worker thread: the backing's entries of a loaded directory, with the names there
         that belong to nodes this mount knows (its own, a removal or rename of theirs still
-        queued) and the seq applied, all at one moment (under position_lock, so that no op of
-        this mount lands in between)."""
+        queued), the seq applied and the directory's version before the listing, all at one
+        moment (under position_lock, so that no op of this mount lands in between). None
+        when the directory's version is still ``unless``: nothing was made or removed in it."""
+        with self.position_lock:
+            comps = self.backing_path(node)
+            version = self.backing.dir_version(comps)
+            if unless is not None and version == unless:
+                return None
+            listing = self.backing.listdir(comps)
+            known, applied = self._known_names(node)
+            return Relisting(listing, known, applied, version)
+
+    def _known_names(self, node: Node) -> tuple[set[bytes], int]:
+        """The names in directory ``node`` of the backing that belong to nodes this mount
+        knows (its own, a removal or rename of theirs still queued), and the seq applied,
+        at one moment (hold position_lock)."""
         fl = self.flusher
         assert fl is not None
-        with self.position_lock:
-            listing = self.backing.listdir(self.backing_path(node))
-            with self.lock:                  # lock order: position_lock, then lock
-                queued = [op.node for op in fl.queue] + [op.replaced for op in fl.queue if op.replaced]
-                applied = fl.applied_seq
-            mine = list((node.children or {}).values()) + queued
-            known = {name for n in mine for d, name in n.positions() if d is node}
-            return listing, known, applied
+        with self.lock:                  # lock order: position_lock, then lock
+            queued = [op.node for op in fl.queue] + [op.replaced for op in fl.queue if op.replaced]
+            applied = fl.applied_seq
+        mine = list((node.children or {}).values()) + queued
+        return {name for n in mine for d, name in n.positions() if d is node}, applied
 
-    def merge_listing(self, node: Node, listing: list, known: set[bytes], applied: int) -> None:
+    def stat_name(self, parent: Node, name: bytes) -> tuple[os.stat_result, bytes | None] | None:
+        """Worker thread: the backing's entry ``name`` of a loaded directory (lstat, and a
+        symlink's target), or None when it is not there or this mount has a change of its own
+        pending on it (whose result its view shows already)."""
+        with self.position_lock:
+            comps = self.backing_path(parent)
+            st = self.backing.stat_entry(comps, name)
+            if st is None or name in self._known_names(parent)[0]:
+                return None
+            target = self.backing.read_link(comps, name) if statmod.S_ISLNK(st.st_mode) else None
+            if statmod.S_ISLNK(st.st_mode) and target is None:
+                return None
+            return st, target
+
+    def attach_found(self, parent: Node, name: bytes, found: tuple[os.stat_result, bytes | None]) -> Node:
+        """A name ``stat_name`` found in the backing joins the view, as a listing would
+        add it (``merge_listing``)."""
+        assert parent.children is not None and name not in parent.children
+        return self._attach(parent, name, *found)
+
+    def merge_listing(self, node: Node, listing: list, known: set[bytes], applied: int,
+                      version: tuple[int, int, int] | None = None) -> None:
         """Close-to-open coherence: merge the backing's current entries (``relist_backing``)
         into a loaded directory. Entries another writer made appear; entries another writer
         removed disappear, if this mount has nothing of its own pending on them. This mount's
@@ -271,6 +315,7 @@ class Cache:
                 continue    # something of this mount is pending on it, or under it
             self._removed_elsewhere(node, name, child)
         node.listed_at = time.monotonic()
+        node.listed_version = version
 
     def quiescent(self, node: Node, applied: int | None = None) -> bool:
         """Nothing of this mount is pending on the node (as of op ``applied``, by default the
@@ -628,13 +673,18 @@ class Cache:
             self._reserve(n)
             return [self.pool.alloc() for _ in range(n)]
 
+    def open_backing_copy(self, node: Node) -> int:
+        """Worker thread: a descriptor of the backing copy of a file, the very version the
+        mount knows (``Node.backing_version``), else ESTALE (``Backing.open_version``)."""
+        with self.position_lock:
+            if node.backing_parent is None:
+                raise err(errno.ENOENT, "file has no backing copy")
+            return self.backing.open_version(self.backing_path(node.backing_parent),
+                                             node.backing_name, node.backing_version)[0]
+
     def read_backing_into(self, node: Node, blocks: list[int]) -> None:
         """Worker thread: fill ``blocks`` with the backing content of ``node``."""
-        with self.position_lock:
-            comps = self.backing_path(node.backing_parent) if node.backing_parent else None
-            if comps is None:
-                raise err(errno.ENOENT, "file has no backing copy")
-            fd = self.backing.open_file(comps, node.backing_name)
+        fd = self.open_backing_copy(node)
         try:
             bs = self.bs
             view = self.pool.view

@@ -15,17 +15,19 @@ Errors are ``types.FsError`` (an errno); anything else raised here is a bug.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
 import stat as statmod
 import time
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
 
 import trio
 
 from . import control
-from .cache import Cache
+from .backing import is_internal_name
+from .cache import Cache, Relisting
 from .peers import UNIT
 from .pool import PoolFull
 from .types import Node, err
@@ -34,6 +36,7 @@ from .writethrough import WriteThrough
 if TYPE_CHECKING:
     from .peers import Peers
 
+T = TypeVar("T")
 FALLOC_FL_KEEP_SIZE = 0x01
 log = logging.getLogger(__name__)
 
@@ -71,17 +74,21 @@ class Handle:
 
 class Core:
     def __init__(self, cache: Cache, info: control.MountInfo,
-                 direct_io_mmap: Callable[[], bool] = lambda: False) -> None:
+                 direct_io_mmap: Callable[[], bool] = lambda: False,
+                 invalidate_attrs: Callable[[int], None] = lambda ino: None) -> None:
         self.cache = cache
         self.backing = cache.backing
         self.info = info
         self.wt = WriteThrough(cache, info.cache_full_timeout, info.persist_open_after)
         self.direct_io_mmap = direct_io_mmap   # asked at each open: the INIT reply decides
+        # the kernel forgets an inode's attributes before this returns (only ever called for
+        # the inode of the request being answered: the kernel holds it, never evicting it)
+        self.invalidate_attrs = invalidate_attrs
         self.handles: dict[int, Handle] = {}
         self.dirs: dict[int, list[tuple[bytes, Node]]] = {}
         self._next_fh = 1
         self._list_locks: dict[int, trio.Lock] = {}
-        self._checking: set[int] = set()   # inos with a coherence check in a worker thread
+        self._checking: set[object] = set()   # inos and names with a check in a worker thread
         self.check_threads = trio.CapacityLimiter(8)   # checks stuck on a hung backing stop here
         self._statfs: os.statvfs_result | None = self.backing.statvfs()   # answers at mount
         self._statfs_call: trio.Event | None = None
@@ -149,47 +156,84 @@ class Core:
     async def dir(self, ino: int) -> Node:
         return await self.loaded(self.node(ino))
 
-    async def refreshed(self, node: Node) -> Node:
+    async def refreshed(self, node: Node, at_open: bool = False) -> Node:
         """A loaded directory whose backing entries were merged in at most
         ``coherence_timeout`` seconds ago: other nodes' changes show (close-to-open
-        coherence, as on NFS). Only directories this mount has put in the backing are looked
-        at again; one listing at a time per directory."""
+        coherence, as on NFS). ``at_open`` (opendir): also listed afresh at once when the
+        backing directory's version changed since the last listing (one stat of it), as NFS
+        revalidates a directory it opens. Only directories this mount has put in the backing
+        are looked at again; one listing at a time per directory."""
         cache = self.cache
-        if time.monotonic() - node.listed_at <= self.info.coherence_timeout \
-                or not cache.present(node) or node.children is None or node.ino in self._checking:
+        timeout = self.info.coherence_timeout
+        if not cache.present(node) or node.children is None or node.ino in self._checking \
+                or (not at_open and time.monotonic() - node.listed_at <= timeout):
             return node
         lk = self._list_locks.get(node.ino)
         if lk is None:
             lk = self._list_locks[node.ino] = trio.Lock()
         async with lk:
-            if time.monotonic() - node.listed_at > self.info.coherence_timeout and cache.present(node):
-                got = None
+            stale = time.monotonic() - node.listed_at > timeout
+            if (stale or at_open) and cache.present(node) and node.ino not in self._checking:
+                relist = functools.partial(cache.relist_backing, node, unless=None if stale else node.listed_version)
+                got: Relisting | None | bool = False
                 try:
                     with trio.move_on_after(COHERENCE_WAIT):
-                        got = await self._check(node, cache.relist_backing)
+                        got = await self._check(node.ino, relist)
                 except OSError as e:   # a failing backing: what this mount knows stands
                     log.debug("relisting %s: %s", cache.path(node), e)
-                if got is None:        # failing or not answering: look again after the timeout
+                if got is False:       # failing or not answering: look again after the timeout
+                    if stale:
+                        node.listed_at = time.monotonic()
+                elif got is None:      # unchanged since the last listing
                     node.listed_at = time.monotonic()
                 elif node.children is not None and (node.parent is not None or node is cache.root):
                     cache.merge_listing(node, *got)
         self._list_locks.pop(node.ino, None)
         return node
 
-    async def revalidated(self, node: Node) -> Node:
+    async def found_elsewhere(self, parent: Node, name: bytes) -> Node:
+        """A name this mount's view of ``parent`` lacks: looked up in the backing (one lstat,
+        as NFS looks up a name it has no entry for), so that a file another node made is
+        seen at once, not at the next listing. ENOENT if it is not there, or if this mount
+        has a change of its own pending on the name (its removal wins in its own view)."""
+        cache = self.cache
+        key = (parent.ino, name)
+        if is_internal_name(name) or not cache.present(parent) or key in self._checking:
+            raise err(errno.ENOENT)
+        got = None
+        try:
+            with trio.move_on_after(COHERENCE_WAIT):
+                got = await self._check(key, functools.partial(cache.stat_name, parent, name))
+        except OSError as e:
+            log.debug("looking up %s in the backing: %s", cache.name_path(parent, name), e)
+        node = parent.children.get(name) if parent.children is not None else None
+        if node is None and got is not None and parent.children is not None:
+            node = cache.attach_found(parent, name, got)
+        if node is None:
+            raise err(errno.ENOENT)
+        return node
+
+    async def revalidated(self, node: Node, at_open: bool = False) -> Node:
         """A clean file whose backing copy was compared with this mount's at most
         ``coherence_timeout`` seconds ago (inode, size, mtime): a version another node
-        published since replaces a stale cached copy and its attributes (close-to-open)."""
+        published since replaces a stale cached copy and its attributes (close-to-open).
+
+        ``at_open``: compared now, whenever it was last (close-to-open at every open, as
+        NFS's GETATTR at open), and the kernel forgets the old attributes before the open is
+        answered. A name whose backing entry is gone or another kind of entry, or another
+        version of a file open here (its readers keep theirs), leaves this node: the open
+        fails with ESTALE, on which the kernel looks the name up again and opens what the
+        backing holds now (the old node lives on for the descriptors open on it)."""
         cache = self.cache
         if not node.is_reg or node.backing_parent is None \
-                or time.monotonic() - node.checked_at <= self.info.coherence_timeout \
+                or (not at_open and time.monotonic() - node.checked_at <= self.info.coherence_timeout) \
                 or node.ino in self._checking or not cache.quiescent(node):
             return node
         got = None
         node.checked_at = time.monotonic()   # failing or not answering: look again later
         try:
             with trio.move_on_after(COHERENCE_WAIT):
-                got = await self._check(node, cache.stat_backing)
+                got = await self._check(node.ino, functools.partial(cache.stat_backing, node))
         except OSError as e:
             log.debug("revalidating %s: %s", cache.path(node), e)
             return node
@@ -197,12 +241,23 @@ class Core:
         if not stats or not cache.quiescent(node, applied) or node.backing_version is None:
             return node
         pos, st = stats[0]
+        if at_open and not node.links and (node.parent, node.name) == pos \
+                and (node.backing_parent, node.backing_name) == pos \
+                and (st is None or not statmod.S_ISREG(st.st_mode)
+                     or (node.opens and (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version)):
+            if st is None:
+                cache._removed_elsewhere(pos[0], pos[1], node)
+            else:
+                cache.split(pos[0], pos[1], node, st)
+            raise err(errno.ESTALE, "another writer replaced or removed the file in the backing")
         if st is not None and statmod.S_ISREG(st.st_mode) \
                 and (node.backing_parent, node.backing_name) == pos \
                 and (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version:
             if not node.links or st.st_nlink >= len(node.names()):
                 # a new version (another node republishes a linked file under every name)
                 cache.replaced_elsewhere(node, st)
+                if at_open and node.opens == 0:
+                    self.invalidate_attrs(node.ino)   # before the reader's first read
             else:
                 # another file under the name looked at: the listing of its directory splits
                 # it off at the next lookup. This open (through whichever name) goes on with
@@ -227,24 +282,24 @@ class Core:
         if self.cache.forget_entry is not None:
             self.cache.forget_entry(pos[0].ino, pos[1])
 
-    async def _check(self, node: Node, fn):
-        """``fn(node)`` in a worker thread that may be abandoned (a hung backing): at most one
-        per node at a time, and at most ``check_threads`` in all, so that stuck checks never
-        take the threads that cached work needs."""
-        self._checking.add(node.ino)
+    async def _check(self, key: object, fn: Callable[[], T]) -> T:
+        """``fn()`` in a worker thread that may be abandoned (a hung backing): at most one
+        per ``key`` (an inode, a name) at a time, and at most ``check_threads`` in all, so
+        that stuck checks never take the threads that cached work needs."""
+        self._checking.add(key)
         started = []
 
         def job():
             started.append(True)
             try:
-                return fn(node)
+                return fn()
             finally:
-                self._checking.discard(node.ino)
+                self._checking.discard(key)
         try:
             return await trio.to_thread.run_sync(job, abandon_on_cancel=True, limiter=self.check_threads)
         finally:
             if not started:      # cancelled while waiting for a thread: it never ran
-                self._checking.discard(node.ino)
+                self._checking.discard(key)
 
     async def getattr(self, ino: int) -> Node:
         return await self.revalidated(self.node(ino))
@@ -255,8 +310,11 @@ class Core:
             raise err(errno.ENAMETOOLONG, "name longer than 255 bytes")
         # another node may have made or removed it since this directory was last looked at
         parent = await self.refreshed(await self.dir(parent_ino))
+        node = parent.children.get(name)  # type: ignore[union-attr]
+        if node is None:
+            node = await self.found_elsewhere(parent, name)
         # the reply carries the attributes, which the kernel then keeps: checked like a stat
-        return await self.revalidated(self.cache.lookup(parent, name))
+        return await self.revalidated(node)
 
     @staticmethod
     def _gid(parent: Node, caller: Caller) -> int:
@@ -344,7 +402,7 @@ class Core:
 
     # -- directories -----------------------------------------------------------------------
     async def opendir(self, ino: int) -> int:
-        node = await self.refreshed(await self.dir(ino))
+        node = await self.refreshed(await self.dir(ino), at_open=True)
         fh = self._new_fh()
         self.dirs[fh] = list(node.children.items())  # type: ignore[union-attr]
         return fh
@@ -365,7 +423,7 @@ class Core:
     # -- files -----------------------------------------------------------------------------
     async def open(self, ino: int, flags: int, uid: int = 0) -> tuple[int, bool]:
         """Open a file: (file handle, whether the kernel should bypass its page cache)."""
-        node = await self.revalidated(self.node(ino))
+        node = await self.revalidated(self.node(ino), at_open=True)
         if node.is_dir:
             raise err(errno.EISDIR)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
@@ -387,7 +445,7 @@ class Core:
         if not writable and node.blocks is None and node.staged is None and node.is_reg:
             # Open the backing copy now, so that the reader keeps the version it opened
             # even if the file is renamed over, deleted or republished meanwhile.
-            await self._open_backing(h)
+            await self._open_backing(h, verify=True)
         self.cache.open(node, writable, trunc, append and writable)
         fh = self._new_fh()
         self.handles[fh] = h
@@ -420,8 +478,9 @@ class Core:
             await self._open_backing(h)
         return await trio.to_thread.run_sync(self.backing.read, h.backing_fd, size, off)
 
-    async def _open_backing(self, h: Handle) -> None:
-        """(Re)open the backing copy of the handle's file for reading."""
+    async def _open_backing(self, h: Handle, verify: bool = False) -> None:
+        """(Re)open the backing copy of the handle's file for reading; ``verify``: the very
+        version the mount knows, else ESTALE (an open looks the name up again)."""
         cache = self.cache
         node = h.node
 
@@ -429,8 +488,9 @@ class Core:
             with cache.position_lock:
                 if node.backing_parent is None:
                     raise err(errno.EIO, "file has no backing copy")
-                return (cache.backing.open_file(cache.backing_path(node.backing_parent), node.backing_name),
-                        node.versions)
+                fd, _ = cache.backing.open_version(cache.backing_path(node.backing_parent), node.backing_name,
+                                                   node.backing_version if verify else None)
+                return fd, node.versions
         fd, version = await trio.to_thread.run_sync(open_backing)
         if h.backing_fd >= 0:
             self.backing.close_fd(h.backing_fd)
@@ -441,7 +501,9 @@ class Core:
         path (``write``). ``data`` is valid only during this call: it is copied into the pool."""
         h = self.handle(fh)
         self._clear_priv(h)
-        return self.wt.write_now(h.node, off, data)
+        # O_APPEND: at the end of the file as this mount has it, whatever offset the kernel
+        # computed (from a size it may hold from before another node's longer version)
+        return self.wt.write_now(h.node, h.node.size if h.append else off, data)
 
     def fallocate(self, fh: int, mode: int, off: int, length: int) -> int:
         """fallocate(2): mode 0 extends the file to off + length (the range reads as zeros;
@@ -468,7 +530,7 @@ class Core:
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self.handle(fh)
         self._clear_priv(h)
-        return await self.wt.write(h.node, off, buf)
+        return await self.wt.write(h.node, h.node.size if h.append else off, buf)
 
     def _clear_priv(self, h: Handle) -> None:
         """Before a change of content through ``h``: clears setuid/setgid (``kill_priv``)

@@ -305,11 +305,23 @@ def _send_forgets() -> None:
             log.exception("telling the kernel to forget the attributes of inode %d", ino)
 
 
+def _invalidate_attrs_now(ino: int) -> None:
+    """The kernel forgets the attributes of the inode a request is about, before the reply
+    (Core.revalidated at open: the reader's first read must see the new size). Safe from a
+    handler only for that inode: the kernel holds it for the request, so it is not being
+    evicted."""
+    try:
+        pyfuse3.invalidate_inode(ino, attr_only=True)
+    except OSError:
+        pass
+
+
 def make_operations(core: Core) -> Operations:
     """The adapter over ``core``; direct_io follows the kernel's INIT reply."""
     global kernel_timeout
     kernel_timeout = min(ATTR_TIMEOUT, core.info.coherence_timeout)
     core.direct_io_mmap = fastwrite.direct_io_mmap
+    core.invalidate_attrs = _invalidate_attrs_now
     # a name another node removed leaves the kernel's dentry cache at once, not after
     # ATTR_TIMEOUT (Cache.merge_listing)
     core.cache.forget_entry = lambda parent_ino, name: pyfuse3.invalidate_entry_async(

@@ -83,7 +83,7 @@ class Node:
                  "children", "target", "blocks", "backing_parent", "backing_name",
                  "writers", "appenders", "opens", "nlink", "lookups", "dirty", "dirty_since",
                  "publish_ops", "last_seq", "xattrs", "staged", "versions", "journal_state",
-                 "journal_blocks", "truncated", "listed_at", "backing_version", "checked_at", "rdev",
+                 "journal_blocks", "truncated", "listed_at", "listed_version", "backing_version", "checked_at", "rdev",
                  "links", "backing_links")
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, parent: Node | None, name: bytes) -> None:
@@ -119,6 +119,8 @@ class Node:
         self.truncated = False                           # shrunk since its last snapshot
         self.listed_at = 0.0                             # directories: when the backing's
                                                          # entries were last merged in (monotonic)
+        self.listed_version: tuple[int, int, int] | None = None   # directories: the backing
+                                                         # directory's (ino, mtime, ctime) then
         self.backing_version: tuple[int, int, int] | None = None   # (position lock) files:
                                                          # (ino, size, mtime_ns) of the backing
                                                          # copy that matches this node's content

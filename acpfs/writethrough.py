@@ -263,10 +263,7 @@ class WriteThrough:
         size = node.size
 
         def fill(fd: int) -> None:
-            with cache.position_lock:
-                if node.backing_parent is None:
-                    raise err(errno.EIO, "file lost its backing copy")
-                src = backing.open_file(cache.backing_path(node.backing_parent), node.backing_name)
+            src = cache.open_backing_copy(node)
             try:
                 backing.copy_file(src, fd, size)
             finally:

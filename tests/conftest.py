@@ -363,7 +363,9 @@ def make_nodes(tmp_path):
 #   write PATH TAG UNITS   a file of UNITS x 32 bytes derived from TAG (makes its directory)
 #   point PATH TEXT        a pointer file such as `latest`, written in place as frameworks do
 #   rmtree PATH            shutil.rmtree, as a trainer's checkpoint rotation does
+#   append PATH TAG UNITS  UNITS x 32 bytes derived from TAG appended (open mode "ab", as `>>`)
 #   rename SRC DST / unlink PATH / mkdir PATH / link SRC DST
+#   stat PATH              the size this node reports for PATH
 #   sha PATH / cat PATH / ls PATH   what this node reads there
 #   tree .                 every entry below PATH as JSON: {path: "dir" or sha256 of the file}
 # Each answers "ok [RESULT]", or "error ..." if the call failed.
@@ -379,6 +381,11 @@ WORKER = textwrap.dedent("""
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "wb") as f:
                     f.write(hashlib.sha256(args[0].encode()).digest() * int(args[1]))
+            elif cmd == "append":
+                with open(path, "ab") as f:
+                    f.write(hashlib.sha256(args[0].encode()).digest() * int(args[1]))
+            elif cmd == "stat":
+                out = str(os.stat(path).st_size)
             elif cmd == "point":
                 with open(path, "w") as f:
                     f.write(args[0])

@@ -150,8 +150,8 @@ def test_merging_the_backing_listing_shows_others_changes_and_keeps_own_pending_
     cache.write(dirty, 0, b"changed")
     with cache.position_lock:                        # the flusher applies nothing meanwhile
         cache.unlink(d, b"mine")                     # this mount's removal, still queued
-        listing, known, applied = _relist(cache, d)
-    cache.merge_listing(d, listing, known, applied)
+        relisting = _relist(cache, d)
+    cache.merge_listing(d, *relisting)
     assert sorted(d.children) == [b"dirty", b"theirs"]
     assert cache.read(d.children[b"dirty"], 0, 100) == b"changed"
     c.drain()

@@ -16,8 +16,7 @@ from test_conflicts import other_writes, save
 
 
 def _relist_merge(cache, d):
-    listing, known, applied = cache.relist_backing(d)
-    cache.merge_listing(d, listing, known, applied)
+    cache.merge_listing(d, *cache.relist_backing(d))
 
 
 def _drain_or_stuck(core, timeout=3.0):

@@ -212,8 +212,7 @@ def test_a_file_renamed_after_another_writer_removed_it_leaves_the_view(core):
     cache.rename(cache.root, b"x", cache.root, b"y")
     core.drain()
     assert not (back / "y").exists()
-    listing, known, applied = cache.relist_backing(cache.root)
-    cache.merge_listing(cache.root, listing, known, applied)
+    cache.merge_listing(cache.root, *cache.relist_backing(cache.root))
     assert b"y" not in cache.root.children and b"x" not in cache.root.children
     assert core.flusher.conflicts.status()["by_kind"]["gone"] == 1
 

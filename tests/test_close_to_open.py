@@ -1,0 +1,134 @@
+"""Close-to-open coherence as NFS gives it, with no wait past --coherence-timeout
+(docs/semantics.md, section 10): once a writer node's change is in the backing (its
+`acpfs sync` returned), another node's next open sees that version, whole, its next listing
+(opendir) sees the names, and a name it looks up that it has not seen is looked for in the
+backing. Writes through an open revalidate first, so an append lands after another node's
+content instead of cutting it.
+
+Each test runs with the default timeout (1 s) and reads at once after the writer's sync:
+none of them would pass by waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from conftest import content, digest
+
+
+def version(i: int) -> tuple[str, int]:
+    """The i-th version of the rewritten file: 1 MiB and 3 MiB in turn."""
+    return f"v{i}", (1 << 15) * (1 if i % 2 == 0 else 3)
+
+
+def classify(got: str, versions: list[str], i: int) -> str:
+    if got == versions[i]:
+        return "current"
+    if got in versions[:i]:
+        return "stale"
+    return "mixed"
+
+
+def test_every_read_after_the_writers_sync_is_that_whole_version(make_nodes, workers):
+    """A file another node rewrites (sizes alternating 1 and 3 MiB) and syncs: each open on
+    the other node right after reads exactly that version. Two readers: one that only read
+    the file (its content comes from the backing on demand) and one that wrote it before
+    (its old content is cached there)."""
+    a, b = make_nodes(2)
+    wa, wb = workers(a, b)
+    tag, units = version(0)
+    wb.do("write", "read.bin", tag, units)
+    wa.do("write", "cached.bin", "mine", 1 << 15)
+    a.sync()
+    b.sync()
+    versions = [digest(content(*version(i))) for i in range(21)]
+    assert wa.do("sha", "read.bin") == versions[0]
+    assert wb.do("sha", "cached.bin") == digest(content("mine", 1 << 15))
+    seen: dict[str, list[str]] = {"read.bin": [], "cached.bin": []}
+    for i in range(1, 21):
+        tag, units = version(i)
+        wb.do("write", "read.bin", tag, units)
+        wb.do("write", "cached.bin", tag, units)
+        b.sync()
+        for name in seen:
+            seen[name].append(classify(wa.do("sha", name), versions, i))
+    for name, kinds in seen.items():
+        assert kinds.count("mixed") == 0, f"{name}: reads mixing two versions: {kinds}"
+        assert kinds.count("stale") == 0, f"{name}: stale reads: {kinds}"
+
+
+def test_append_after_another_nodes_sync_keeps_its_bytes(make_nodes, workers):
+    """Node B grows a file A had read from 1 to 3 MiB and syncs; A appends 16 bytes at once
+    (open mode "ab"): the backing holds B's 3 MiB and then A's bytes."""
+    a, b = make_nodes(2)
+    wa, wb = workers(a, b)
+    wb.do("write", "log.bin", "one", 1 << 15)
+    b.sync()
+    assert wa.do("sha", "log.bin") == digest(content("one", 1 << 15))
+    wb.do("write", "log.bin", "three", 3 << 15)
+    b.sync()
+    wa.send("append", "log.bin", "tail", 1)
+    wa.answer()
+    a.sync()
+    want = content("three", 3 << 15) + content("tail", 1)
+    got = (a.backing / "log.bin").read_bytes()
+    assert len(got) == len(want) and got == want, \
+        f"backing holds {len(got)} bytes, want {len(want)} (B's 3 MiB, then A's 16 bytes)"
+    assert wb.do("sha", "log.bin") == digest(want)
+
+
+def test_names_another_node_synced_are_seen_at_once(make_nodes, workers):
+    """Right after B's sync: A's stat of a new file in a directory A has listed finds it; A
+    reads B's version of a file A had written; A's `rm -rf s/` removes B's file too."""
+    a, b = make_nodes(2)
+    wa, wb = workers(a, b)
+    wa.do("mkdir", "d")
+    wa.do("write", "d/mine.bin", "a", 100)
+    wa.do("write", "s/a.bin", "a", 100)
+    a.sync()
+    assert wa.do("ls", "d") == "mine.bin"
+    assert wa.do("ls", "s") == "a.bin"
+    wb.do("write", "d/new.bin", "b", 200)
+    wb.do("write", "d/mine.bin", "b2", 300)
+    wb.do("write", "s/b.bin", "b", 100)
+    b.sync()
+    assert wa.do("stat", "d/new.bin") == str(200 * 32)
+    assert wa.do("sha", "d/mine.bin") == digest(content("b2", 300))
+    assert wa.do("ls", "d") == "mine.bin,new.bin"
+    wa.do("rmtree", "s")
+    a.sync()
+    assert not (a.backing / "s").exists(), f"left in the backing: {os.listdir(a.backing / 's')}"
+    assert sorted(os.listdir(b.backing)) == [".acpfs-nodes", "d"]
+
+
+def test_a_removed_name_is_gone_at_the_next_open(make_nodes, workers):
+    """B removes a file A had read and syncs: A's next open of it fails with ENOENT, not
+    with the content A saw before."""
+    a, b = make_nodes(2)
+    wa, wb = workers(a, b)
+    wb.do("write", "gone.bin", "x", 100)
+    b.sync()
+    assert wa.do("sha", "gone.bin") == digest(content("x", 100))
+    wb.do("unlink", "gone.bin")
+    b.sync()
+    ok, out = wa.attempt("sha", "gone.bin")
+    assert not ok and "FileNotFoundError" in out, out
+
+
+def test_a_reader_keeps_its_version_while_another_opens_the_new_one(make_nodes):
+    """A process on A holds the file open (version 1) while B publishes version 2: a new open
+    on A reads version 2, the first descriptor goes on reading version 1, whole."""
+    a, b = make_nodes(2)
+    (b.path("f.bin")).write_bytes(content("one", 1 << 15))
+    b.sync()
+    with open(a.path("f.bin"), "rb") as old:
+        assert old.read(10) == content("one", 1)[:10]
+        b.path("f.bin").write_bytes(content("two", 3 << 15))
+        b.sync()
+        with open(a.path("f.bin"), "rb") as new:
+            assert digest(new.read()) == digest(content("two", 3 << 15))
+            assert os.fstat(new.fileno()).st_size == 3 << 20
+        old.seek(0)
+        assert digest(old.read()) == digest(content("one", 1 << 15))
+    assert stat.S_ISREG(os.stat(a.path("f.bin")).st_mode)

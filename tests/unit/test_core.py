@@ -386,3 +386,100 @@ def test_errno_of_maps_oserrors_and_answers_eio_for_bugs(caplog):
                 await handler(exc)
             assert info.value.errno == code
     trio.run(main)
+
+
+# -- close-to-open against another writer of the backing (docs/semantics.md, section 10) ------
+
+def _replace(path, data: bytes) -> None:
+    """Another node publishes a new version: a new file renamed over the name."""
+    tmp = path.with_name(path.name + ".other")
+    tmp.write_bytes(data)
+    os.rename(tmp, path)
+
+
+def test_an_open_sees_another_writers_version_at_once(seeded):
+    """No coherence timeout passes: the open itself compares, and the attributes follow."""
+    h = seeded({"f": b"one" * 100})
+    forgot = []
+
+    async def test(core):
+        core.info.coherence_timeout = 3600.0
+        core.invalidate_attrs = forgot.append
+        node = await core.lookup(ROOT, b"f")
+        fh, _ = await core.open(node.ino, os.O_RDONLY)
+        assert await read(core, fh, 10) == b"oneoneoneo"
+        await core.release(fh)
+        _replace(h.back / "f", b"three" * 300)
+        fh, _ = await core.open(node.ino, os.O_RDONLY)
+        assert node.size == 1500 and forgot == [node.ino]
+        assert await read(core, fh, 2000) == b"three" * 300
+        await core.release(fh)
+        # a writer's open too: an append lands after the new version
+        _replace(h.back / "f", b"four" * 10)
+        fa, _ = await core.open(node.ino, os.O_WRONLY | os.O_APPEND)
+        await write(core, fa, b"+tail", off=3)        # the kernel's offset from an old size
+        await close(core, fa)
+        await drain(h)
+    run(h, test)
+    assert (h.back / "f").read_bytes() == b"four" * 10 + b"+tail"
+
+
+def test_a_version_replaced_while_open_here_answers_estale_and_moves_the_name(seeded):
+    h = seeded({"f": b"old" * 100})
+
+    async def test(core):
+        core.info.coherence_timeout = 3600.0
+        node = await core.lookup(ROOT, b"f")
+        old, _ = await core.open(node.ino, os.O_RDONLY)
+        _replace(h.back / "f", b"new" * 200)
+        await raises(errno.ESTALE, core.open, node.ino, os.O_RDONLY)
+        fresh = await core.lookup(ROOT, b"f")          # what the kernel does on ESTALE
+        assert fresh is not node and fresh.size == 600
+        fh, _ = await core.open(fresh.ino, os.O_RDONLY)
+        assert await read(core, fh, 1000) == b"new" * 200
+        assert await read(core, old, 1000) == b"old" * 100   # the old descriptor: its version
+        await core.release(fh)
+        await core.release(old)
+        assert node.ino not in h.cache.nodes               # dropped at its last close
+        # a name removed elsewhere: ESTALE, then the lookup says ENOENT
+        os.unlink(h.back / "f")
+        await raises(errno.ESTALE, core.open, fresh.ino, os.O_RDONLY)
+        await raises(errno.ENOENT, core.lookup, ROOT, b"f")
+    run(h, test)
+
+
+def test_a_copy_of_another_version_than_checked_is_estale(seeded):
+    """The content copied into the cache (for a writer, or preload) is the version the mount
+    reports, or nothing: a file replaced between the check and the copy gives ESTALE."""
+    h = seeded({"f": b"a" * 100})
+
+    async def test(core):
+        core.info.coherence_timeout = 3600.0
+        node = await core.lookup(ROOT, b"f")
+        _replace(h.back / "f", b"b" * 300)               # after the check of the lookup
+        await raises(errno.ESTALE, core.preload, node)
+        assert node.blocks is None and h.pool.used_blocks == 0
+    run(h, test)
+
+
+def test_a_name_the_view_lacks_is_looked_up_and_opendir_relists_a_changed_directory(seeded):
+    h = seeded({"d/mine": b"m"})
+
+    async def test(core):
+        core.info.coherence_timeout = 3600.0
+        d = await core.lookup(ROOT, b"d")
+        fh = await core.opendir(d.ino)
+        assert [n for n, _ in core.dir_entries(fh)] == [b"mine"]
+        core.releasedir(fh)
+        (h.back / "d" / "theirs").write_bytes(b"t" * 7)
+        assert (await core.lookup(d.ino, b"theirs")).size == 7
+        (h.back / "d" / "more").write_bytes(b"x")
+        os.unlink(h.back / "d" / "mine")
+        fh = await core.opendir(d.ino)
+        assert sorted(n for n, _ in core.dir_entries(fh)) == [b"more", b"theirs"]
+        core.releasedir(fh)
+        # this mount's own removal, still queued, is not looked up again
+        await core.unlink(d.ino, b"theirs")
+        await raises(errno.ENOENT, core.lookup, d.ino, b"theirs")
+        await raises(errno.ENOENT, core.lookup, d.ino, b".acpfs-nodes")
+    run(h, test)

@@ -402,6 +402,39 @@ class Backing:
             raise
         return fd, st
 
+    def find_names(self, ino: int, want: int, skip: set[tuple[tuple[bytes, ...], bytes]]
+                   ) -> list[tuple[Comps, bytes]]:
+        """Up to ``want`` names of the file with inode ``ino`` in the backing tree, other than
+        those in ``skip`` ((directory components, name) pairs): a walk that follows no
+        symlink and skips acpfs's own entries. Costs a stat per entry: only for a file with
+        more names in the backing than the mount knows (Flusher._unknown_names)."""
+        out: list[tuple[Comps, bytes]] = []
+        stack: list[Comps] = [[]]
+        while stack and len(out) < want:
+            comps = stack.pop()
+            try:
+                fd = self.open_dir(comps)
+            except (MissingDir, PermissionError):
+                continue
+            try:
+                with os.scandir(fd) as it:
+                    for ent in it:
+                        name = os.fsencode(ent.name)
+                        if is_internal_name(name):
+                            continue
+                        try:
+                            st = ent.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue
+                        if statmod.S_ISDIR(st.st_mode):
+                            stack.append(comps + [name])
+                        elif st.st_ino == ino and statmod.S_ISREG(st.st_mode) \
+                                and (tuple(comps), name) not in skip:
+                            out.append((comps, name))
+            finally:
+                os.close(fd)
+        return out[:want]
+
     def dir_version(self, comps: Comps) -> tuple[int, int, int] | None:
         """(inode, mtime, ctime) of a directory: any entry made or removed in it changes them
         (to the resolution of the backing's clock). None if it is gone."""

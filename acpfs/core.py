@@ -213,7 +213,7 @@ class Core:
             raise err(errno.ENOENT)
         return node
 
-    async def revalidated(self, node: Node, at_open: bool = False) -> Node:
+    async def revalidated(self, node: Node, at_open: bool = False, forget: bool = True) -> Node:
         """A clean file whose backing copy was compared with this mount's at most
         ``coherence_timeout`` seconds ago (inode, size, mtime): a version another node
         published since replaces a stale cached copy and its attributes (close-to-open).
@@ -256,7 +256,7 @@ class Core:
             if not node.links or st.st_nlink >= len(node.names()):
                 # a new version (another node republishes a linked file under every name)
                 cache.replaced_elsewhere(node, st)
-                if at_open and node.opens == 0:
+                if at_open and forget and node.opens == 0:
                     self.invalidate_attrs(node.ino)   # before the reader's first read
             else:
                 # another file under the name looked at: the listing of its directory splits
@@ -275,6 +275,37 @@ class Core:
             elif (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version:
                 self._look_again(pos)
         return node
+
+    async def _entry_checked(self, parent: Node, name: bytes, node: Node) -> None:
+        """A directory, symlink or special file known under ``parent``/``name``, compared with
+        the backing at a lookup: gone there, or another kind of entry there (another writer
+        removed it, with all below it, or put something else in its place), it leaves the
+        view (ESTALE; the name then holds what the backing has), unless this mount has a
+        change of its own pending on it or below it."""
+        cache = self.cache
+        if node.ino in self._checking or node.backing_parent is not parent \
+                or node.backing_name != name or node.parent is not parent or node.name != name:
+            return
+        got = None
+        try:
+            with trio.move_on_after(COHERENCE_WAIT):
+                got = await self._check(node.ino, functools.partial(cache.stat_backing, node))
+        except OSError as e:
+            log.debug("looking at %s: %s", cache.path(node), e)
+        if got is None or not got[0]:
+            return
+        (pos, st), applied = got[0][0], got[1]
+        if pos != (parent, name) or parent.children is None or parent.children.get(name) is not node \
+                or not cache._subtree_quiescent(node, applied):
+            return
+        if st is not None and statmod.S_IFMT(st.st_mode) == statmod.S_IFMT(node.mode):
+            return
+        cache._removed_elsewhere(parent, name, node)
+        if st is not None:
+            found = await self._check((parent.ino, name), functools.partial(cache.stat_name, parent, name))
+            if found is not None and parent.children is not None and name not in parent.children:
+                cache.attach_found(parent, name, found)
+        raise err(errno.ESTALE, "another writer removed or replaced the entry in the backing")
 
     def _look_again(self, pos: tuple[Node, bytes]) -> None:
         """The next lookup of this name lists its directory again (Cache.merge_listing)."""
@@ -312,9 +343,24 @@ class Core:
         parent = await self.refreshed(await self.dir(parent_ino))
         node = parent.children.get(name)  # type: ignore[union-attr]
         if node is None:
-            node = await self.found_elsewhere(parent, name)
-        # the reply carries the attributes, which the kernel then keeps: checked like a stat
-        return await self.revalidated(node)
+            return await self.found_elsewhere(parent, name)
+        # The kernel asks only once its entry ran out, or to be sure (before a create, link,
+        # mkdir or rename onto the name: LOOKUP_EXCL, LOOKUP_RENAME_TARGET): a clean file is
+        # compared with the backing now, as at an open, so that a name another node removed
+        # or replaced is not answered from this node's view (EEXIST for a name that is
+        # gone). The reply carries the attributes, which the kernel then keeps.
+        try:
+            if node.is_reg:
+                return await self.revalidated(node, at_open=True, forget=False)
+            await self._entry_checked(parent, name, node)
+            return node
+        except OSError as e:
+            if e.errno != errno.ESTALE:
+                raise
+        node = parent.children.get(name)  # type: ignore[union-attr]
+        if node is None:
+            raise err(errno.ENOENT)
+        return node
 
     @staticmethod
     def _gid(parent: Node, caller: Caller) -> int:
@@ -426,6 +472,11 @@ class Core:
         node = await self.revalidated(self.node(ino), at_open=True)
         if node.is_dir:
             raise err(errno.EISDIR)
+        if node.parent is None and node.blocks is None and node.staged is None \
+                and node.backing_parent is None:
+            # another writer removed it and a listing took it out of the view while the
+            # kernel still held its name: the kernel looks the name up again
+            raise err(errno.ESTALE, "another writer removed the file in the backing")
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         trunc = bool(flags & os.O_TRUNC) and writable
         append = bool(flags & os.O_APPEND)

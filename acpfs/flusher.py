@@ -327,7 +327,8 @@ class Flusher:
                     node.set_positions([(op.parent, op.name)])  # type: ignore[list-item]
                 elif kind in (OpKind.UNLINK, OpKind.RMDIR):
                     pos = node.position_at(op.parent, op.name)
-                    if pos is not None and op.links and node.positions() == [pos]:
+                    if pos is not None and op.links and node.positions() == [pos] \
+                            and self._holds(node, pos):
                         self._move_last_copy(op, pos, op.links[0])
                     elif pos is not None:
                         self._remove(op.path, cache.backing_path(pos[0]), pos[1], node)
@@ -733,9 +734,10 @@ class Flusher:
         cache = self.cache
         redo = False
         seen = op.node.backing_version   # the version before this one, at every name
+        unknown: list[tuple[Comps, bytes]] | None = None   # its names this node does not know
 
         def run() -> None:
-            nonlocal redo
+            nonlocal redo, unknown
             if redo:
                 self._redo_upload(op)
                 redo = False
@@ -744,8 +746,8 @@ class Flusher:
                 comps = cache.backing_path(op.parent)  # type: ignore[arg-type]
                 mine = node.position_at(op.parent, op.name) is not None
                 self._make_way(op, comps, op.name, node if mine else None)
-                if mine and (node.nlink > 1 or op.links):
-                    self._note_unknown_names(op, comps)
+                if mine and (node.nlink > 1 or op.links) and unknown is None:
+                    unknown = self._unknown_names(op, comps)
                 # the directory where the file is now, by path: the one the temporary file
                 # was written in may have been moved away meanwhile
                 dst = self.backing.open_dir(comps)
@@ -782,7 +784,15 @@ class Flusher:
             self.backing.remove_staging_dir(op.temp_name)
         if op.links:
             self._publish_links(op, seen)
+        if unknown:
+            self._publish_unknown_names(op, unknown, seen)
         op.state = OpState.DONE
+
+    def _holds(self, node: Node, pos: tuple[Node, bytes]) -> bool:
+        """Does the backing hold this node's version at ``pos`` (hold position_lock)? Not when
+        another writer replaced it there since: that file is theirs, never moved as ours."""
+        st = self.backing.stat_entry(self.cache.backing_path(pos[0]), pos[1])
+        return st is not None and statmod.S_ISREG(st.st_mode) and _version(st) == node.backing_version
 
     def _move_last_copy(self, op: Op, pos: tuple[Node, bytes], keep: tuple[Node, bytes]) -> None:
         """Unlink of the only name the backing has of a file that keeps other names there
@@ -795,22 +805,50 @@ class Flusher:
         self.backing.rename(cache.backing_path(pos[0]), pos[1], dcomps, keep[1])
         op.node.move_position(pos, keep)
 
-    def _note_unknown_names(self, op: Op, comps: Comps) -> None:
+    def _unknown_names(self, op: Op, comps: Comps) -> list[tuple[Comps, bytes]]:
         """Before a new version of a file with several names replaces the one at its first
-        name (hold position_lock): names of it in the backing that this node does not know
-        (in directories it has not listed since another node or program linked them) keep
-        the version before; the link is split there: a conflict, so that it shows."""
+        name (hold position_lock): the names of it in the backing that this node does not
+        know (another node or program linked them in directories this node has not listed
+        since), found by their inode in the backing tree. The new version lands under them
+        too (``_publish_unknown_names``); a name that cannot be found (outside the backing)
+        keeps the version before: the link is split there, a conflict, so that it shows."""
         node = op.node
         st = self.backing.stat_entry(comps, op.name)
-        known = len(node.positions())
-        if st is None or not statmod.S_ISREG(st.st_mode) or st.st_nlink <= known \
+        known = node.positions()
+        if st is None or not statmod.S_ISREG(st.st_mode) or st.st_nlink <= len(known) \
                 or _version(st) != node.backing_version:
-            return
-        self.conflicts.note("split", op.path, f"publishes a new version of this file of "
-                            f"{known} known names", f"the file under {st.st_nlink} names "
-                            f"(the others in directories this node has not listed since)",
-                            f"the names it does not know ({st.st_nlink - known}) keep the "
-                            "version before: the link is split there")
+            return []
+        mine = {(tuple(self.cache.backing_path(d)), name) for d, name in known}
+        found = self.backing.find_names(st.st_ino, st.st_nlink - len(known), mine)
+        if len(found) + len(known) < st.st_nlink:
+            missing = st.st_nlink - len(known) - len(found)
+            self.conflicts.note("split", op.path, f"publishes a new version of this file of "
+                                f"{len(known) + len(found)} names found",
+                                f"the file under {st.st_nlink} names (the others outside the "
+                                f"backing directory)", f"the names it cannot reach ({missing}) "
+                                "keep the version before: the link is split there")
+        return found
+
+    def _publish_unknown_names(self, op: Op, names: list[tuple[Comps, bytes]],
+                               seen: tuple[int, int, int] | None) -> None:
+        """The new version of a linked file, now under its first name, goes under each of its
+        names that this node does not know (``_unknown_names``), one after the other as in
+        ``_publish_links``; a name that no longer holds the version before (``seen``) was
+        changed by another writer meanwhile and is left to it."""
+        cache = self.cache
+        todo = list(names)
+
+        def run() -> None:
+            with cache.position_lock:
+                src = cache.backing_path(op.parent)  # type: ignore[arg-type]
+                while todo:
+                    dcomps, name = todo[0]
+                    st = self.backing.stat_entry(dcomps, name)
+                    if st is not None and statmod.S_ISREG(st.st_mode) and _version(st) == seen:
+                        self.backing.link(src, op.name, dcomps, name)
+                    todo.pop(0)
+
+        self._retry(run, op, "publish of", lambda exc: None)
 
     def _publish_links(self, op: Op, seen: tuple[int, int, int] | None) -> None:
         """A file with hard links: its new version, now under its first name, goes under each

@@ -10,7 +10,6 @@ any thread exists.
 from __future__ import annotations
 
 import argparse
-import errno
 import fcntl
 import json
 import math
@@ -251,20 +250,37 @@ def seconds(text: str) -> float:
     return v
 
 
+def gone(path: str, mount: str | None = None) -> Failure:
+    """The one line every command gives for a path on a stale mount (its daemon is gone)."""
+    if mount is None:
+        try:
+            mount = client.mount_of(path)
+        except Failure:
+            mount = path
+    return Failure(f"{path}: the daemon of the acpfs mount {mount} is gone; run "
+                   f"'acpfs umount {mount}'")
+
+
 def existing(path: str) -> None:
     """``path`` exists (a UsageError if not); one on a mount whose daemon is gone is named
     as such (a Failure), not as a missing path."""
     try:
         os.lstat(path)
     except OSError as e:
-        if e.errno == errno.ENOTCONN:
-            try:
-                mount = client.mount_of(path)
-            except Failure:
-                mount = path
-            raise Failure(f"{path}: the daemon of the acpfs mount {mount} is gone; run "
-                          f"'acpfs umount {mount}'") from None
+        if e.errno in client.DEAD_ERRNOS:
+            raise gone(path) from None
         raise UsageError(f"{path} does not exist") from None
+
+
+def live_mount(path: str) -> str:
+    """The live acpfs mount holding ``path``, which exists. A stale mount is a Failure
+    (``gone``) even when the kernel still answers ``lstat`` from its caches: the status
+    attribute asked here never is."""
+    existing(path)
+    mount = client.mount_of(path)
+    if client.is_stale(mount):
+        raise gone(path, mount)
+    return mount
 
 
 def open_lock(name: str):
@@ -345,6 +361,9 @@ def start_daemon(opts, lock) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
+    """Every mount, or the one named. The one named being stale is a failure (exit 1, the
+    ``gone`` line on stderr) after its document; in the list of every mount a stale one is
+    a line of the report."""
     mounts = [client.mount_of(a.mountpoint)] if a.mountpoint else client.acpfs_mounts()
     docs = []
     for m in mounts:
@@ -357,12 +376,14 @@ def cmd_status(a: argparse.Namespace) -> int:
         docs.append(doc)
     if a.json:
         print(json.dumps(docs[0] if a.mountpoint else docs, indent=2))
-        return 0
-    if not docs:
+    elif not docs:
         print("no acpfs mounts")
-        return 0
-    for doc in docs:
-        print(render_status(doc))
+    else:
+        for doc in docs:
+            print(render_status(doc))
+    if a.mountpoint and docs[0].get("stale"):
+        sys.stdout.flush()
+        raise gone(a.mountpoint, docs[0]["mountpoint"])
     return 0
 
 
@@ -457,10 +478,11 @@ def render_status(d: dict[str, Any]) -> str:
 
 def cmd_sync(a: argparse.Namespace) -> int:
     if a.path:
-        existing(a.path)
-        mount = client.mount_of(a.path)
+        mount = live_mount(a.path)
         try:
             seq, open_dirty = client.read_seq(a.path)
+        except client.StaleMount:
+            raise gone(a.path, mount) from None
         except Failure as e:
             raise Failure(f"cannot sync {a.path}: {e.strerror}") from None
         if open_dirty:
@@ -484,11 +506,15 @@ def cmd_sync(a: argparse.Namespace) -> int:
 def files_under(paths: list[str]) -> list[tuple[str, int]]:
     """Regular files named by ``paths`` (directories walked, symlinks not followed), with sizes."""
     out = []
+
+    def unreadable(e: OSError) -> None:   # os.walk skips what it cannot list unless told
+        if e.errno in client.DEAD_ERRNOS:
+            raise gone(e.filename or path) from None
+        raise e
     for path in paths:
-        existing(path)
-        client.mount_of(path)
+        live_mount(path)
         if os.path.isdir(path) and not os.path.islink(path):
-            for dirpath, _, names in os.walk(path):
+            for dirpath, _, names in os.walk(path, onerror=unreadable):
                 for name in sorted(names):
                     p = os.path.join(dirpath, name)
                     st = os.lstat(p)
@@ -597,6 +623,16 @@ def cmd_umount(a: argparse.Namespace) -> int:
 def cmd_temps(a: argparse.Namespace) -> int:
     from . import leftovers
     backing = os.path.realpath(a.backing)
+    try:   # a mount hides the temporary files: its backing is the place to look
+        mount = client.mount_of(backing)
+    except Failure:
+        pass
+    else:
+        if client.is_stale(mount):
+            raise gone(a.backing, mount)
+        raise UsageError(f"{a.backing} is on the acpfs mount {mount}, which hides temporary "
+                         f"files: give its backing directory, "
+                         f"{client.read_status(mount)['backing']}")
     if not os.path.isdir(backing):
         raise UsageError(f"{a.backing} is not a directory")
     try:

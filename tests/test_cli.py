@@ -262,14 +262,46 @@ def test_stale_mount_is_detected_and_cleaned(make_mount):
     m = make_mount()
     os.kill(m.pid, signal.SIGKILL)
     time.sleep(0.5)
-    r = acpfs("status", str(m.mnt), "--json")
+    r = acpfs("status", str(m.mnt), "--json", check=False)
     assert json.loads(r.stdout)["stale"] is True
+    assert r.returncode == 1 and "is gone" in r.stderr
     r = acpfs("umount", str(m.mnt))
     assert "stale" in r.stderr
     assert not is_mounted(m.mnt)
     # and mounting again over the same backing works
     m.mount()
     assert is_mounted(m.mnt)
+
+
+def test_every_command_on_a_stale_mount_says_so(make_mount):
+    """Issue 19 (a): right after the daemon is killed, the kernel still answers stat of the
+    mount point from its caches (kept up to --coherence-timeout), so `acpfs preload MOUNT`
+    walked nothing and said "preloaded 0 files" with exit 0. Every command given a path on
+    the stale mount says the daemon is gone, in one line, and exits 1."""
+    m = make_mount(extra=("--coherence-timeout", "5"))
+    (m.mnt / "d").mkdir()
+    (m.mnt / "d" / "f").write_bytes(b"x" * 1000)
+    m.sync()
+    r = acpfs("temps", str(m.mnt), check=False)          # a mount hides them: not the place
+    assert f"give its backing directory, {m.back}" in one_line_error(r) and r.returncode == 2
+    os.stat(m.mnt)
+    os.stat(m.mnt / "d")                 # their attributes are in the kernel's caches now
+    os.kill(m.pid, signal.SIGKILL)
+    while os.path.exists(f"/proc/{m.pid}"):
+        time.sleep(0.01)
+    for args in (("preload", str(m.mnt)), ("preload", str(m.mnt / "d")), ("sync", str(m.mnt)),
+                 ("sync", str(m.mnt / "d")), ("status", str(m.mnt)), ("temps", str(m.mnt))):
+        r = acpfs(*args, check=False)
+        line = one_line_error(r)
+        assert r.returncode == 1, (args, r.stderr)
+        assert line == f"acpfs: {args[1]}: the daemon of the acpfs mount {m.mnt} is gone; " \
+                       f"run 'acpfs umount {m.mnt}'", (args, line)
+        assert "preloaded" not in r.stdout + r.stderr
+    r = acpfs("status", str(m.mnt), "--json", check=False)
+    assert r.returncode == 1 and json.loads(r.stdout) == {"mountpoint": str(m.mnt), "stale": True}
+    assert "STALE" in acpfs("status").stdout         # the list of every mount is a report
+    r = acpfs("umount", str(m.mnt))
+    assert "daemon of this mount is gone" in r.stderr and not is_mounted(m.mnt)
 
 
 def test_temps_lists_and_removes_only_old_leftovers_of_no_live_daemon(make_mount):

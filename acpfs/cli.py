@@ -104,28 +104,22 @@ def wait_durable(mountpoint: str, seq: int, timeout: float | None, label: str) -
 # -- commands ----------------------------------------------------------------------------
 def cmd_mount(a: argparse.Namespace) -> int:
     from .daemon import Options
+    for opt in ("backing", "cache_dir", "cache_size", "log_file", "log_level", "block_size", "fsync"):
+        if getattr(a, opt, None) is not None and not getattr(a, opt).strip():
+            raise UsageError(f"--{opt.replace('_', '-')} is empty")
     if not os.path.isdir(a.backing):
         raise UsageError(f"backing directory {a.backing} does not exist or is not a directory")
     if not os.path.isdir(a.mountpoint) and not client.is_stale(a.mountpoint):
         raise UsageError(f"mount point {a.mountpoint} does not exist or is not a directory")
     backing = os.path.realpath(a.backing)
     mountpoint = os.path.realpath(a.mountpoint)
-    if backing == mountpoint or backing.startswith(mountpoint.rstrip("/") + "/"):
-        raise UsageError(f"backing directory {backing} is inside the mount point {mountpoint}")
-    if mountpoint.startswith(backing.rstrip("/") + "/"):
-        raise UsageError(f"mount point {mountpoint} is inside the backing directory {backing}")
-    for m in client.acpfs_mounts():
-        if backing == m or backing.startswith(m.rstrip("/") + "/"):
-            raise UsageError(f"backing directory {backing} is on the acpfs mount {m}")
+    cache_dir = os.path.abspath(a.cache_dir or env("cache_dir") or default_cache_dir(backing))
+    check_places(backing, mountpoint, cache_dir)
 
     if a.from_command_line:
         from .fastwrite import reexec_for_copies
         reexec_for_copies()
-    for opt in ("backing", "cache_dir", "cache_size", "log_file", "log_level", "block_size", "fsync"):
-        if getattr(a, opt, None) is not None and not getattr(a, opt).strip():
-            raise UsageError(f"--{opt.replace('_', '-')} is empty")
     cache_size_text = a.cache_size or env("cache_size")
-    cache_dir = os.path.abspath(a.cache_dir or env("cache_dir") or default_cache_dir(backing))
     fsync = a.fsync or env("fsync") or "memory"
     if fsync not in ("memory", "backing"):
         raise UsageError(f"invalid --fsync {fsync!r}: use 'memory' or 'backing'")
@@ -201,6 +195,39 @@ def cmd_mount(a: argparse.Namespace) -> int:
         return start_daemon(opts, lock)
     finally:
         lock.close()
+
+
+def inside(path: str, top: str) -> bool:
+    """``path`` is ``top`` or below it (both absolute, real)."""
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def check_places(backing: str, mountpoint: str, cache_dir: str) -> None:
+    """Refuse a mount whose directories hold one another, before anything is created: the
+    backing, the mount point and the cache directory each apart from the others, the backing
+    outside acpfs's cache area in /dev/shm (other mounts' pools and journals live there: a
+    backing there would serve them through the mount, or be taken for one), and neither the
+    backing nor the cache directory on an acpfs mount (the daemon would wait on itself)."""
+    cache = os.path.realpath(cache_dir)
+    places = (("backing directory", backing), ("mount point", mountpoint), ("cache directory", cache))
+    for what, path in places:
+        for other, top in places:
+            if what != other and inside(path, top):
+                raise UsageError(f"{what} {path} is "
+                                 f"{'the same directory as' if path == top else 'inside'} the "
+                                 f"{other} {top}")
+    area = os.path.dirname(default_cache_dir(backing))   # /dev/shm/acpfs-UID, and other users'
+    shm = os.path.realpath(os.path.dirname(area))
+    rel = os.path.relpath(backing, shm) if inside(backing, shm) else ""
+    top = rel.split("/")[0]
+    if top.startswith("acpfs-") and top[6:].isdigit():
+        raise UsageError(f"backing directory {backing} is inside {os.path.join(shm, top)}, where "
+                         f"acpfs keeps the cache directories of mounts (their pools and "
+                         f"journals): use a directory elsewhere")
+    for m in client.acpfs_mounts():
+        for what, path in (("backing directory", backing), ("cache directory", cache)):
+            if inside(path, m):
+                raise UsageError(f"{what} {path} is on the acpfs mount {m}")
 
 
 def check_cache_fits(size: int, where: str, cache_dir: str) -> None:
@@ -343,15 +370,20 @@ def start_daemon(opts, lock) -> int:
     os.close(w)
     prog = Progress()
     buf = b""
+    warnings = []   # said once the mount is live: a refusal stays one line
     with os.fdopen(r, "rb") as pipe:
         for raw in pipe:
             line = raw.decode(errors="replace").rstrip("\n")
             if line == "ready":
                 prog.done(f"acpfs: mounted {opts.mountpoint} over {opts.backing} "
                           f"(cache {format_size(opts.cache_size)}, log {opts.log_file})")
+                for w in warnings:
+                    print(f"acpfs: warning: {safe(w)}", file=sys.stderr)
                 return 0
             if line.startswith("progress "):
                 prog.update(line[9:])
+            elif line.startswith("warning "):
+                warnings.append(line[8:])
             elif line.startswith("error "):
                 buf = line[6:].encode()
     prog.done()
@@ -709,7 +741,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "for the same mount and backing is a no-op. Each option has an ACPFS_* "
                        "environment variable (e.g. ACPFS_CACHE_SIZE).")
     m.add_argument("mountpoint", help="empty directory to mount on")
-    m.add_argument("--backing", required=True, help="directory where files are persisted (e.g. on NFS)")
+    m.add_argument("--backing", required=True, help="directory where files are persisted (e.g. on NFS); "
+                   "apart from the mount point and the cache directory, not in /dev/shm/acpfs-UID")
     m.add_argument("--cache-dir", help="private directory for the cache pool "
                    "(default /dev/shm/acpfs-UID/<hash of the backing path>)")
     m.add_argument("--cache-size", help="RAM for cached data: bytes with K/M/G/T suffix or N%% of RAM "

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,6 +91,79 @@ def test_refused_mounts(make_mount, tmp_path):
     r = acpfs("mount", str(other), "--backing", str(m.back), "--cache-size", "64M", check=False)
     assert "already mounted" in one_line_error(r)
     assert not is_mounted(other)
+
+
+def test_backings_in_acpfs_own_places_are_refused_before_anything_is_created(make_mount, tmp_path):
+    """Issue 19 (b): a backing inside acpfs's cache area in /dev/shm (other mounts' pools and
+    journals), inside the cache directory, or holding it, and a cache directory inside the
+    mount point, are refused with one line, before a cache directory, a pool or a lock file
+    exists."""
+    from acpfs.config import default_cache_dir, key_of
+    m = make_mount(mount=False)
+    area = Path(f"/dev/shm/acpfs-{os.getuid()}")
+    made_area = not area.exists()
+    area.mkdir(mode=0o700, exist_ok=True)
+    in_area = Path(tempfile.mkdtemp(prefix="backing-", dir=area))
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    (cache / "back").mkdir()
+    lock = Path("/run/acpfs") / f"mount-{key_of(str(m.mnt))}.lock"
+    try:
+        for backing, cache_dir, needle in (
+                (in_area, None, f"is inside {area}, where acpfs keeps the cache directories"),
+                (m.back, m.back / "cache", f"cache directory {m.back}/cache is inside the backing"),
+                (cache / "back", cache, f"backing directory {cache}/back is inside the cache "
+                                        f"directory {cache}"),
+                (m.back, m.back, "is the same directory as the cache directory"),
+                (tmp_path / "elsewhere", m.mnt / "cache", "is inside the mount point")):
+            backing.mkdir(exist_ok=True)
+            args = ["mount", str(m.mnt), "--backing", str(backing), "--cache-size", "64M",
+                    "--log-file", str(m.log)]
+            args += ["--cache-dir", str(cache_dir)] if cache_dir else []
+            r = acpfs(*args, check=False)
+            assert needle in one_line_error(r) and r.returncode == 2, (backing, r.stderr)
+            assert not is_mounted(m.mnt) and not lock.exists()
+        assert not Path(default_cache_dir(str(in_area))).exists()
+        assert not (m.back / "cache").exists() and not (m.mnt / "cache").exists()
+        assert sorted(os.listdir(cache)) == ["back"] and os.listdir(m.back) == []
+    finally:
+        shutil.rmtree(in_area)
+        if made_area:
+            try:
+                area.rmdir()
+            except OSError:
+                pass      # another mount of this user made its cache directory there meanwhile
+
+
+def test_a_backing_on_a_ram_filesystem_is_mounted_with_a_warning(make_mount, faults):
+    """Issue 19 (b): nothing in a tmpfs or ramfs backing survives a reboot. The mount goes on
+    (tests and scratch space use such backings), and says so once, on stderr and in the log;
+    a backing on a disk gets no such line."""
+    disk = make_mount("disk", mount=False)
+    r = acpfs(*disk.args())
+    assert "RAM filesystem" not in r.stderr and "RAM filesystem" not in disk.log.read_text()
+    disk.pid = disk.status()["pid"]
+    for kind in ("tmpfs", "ramfs"):
+        m = make_mount(kind, mount=False)
+        if kind == "tmpfs":
+            faults.tmpfs(m.back, "64M")
+        else:
+            subprocess.run(["mount", "-t", "ramfs", "-o", "mode=0755", "ramfs", str(m.back)], check=True)
+        try:
+            r = acpfs(*m.args())
+            m.pid = m.status()["pid"]
+            said = (f"backing directory {m.back} is on a RAM filesystem ({kind}): nothing in it "
+                    f"survives a reboot")
+            lines = r.stderr.strip().splitlines()
+            assert lines[-2].startswith("acpfs: mounted ") and lines[-1] == f"acpfs: warning: {said}", r.stderr
+            assert [line for line in m.log.read_text().splitlines() if said in line][0].split()[2] == "WARNING"
+            (m.mnt / "f").write_bytes(b"x")
+            m.sync()
+            assert m.umount().returncode == 0
+        finally:
+            if kind == "ramfs":
+                m.cleanup()
+                subprocess.run(["umount", str(m.back)], check=True)
 
 
 def test_mount_is_idempotent_and_race_safe(make_mount):

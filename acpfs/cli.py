@@ -205,8 +205,8 @@ def inside(path: str, top: str) -> bool:
 def check_places(backing: str, mountpoint: str, cache_dir: str) -> None:
     """Refuse a mount whose directories hold one another, before anything is created: the
     backing, the mount point and the cache directory each apart from the others, the backing
-    outside acpfs's cache area in /dev/shm (other mounts' pools and journals live there: a
-    backing there would serve them through the mount, or be taken for one), and neither the
+    neither inside nor around acpfs's cache areas in /dev/shm (other mounts' pools and
+    journals live there: the mount would serve them, or be taken for one), and neither the
     backing nor the cache directory on an acpfs mount (the daemon would wait on itself)."""
     cache = os.path.realpath(cache_dir)
     places = (("backing directory", backing), ("mount point", mountpoint), ("cache directory", cache))
@@ -216,14 +216,20 @@ def check_places(backing: str, mountpoint: str, cache_dir: str) -> None:
                 raise UsageError(f"{what} {path} is "
                                  f"{'the same directory as' if path == top else 'inside'} the "
                                  f"{other} {top}")
-    area = os.path.dirname(default_cache_dir(backing))   # /dev/shm/acpfs-UID, and other users'
-    shm = os.path.realpath(os.path.dirname(area))
-    rel = os.path.relpath(backing, shm) if inside(backing, shm) else ""
-    top = rel.split("/")[0]
-    if top.startswith("acpfs-") and top[6:].isdigit():
-        raise UsageError(f"backing directory {backing} is inside {os.path.join(shm, top)}, where "
-                         f"acpfs keeps the cache directories of mounts (their pools and "
-                         f"journals): use a directory elsewhere")
+    mine = os.path.dirname(default_cache_dir(backing))   # /dev/shm/acpfs-UID
+    shm = os.path.realpath(os.path.dirname(mine))
+    areas = {os.path.join(shm, os.path.basename(mine))}
+    try:   # and other users'
+        areas.update(os.path.join(shm, n) for n in os.listdir(shm)
+                     if n.startswith("acpfs-") and n[6:].isdigit())
+    except OSError:
+        pass
+    for area in sorted(areas):
+        if inside(backing, area) or inside(area, backing):
+            raise UsageError(f"backing directory {backing} "
+                             f"{'is inside' if inside(backing, area) else 'holds'} {area}, "
+                             f"where acpfs keeps the cache directories of mounts (their pools "
+                             f"and journals): use a directory elsewhere")
     for m in client.acpfs_mounts():
         for what, path in (("backing directory", backing), ("cache directory", cache)):
             if inside(path, m):

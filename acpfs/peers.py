@@ -230,17 +230,17 @@ class Peers:
         """The names of the records that count in the records directory (``_counted``). It
         is opened anew each time, by name: an NFS client revalidates it then (close-to-open),
         so the listing is current."""
-        def names(root: int) -> list[bytes]:
+        def names(root: int) -> tuple[list[bytes], bool]:
             fd = os.open(NODES_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root)
             try:
-                for _ in range(3):
-                    counted, moved = self._counted(fd, warn)
-                    if not moved:
-                        break
-                return counted
+                return self._counted(fd, warn)
             finally:
                 os.close(fd)
-        return self._io(names)
+        for _ in range(3):   # a record renamed under the listing: list again
+            counted, moved = self._io(names)
+            if not moved:
+                break
+        return counted
 
     def _counted(self, fd: int, warn: bool) -> tuple[list[bytes], bool]:
         """The record names listed in ``fd`` whose files belong to an owner in ``owners``,

@@ -95,8 +95,8 @@ def test_refused_mounts(make_mount, tmp_path):
 
 def test_backings_in_acpfs_own_places_are_refused_before_anything_is_created(make_mount, tmp_path):
     """Issue 19 (b): a backing inside acpfs's cache area in /dev/shm (other mounts' pools and
-    journals), inside the cache directory, or holding it, and a cache directory inside the
-    mount point, are refused with one line, before a cache directory, a pool or a lock file
+    journals) or holding it, inside the cache directory or holding it, and a cache directory
+    inside the mount point, are refused with one line, before a cache directory, a pool or a lock file
     exists."""
     from acpfs.config import default_cache_dir, key_of
     m = make_mount(mount=False)
@@ -111,6 +111,7 @@ def test_backings_in_acpfs_own_places_are_refused_before_anything_is_created(mak
     try:
         for backing, cache_dir, needle in (
                 (in_area, None, f"is inside {area}, where acpfs keeps the cache directories"),
+                (Path("/dev/shm"), tmp_path / "c2", f"holds {area}, where acpfs keeps"),
                 (m.back, m.back / "cache", f"cache directory {m.back}/cache is inside the backing"),
                 (cache / "back", cache, f"backing directory {cache}/back is inside the cache "
                                         f"directory {cache}"),
@@ -125,6 +126,7 @@ def test_backings_in_acpfs_own_places_are_refused_before_anything_is_created(mak
             assert not is_mounted(m.mnt) and not lock.exists()
         assert not Path(default_cache_dir(str(in_area))).exists()
         assert not (m.back / "cache").exists() and not (m.mnt / "cache").exists()
+        assert not (tmp_path / "c2").exists()
         assert sorted(os.listdir(cache)) == ["back"] and os.listdir(m.back) == []
     finally:
         shutil.rmtree(in_area)

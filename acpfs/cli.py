@@ -10,7 +10,6 @@ any thread exists.
 from __future__ import annotations
 
 import argparse
-import errno
 import fcntl
 import json
 import math
@@ -105,28 +104,22 @@ def wait_durable(mountpoint: str, seq: int, timeout: float | None, label: str) -
 # -- commands ----------------------------------------------------------------------------
 def cmd_mount(a: argparse.Namespace) -> int:
     from .daemon import Options
+    for opt in ("backing", "cache_dir", "cache_size", "log_file", "log_level", "block_size", "fsync"):
+        if getattr(a, opt, None) is not None and not getattr(a, opt).strip():
+            raise UsageError(f"--{opt.replace('_', '-')} is empty")
     if not os.path.isdir(a.backing):
         raise UsageError(f"backing directory {a.backing} does not exist or is not a directory")
     if not os.path.isdir(a.mountpoint) and not client.is_stale(a.mountpoint):
         raise UsageError(f"mount point {a.mountpoint} does not exist or is not a directory")
     backing = os.path.realpath(a.backing)
     mountpoint = os.path.realpath(a.mountpoint)
-    if backing == mountpoint or backing.startswith(mountpoint.rstrip("/") + "/"):
-        raise UsageError(f"backing directory {backing} is inside the mount point {mountpoint}")
-    if mountpoint.startswith(backing.rstrip("/") + "/"):
-        raise UsageError(f"mount point {mountpoint} is inside the backing directory {backing}")
-    for m in client.acpfs_mounts():
-        if backing == m or backing.startswith(m.rstrip("/") + "/"):
-            raise UsageError(f"backing directory {backing} is on the acpfs mount {m}")
+    cache_dir = os.path.abspath(a.cache_dir or env("cache_dir") or default_cache_dir(backing))
+    check_places(backing, mountpoint, cache_dir)
 
     if a.from_command_line:
         from .fastwrite import reexec_for_copies
         reexec_for_copies()
-    for opt in ("backing", "cache_dir", "cache_size", "log_file", "log_level", "block_size", "fsync"):
-        if getattr(a, opt, None) is not None and not getattr(a, opt).strip():
-            raise UsageError(f"--{opt.replace('_', '-')} is empty")
     cache_size_text = a.cache_size or env("cache_size")
-    cache_dir = os.path.abspath(a.cache_dir or env("cache_dir") or default_cache_dir(backing))
     fsync = a.fsync or env("fsync") or "memory"
     if fsync not in ("memory", "backing"):
         raise UsageError(f"invalid --fsync {fsync!r}: use 'memory' or 'backing'")
@@ -204,6 +197,45 @@ def cmd_mount(a: argparse.Namespace) -> int:
         lock.close()
 
 
+def inside(path: str, top: str) -> bool:
+    """``path`` is ``top`` or below it (both absolute, real)."""
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def check_places(backing: str, mountpoint: str, cache_dir: str) -> None:
+    """Refuse a mount whose directories hold one another, before anything is created: the
+    backing, the mount point and the cache directory each apart from the others, the backing
+    neither inside nor around acpfs's cache areas in /dev/shm (other mounts' pools and
+    journals live there: the mount would serve them, or be taken for one), and neither the
+    backing nor the cache directory on an acpfs mount (the daemon would wait on itself)."""
+    cache = os.path.realpath(cache_dir)
+    places = (("backing directory", backing), ("mount point", mountpoint), ("cache directory", cache))
+    for what, path in places:
+        for other, top in places:
+            if what != other and inside(path, top):
+                raise UsageError(f"{what} {path} is "
+                                 f"{'the same directory as' if path == top else 'inside'} the "
+                                 f"{other} {top}")
+    mine = os.path.dirname(default_cache_dir(backing))   # /dev/shm/acpfs-UID
+    shm = os.path.realpath(os.path.dirname(mine))
+    areas = {os.path.join(shm, os.path.basename(mine))}
+    try:   # and other users'
+        areas.update(os.path.join(shm, n) for n in os.listdir(shm)
+                     if n.startswith("acpfs-") and n[6:].isdigit())
+    except OSError:
+        pass
+    for area in sorted(areas):
+        if inside(backing, area) or inside(area, backing):
+            raise UsageError(f"backing directory {backing} "
+                             f"{'is inside' if inside(backing, area) else 'holds'} {area}, "
+                             f"where acpfs keeps the cache directories of mounts (their pools "
+                             f"and journals): use a directory elsewhere")
+    for m in client.acpfs_mounts():
+        for what, path in (("backing directory", backing), ("cache directory", cache)):
+            if inside(path, m):
+                raise UsageError(f"{what} {path} is on the acpfs mount {m}")
+
+
 def check_cache_fits(size: int, where: str, cache_dir: str) -> None:
     from .config import total_ram
     ram = total_ram()
@@ -251,20 +283,37 @@ def seconds(text: str) -> float:
     return v
 
 
+def gone(path: str, mount: str | None = None) -> Failure:
+    """The one line every command gives for a path on a stale mount (its daemon is gone)."""
+    if mount is None:
+        try:
+            mount = client.mount_of(path)
+        except Failure:
+            mount = path
+    return Failure(f"{path}: the daemon of the acpfs mount {mount} is gone; run "
+                   f"'acpfs umount {mount}'")
+
+
 def existing(path: str) -> None:
     """``path`` exists (a UsageError if not); one on a mount whose daemon is gone is named
     as such (a Failure), not as a missing path."""
     try:
         os.lstat(path)
     except OSError as e:
-        if e.errno == errno.ENOTCONN:
-            try:
-                mount = client.mount_of(path)
-            except Failure:
-                mount = path
-            raise Failure(f"{path}: the daemon of the acpfs mount {mount} is gone; run "
-                          f"'acpfs umount {mount}'") from None
+        if e.errno in client.DEAD_ERRNOS:
+            raise gone(path) from None
         raise UsageError(f"{path} does not exist") from None
+
+
+def live_mount(path: str) -> str:
+    """The live acpfs mount holding ``path``, which exists. A stale mount is a Failure
+    (``gone``) even when the kernel still answers ``lstat`` from its caches: the status
+    attribute asked here never is."""
+    existing(path)
+    mount = client.mount_of(path)
+    if client.is_stale(mount):
+        raise gone(path, mount)
+    return mount
 
 
 def open_lock(name: str):
@@ -327,15 +376,20 @@ def start_daemon(opts, lock) -> int:
     os.close(w)
     prog = Progress()
     buf = b""
+    warnings = []   # said once the mount is live: a refusal stays one line
     with os.fdopen(r, "rb") as pipe:
         for raw in pipe:
             line = raw.decode(errors="replace").rstrip("\n")
             if line == "ready":
                 prog.done(f"acpfs: mounted {opts.mountpoint} over {opts.backing} "
                           f"(cache {format_size(opts.cache_size)}, log {opts.log_file})")
+                for w in warnings:
+                    print(f"acpfs: warning: {safe(w)}", file=sys.stderr)
                 return 0
             if line.startswith("progress "):
                 prog.update(line[9:])
+            elif line.startswith("warning "):
+                warnings.append(line[8:])
             elif line.startswith("error "):
                 buf = line[6:].encode()
     prog.done()
@@ -345,6 +399,9 @@ def start_daemon(opts, lock) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
+    """Every mount, or the one named. The one named being stale is a failure (exit 1, the
+    ``gone`` line on stderr) after its document; in the list of every mount a stale one is
+    a line of the report."""
     mounts = [client.mount_of(a.mountpoint)] if a.mountpoint else client.acpfs_mounts()
     docs = []
     for m in mounts:
@@ -357,12 +414,14 @@ def cmd_status(a: argparse.Namespace) -> int:
         docs.append(doc)
     if a.json:
         print(json.dumps(docs[0] if a.mountpoint else docs, indent=2))
-        return 0
-    if not docs:
+    elif not docs:
         print("no acpfs mounts")
-        return 0
-    for doc in docs:
-        print(render_status(doc))
+    else:
+        for doc in docs:
+            print(render_status(doc))
+    if a.mountpoint and docs[0].get("stale"):
+        sys.stdout.flush()
+        raise gone(a.mountpoint, docs[0]["mountpoint"])
     return 0
 
 
@@ -457,10 +516,11 @@ def render_status(d: dict[str, Any]) -> str:
 
 def cmd_sync(a: argparse.Namespace) -> int:
     if a.path:
-        existing(a.path)
-        mount = client.mount_of(a.path)
+        mount = live_mount(a.path)
         try:
             seq, open_dirty = client.read_seq(a.path)
+        except client.StaleMount:
+            raise gone(a.path, mount) from None
         except Failure as e:
             raise Failure(f"cannot sync {a.path}: {e.strerror}") from None
         if open_dirty:
@@ -484,11 +544,15 @@ def cmd_sync(a: argparse.Namespace) -> int:
 def files_under(paths: list[str]) -> list[tuple[str, int]]:
     """Regular files named by ``paths`` (directories walked, symlinks not followed), with sizes."""
     out = []
+
+    def unreadable(e: OSError) -> None:   # os.walk skips what it cannot list unless told
+        if e.errno in client.DEAD_ERRNOS:
+            raise gone(e.filename or path) from None
+        raise e
     for path in paths:
-        existing(path)
-        client.mount_of(path)
+        live_mount(path)
         if os.path.isdir(path) and not os.path.islink(path):
-            for dirpath, _, names in os.walk(path):
+            for dirpath, _, names in os.walk(path, onerror=unreadable):
                 for name in sorted(names):
                     p = os.path.join(dirpath, name)
                     st = os.lstat(p)
@@ -597,6 +661,16 @@ def cmd_umount(a: argparse.Namespace) -> int:
 def cmd_temps(a: argparse.Namespace) -> int:
     from . import leftovers
     backing = os.path.realpath(a.backing)
+    try:   # a mount hides the temporary files: its backing is the place to look
+        mount = client.mount_of(backing)
+    except Failure:
+        pass
+    else:
+        if client.is_stale(mount):
+            raise gone(a.backing, mount)
+        raise UsageError(f"{a.backing} is on the acpfs mount {mount}, which hides temporary "
+                         f"files: give its backing directory, "
+                         f"{client.read_status(mount)['backing']}")
     if not os.path.isdir(backing):
         raise UsageError(f"{a.backing} is not a directory")
     try:
@@ -673,7 +747,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "for the same mount and backing is a no-op. Each option has an ACPFS_* "
                        "environment variable (e.g. ACPFS_CACHE_SIZE).")
     m.add_argument("mountpoint", help="empty directory to mount on")
-    m.add_argument("--backing", required=True, help="directory where files are persisted (e.g. on NFS)")
+    m.add_argument("--backing", required=True, help="directory where files are persisted (e.g. on NFS); "
+                   "apart from the mount point and the cache directory, not in /dev/shm/acpfs-UID")
     m.add_argument("--cache-dir", help="private directory for the cache pool "
                    "(default /dev/shm/acpfs-UID/<hash of the backing path>)")
     m.add_argument("--cache-size", help="RAM for cached data: bytes with K/M/G/T suffix or N%% of RAM "

@@ -1,7 +1,8 @@
 """Mount options: parsing, defaults, environment variables, and where things live on disk.
 
 Every option of ``acpfs mount`` has an ``ACPFS_*`` environment variable (the option's name
-upper-cased, dashes as underscores); the command line wins over the environment.
+upper-cased, dashes as underscores); the command line wins over the environment. Also here:
+the kind of filesystem a directory is on, as far as acpfs cares (``ram_filesystem``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,22 @@ def key_of(path: str) -> str:
 def default_cache_dir(backing: str) -> str:
     """One directory per backing directory, so that a new mount finds what a dead one left."""
     return os.path.join("/dev/shm", f"acpfs-{os.getuid()}", key_of(backing))
+
+
+RAM_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}   # statfs(2) f_type
+
+
+def ram_filesystem(path: str) -> str | None:
+    """"tmpfs" or "ramfs" when ``path`` is on a filesystem held in RAM (nothing there
+    survives a reboot), else None (also when it cannot be told). os.statvfs has no f_type:
+    statfs(2) is called through ctypes; f_type is the first field of struct statfs, a C
+    long on Linux."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(512)       # more than any architecture's struct statfs
+    if libc.statfs(os.fsencode(path), buf) != 0:
+        return None
+    return RAM_FILESYSTEMS.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF)
 
 
 def default_log_file(mountpoint: str) -> str:

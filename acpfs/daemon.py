@@ -20,7 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from .config import format_size
+from .config import format_size, ram_filesystem
 from .private import open_private, secure_dir, write_mount_record
 from .retry import describe
 
@@ -114,7 +114,7 @@ class Daemon:
 
     def __init__(self, opts: Options, notify: Callable[[str], None]) -> None:
         self.opts = opts
-        self.notify = notify   # progress lines for the 'mount' command, then 'ready'
+        self.notify = notify   # progress and warning lines for the 'mount' command, then 'ready'
         self.replay: list = []
         self.dirty: list = []
         self.left = None
@@ -141,6 +141,12 @@ class Daemon:
         self.cache_lock_fd = lock_cache_dir(opts.cache_dir)
         log.info("starting: mount %s, backing %s, cache %s in %s", opts.mountpoint, opts.backing,
                  format_size(opts.cache_size), opts.cache_dir)
+        ram = ram_filesystem(opts.backing)
+        if ram:   # allowed (tests, scratch): said once, here and by 'acpfs mount'
+            said = (f"backing directory {opts.backing} is on a RAM filesystem ({ram}): nothing "
+                    f"in it survives a reboot")
+            log.warning("%s", said)
+            self.notify(f"warning {said}")
 
         left = self.left = journal.read_leftover(opts.cache_dir)
         self.replay, self.dirty = recovery.plan(left) if left else ([], [])

@@ -29,6 +29,14 @@ How (docs/design.md, "Global order across nodes"):
 - Liveness: a peer whose record's heartbeat is more than ``lease`` old is expired: it holds
   nobody back any more, and a WARNING names it. A node that unmounts after persisting
   everything renames its record to state "left", and nobody waits for it.
+- Whose records count (issue 19): the records directory is 1777, so that every user's
+  mounts of a backing keep records there, and a record is believed only if its file belongs
+  to this daemon's user, to root, or to the owner the backing gives this daemon's own record
+  (an NFS export that squashes root). Any other record is ignored, with a WARNING naming the
+  file and its owner: another user could otherwise plant a record whose frontier never
+  passes and whose heartbeat never ages, and hold every change of the job. The sticky bit
+  keeps other users from renaming or removing a counted record. Owners are looked up once
+  per record file (``_counted``: by inode, which a rename keeps), not at every listing.
 
 Cost: a node with nothing pending renames its record and lists the directory once per
 ``heartbeat`` each; while some node has changes pending, a node lists and renames at most
@@ -47,11 +55,13 @@ import logging
 import os
 import re
 import socket
+import stat
 import threading
 import time
 from typing import Callable, TypeVar
 
 from .backing import NODES_DIR, STALE
+from .private import owner_name
 from .retry import describe
 
 log = logging.getLogger(__name__)
@@ -147,6 +157,9 @@ class Peers:
         self.mine: RecordName | None = None
         self._written = (0.0, -1.0, "")  # when, frontier, state of the last record written
         self._kept: set[str] = set()     # records this node may not remove (another user's)
+        self.owners = {0, os.geteuid()}  # whose records count; + the backing's owner of ours
+        self._owner_of: dict[int, tuple[bytes, int]] = {}   # inode -> (instance, owner) seen
+        self._ignored: set[tuple[bytes, int]] = set()       # (instance, owner) warned about
         self.list_failing_since: float | None = None   # listings fail since (this clock)
         self._suspended = False          # (lock) changes go on unordered: records unreadable
         self.promise = 2 * heartbeat      # how far ahead an idle node's frontier is (_publish)
@@ -170,7 +183,7 @@ class Peers:
         left none. Its record is this daemon's to replace from now on."""
         self._ensure_dir()
         self.ignore = predecessor
-        names = self._names()     # also: the directory is one, and readable
+        names = self._names(warn=False)   # also: the directory is one, and readable
         if predecessor is None:
             return None
         for name in names:
@@ -186,6 +199,7 @@ class Peers:
         before serving: ``join_wait`` if other nodes are live, so that they have listed this
         one before it acknowledges anything."""
         self._publish(create=True)
+        self._check_dir()
         self._list()
         with self.lock:
             live = self.live()
@@ -212,25 +226,81 @@ class Peers:
                 self._root_fd = -1
             raise
 
-    def _names(self) -> list[bytes]:
-        """The names in the records directory. It is opened anew each time, by name: an NFS
-        client revalidates it then (close-to-open), so the listing is current."""
-        def names(root: int) -> list[bytes]:
+    def _names(self, warn: bool = True) -> list[bytes]:
+        """The names of the records that count in the records directory (``_counted``). It
+        is opened anew each time, by name: an NFS client revalidates it then (close-to-open),
+        so the listing is current."""
+        def names(root: int) -> tuple[list[bytes], bool]:
             fd = os.open(NODES_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root)
             try:
-                return [os.fsencode(n) for n in os.listdir(fd)]
+                return self._counted(fd, warn)
             finally:
                 os.close(fd)
-        return self._io(names)
+        for _ in range(3):   # a record renamed under the listing: list again
+            counted, moved = self._io(names)
+            if not moved:
+                break
+        return counted
+
+    def _counted(self, fd: int, warn: bool) -> tuple[list[bytes], bool]:
+        """The record names listed in ``fd`` whose files belong to an owner in ``owners``,
+        and whether a record was renamed between the listing and the look at its owner (its
+        new name is in a listing started after: the caller lists again). The others are
+        ignored, each (instance, owner) with one WARNING if ``warn`` (not before this node
+        has written a record: the owner the backing gives it may count too)."""
+        with os.scandir(fd) as it:
+            listed = [(os.fsencode(e.name), e.inode()) for e in it]
+        counted: list[bytes] = []
+        seen: dict[int, tuple[bytes, int]] = {}
+        moved = False
+        for name, ino in listed:
+            inst = name.split(b".", 1)[0]
+            if RecordName.parse(name) is None:
+                continue
+            known = self._owner_of.get(ino) if ino else None
+            if known is None or known[0] != inst:     # a new file, or an inode used again
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    moved = True
+                    continue
+                known = (inst, st.st_uid if stat.S_ISREG(st.st_mode) else -1)
+            if ino:
+                seen[ino] = known
+            owner = known[1]
+            if owner in self.owners:
+                counted.append(name)
+            elif warn and known not in self._ignored:
+                self._ignored.add(known)
+                log.warning("global order: ignoring the node record %s in %s: %s; only records "
+                            "of this daemon's user or root count, so it holds nobody back",
+                            name.decode(errors="replace"), self.dir,
+                            f"it belongs to {owner_name(owner)}" if owner >= 0
+                            else "it is not a regular file")
+        self._owner_of = seen
+        return counted, moved
 
     def _ensure_dir(self) -> None:
         def make(root: int) -> None:
             try:
                 os.mkdir(NODES_DIR, 0o755, dir_fd=root)
-                os.chmod(NODES_DIR, 0o1777, dir_fd=root)   # every user's mounts keep records here
+                # every user's mounts keep records here; the sticky bit keeps each one's own
+                os.chmod(NODES_DIR, 0o1777, dir_fd=root)
             except FileExistsError:
-                pass
+                return
+            self.owners.add(os.stat(NODES_DIR, dir_fd=root, follow_symlinks=False).st_uid)
         self._io(make)
+
+    def _check_dir(self) -> None:
+        """Say so if other users may remove or rename this node's record (after it is
+        written: ``owners`` then holds the owner the backing gives this node's files)."""
+        st = self._io(lambda root: os.stat(NODES_DIR, dir_fd=root, follow_symlinks=False))
+        if stat.S_ISDIR(st.st_mode) and (st.st_uid not in self.owners or (
+                st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX)):
+            log.warning("global order: the node records directory %s belongs to %s, mode %04o: "
+                        "other users can remove or rename this node's record there (the other "
+                        "nodes may then stop waiting for it); make it root's or this user's, "
+                        "mode 1777", self.dir, owner_name(st.st_uid), stat.S_IMODE(st.st_mode))
 
     def forget_predecessor(self, predecessor: str) -> None:
         """This node's record now covers what ``predecessor`` acknowledged: drop its record."""
@@ -397,8 +467,12 @@ class Peers:
         name = NODES_DIR + b"/" + new.encode()
 
         def make(root: int) -> None:
-            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644,
-                             dir_fd=root))
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644,
+                         dir_fd=root)
+            try:   # the owner the backing gives this daemon's files (root squashed by NFS)
+                self.owners.add(os.fstat(fd).st_uid)
+            finally:
+                os.close(fd)
         if old is not None and not create:
             try:
                 self._io(lambda root: os.rename(NODES_DIR + b"/" + old.encode(), name,

@@ -48,7 +48,8 @@ class UnsafePath(Failure):
     """A directory or file another user could own or change, refused."""
 
 
-def _owner(uid: int) -> str:
+def owner_name(uid: int) -> str:
+    """"user NAME (uid N)", or "uid N" for a uid with no name, for messages."""
     try:
         return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
     except KeyError:
@@ -86,7 +87,7 @@ def secure_dir(path: str, what: str) -> str:
                 raise UnsafePath(f"{what} {path} is a symbolic link: give the directory itself")
             if not _trusted(st):
                 raise UnsafePath(f"{what} {path} is reached through the symbolic link {nxt} of "
-                                 f"{_owner(st.st_uid)}: use a path that other users cannot change")
+                                 f"{owner_name(st.st_uid)}: use a path that other users cannot change")
             links += 1
             if links > MAX_LINKS:
                 raise UnsafePath(f"{what} {path}: too many levels of symbolic links")
@@ -99,7 +100,7 @@ def secure_dir(path: str, what: str) -> str:
             raise UnsafePath(f"{what} {path}: {nxt} is not a directory")
         if last:
             if st.st_uid != os.geteuid():
-                raise UnsafePath(f"{what} {path} belongs to {_owner(st.st_uid)}, not to you: "
+                raise UnsafePath(f"{what} {path} belongs to {owner_name(st.st_uid)}, not to you: "
                                  f"another user may have made it first; use another path")
             if st.st_mode & 0o022:
                 raise UnsafePath(f"{what} {path} can be written by other users (mode "
@@ -113,7 +114,7 @@ def secure_dir(path: str, what: str) -> str:
         else:
             if not _trusted(st):
                 raise UnsafePath(f"{what} {path} lies in {nxt}, which belongs to "
-                                 f"{_owner(st.st_uid)}: use a path that other users cannot change")
+                                 f"{owner_name(st.st_uid)}: use a path that other users cannot change")
             if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
                 raise UnsafePath(f"{what} {path} lies in {nxt}, which other users can change "
                                  f"(mode {stat.S_IMODE(st.st_mode):04o}): use another path")
@@ -176,7 +177,7 @@ def _read_record(path: str) -> dict | None:
     with os.fdopen(fd) as f:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
-            log.warning("ignoring the mount record %s: it belongs to %s", path, _owner(st.st_uid))
+            log.warning("ignoring the mount record %s: it belongs to %s", path, owner_name(st.st_uid))
             return None
         try:
             rec = json.load(f)

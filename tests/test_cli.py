@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,6 +91,81 @@ def test_refused_mounts(make_mount, tmp_path):
     r = acpfs("mount", str(other), "--backing", str(m.back), "--cache-size", "64M", check=False)
     assert "already mounted" in one_line_error(r)
     assert not is_mounted(other)
+
+
+def test_backings_in_acpfs_own_places_are_refused_before_anything_is_created(make_mount, tmp_path):
+    """Issue 19 (b): a backing inside acpfs's cache area in /dev/shm (other mounts' pools and
+    journals) or holding it, inside the cache directory or holding it, and a cache directory
+    inside the mount point, are refused with one line, before a cache directory, a pool or a lock file
+    exists."""
+    from acpfs.config import default_cache_dir, key_of
+    m = make_mount(mount=False)
+    area = Path(f"/dev/shm/acpfs-{os.getuid()}")
+    made_area = not area.exists()
+    area.mkdir(mode=0o700, exist_ok=True)
+    in_area = Path(tempfile.mkdtemp(prefix="backing-", dir=area))
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    (cache / "back").mkdir()
+    lock = Path("/run/acpfs") / f"mount-{key_of(str(m.mnt))}.lock"
+    try:
+        for backing, cache_dir, needle in (
+                (in_area, None, f"is inside {area}, where acpfs keeps the cache directories"),
+                (Path("/dev/shm"), tmp_path / "c2", f"holds {area}, where acpfs keeps"),
+                (m.back, m.back / "cache", f"cache directory {m.back}/cache is inside the backing"),
+                (cache / "back", cache, f"backing directory {cache}/back is inside the cache "
+                                        f"directory {cache}"),
+                (m.back, m.back, "is the same directory as the cache directory"),
+                (tmp_path / "elsewhere", m.mnt / "cache", "is inside the mount point")):
+            backing.mkdir(exist_ok=True)
+            args = ["mount", str(m.mnt), "--backing", str(backing), "--cache-size", "64M",
+                    "--log-file", str(m.log)]
+            args += ["--cache-dir", str(cache_dir)] if cache_dir else []
+            r = acpfs(*args, check=False)
+            assert needle in one_line_error(r) and r.returncode == 2, (backing, r.stderr)
+            assert not is_mounted(m.mnt) and not lock.exists()
+        assert not Path(default_cache_dir(str(in_area))).exists()
+        assert not (m.back / "cache").exists() and not (m.mnt / "cache").exists()
+        assert not (tmp_path / "c2").exists()
+        assert sorted(os.listdir(cache)) == ["back"] and os.listdir(m.back) == []
+    finally:
+        shutil.rmtree(in_area)
+        if made_area:
+            try:
+                area.rmdir()
+            except OSError:
+                pass      # another mount of this user made its cache directory there meanwhile
+
+
+def test_a_backing_on_a_ram_filesystem_is_mounted_with_a_warning(make_mount, faults):
+    """Issue 19 (b): nothing in a tmpfs or ramfs backing survives a reboot. The mount goes on
+    (tests and scratch space use such backings), and says so once, on stderr and in the log;
+    a backing on a disk gets no such line."""
+    disk = make_mount("disk", mount=False)
+    r = acpfs(*disk.args())
+    assert "RAM filesystem" not in r.stderr and "RAM filesystem" not in disk.log.read_text()
+    disk.pid = disk.status()["pid"]
+    for kind in ("tmpfs", "ramfs"):
+        m = make_mount(kind, mount=False)
+        if kind == "tmpfs":
+            faults.tmpfs(m.back, "64M")
+        else:
+            subprocess.run(["mount", "-t", "ramfs", "-o", "mode=0755", "ramfs", str(m.back)], check=True)
+        try:
+            r = acpfs(*m.args())
+            m.pid = m.status()["pid"]
+            said = (f"backing directory {m.back} is on a RAM filesystem ({kind}): nothing in it "
+                    f"survives a reboot")
+            lines = r.stderr.strip().splitlines()
+            assert lines[-2].startswith("acpfs: mounted ") and lines[-1] == f"acpfs: warning: {said}", r.stderr
+            assert [line for line in m.log.read_text().splitlines() if said in line][0].split()[2] == "WARNING"
+            (m.mnt / "f").write_bytes(b"x")
+            m.sync()
+            assert m.umount().returncode == 0
+        finally:
+            if kind == "ramfs":
+                m.cleanup()
+                subprocess.run(["umount", str(m.back)], check=True)
 
 
 def test_mount_is_idempotent_and_race_safe(make_mount):
@@ -262,14 +339,46 @@ def test_stale_mount_is_detected_and_cleaned(make_mount):
     m = make_mount()
     os.kill(m.pid, signal.SIGKILL)
     time.sleep(0.5)
-    r = acpfs("status", str(m.mnt), "--json")
+    r = acpfs("status", str(m.mnt), "--json", check=False)
     assert json.loads(r.stdout)["stale"] is True
+    assert r.returncode == 1 and "is gone" in r.stderr
     r = acpfs("umount", str(m.mnt))
     assert "stale" in r.stderr
     assert not is_mounted(m.mnt)
     # and mounting again over the same backing works
     m.mount()
     assert is_mounted(m.mnt)
+
+
+def test_every_command_on_a_stale_mount_says_so(make_mount):
+    """Issue 19 (a): right after the daemon is killed, the kernel still answers stat of the
+    mount point from its caches (kept up to --coherence-timeout), so `acpfs preload MOUNT`
+    walked nothing and said "preloaded 0 files" with exit 0. Every command given a path on
+    the stale mount says the daemon is gone, in one line, and exits 1."""
+    m = make_mount(extra=("--coherence-timeout", "5"))
+    (m.mnt / "d").mkdir()
+    (m.mnt / "d" / "f").write_bytes(b"x" * 1000)
+    m.sync()
+    r = acpfs("temps", str(m.mnt), check=False)          # a mount hides them: not the place
+    assert f"give its backing directory, {m.back}" in one_line_error(r) and r.returncode == 2
+    os.stat(m.mnt)
+    os.stat(m.mnt / "d")                 # their attributes are in the kernel's caches now
+    os.kill(m.pid, signal.SIGKILL)
+    while os.path.exists(f"/proc/{m.pid}"):
+        time.sleep(0.01)
+    for args in (("preload", str(m.mnt)), ("preload", str(m.mnt / "d")), ("sync", str(m.mnt)),
+                 ("sync", str(m.mnt / "d")), ("status", str(m.mnt)), ("temps", str(m.mnt))):
+        r = acpfs(*args, check=False)
+        line = one_line_error(r)
+        assert r.returncode == 1, (args, r.stderr)
+        assert line == f"acpfs: {args[1]}: the daemon of the acpfs mount {m.mnt} is gone; " \
+                       f"run 'acpfs umount {m.mnt}'", (args, line)
+        assert "preloaded" not in r.stdout + r.stderr
+    r = acpfs("status", str(m.mnt), "--json", check=False)
+    assert r.returncode == 1 and json.loads(r.stdout) == {"mountpoint": str(m.mnt), "stale": True}
+    assert "STALE" in acpfs("status").stdout         # the list of every mount is a report
+    r = acpfs("umount", str(m.mnt))
+    assert "daemon of this mount is gone" in r.stderr and not is_mounted(m.mnt)
 
 
 def test_temps_lists_and_removes_only_old_leftovers_of_no_live_daemon(make_mount):

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,48 @@ def test_a_cache_directory_reached_through_another_users_link_or_directory_is_re
         for d in (target, evil, shared):
             shutil.rmtree(d, ignore_errors=True)
         Path(f"{evil}-link").unlink(missing_ok=True)
+
+
+def test_a_node_record_planted_by_another_user_holds_nobody(make_mount):
+    """Issue 19 (c): the node records directory of a backing is 1777 (every user's mounts keep
+    records there). Another user plants records in it: one of a node that does not exist,
+    with changes pending since the epoch and a heartbeat in 2100 (it would hold every change
+    for ever, and never expire), and one that forges this node's own instance. The daemon
+    ignores both, with a WARNING naming each file and its owner, and `acpfs sync` does not
+    wait for them (it waited for the lease, 30 s, before)."""
+    m = make_mount(mount=False)
+    for d in [m.back, *m.back.parents]:           # let the other user reach the backing
+        if d == d.parent or str(d) == "/tmp":
+            break
+        os.chmod(d, os.stat(d).st_mode | 0o001)
+    m.mount()
+    records = m.back / ".acpfs-nodes"
+    assert stat.S_IMODE(records.stat().st_mode) == 0o1777
+    inst = m.status()["instance"]
+    planted = ["0badc0ffee00.1.1.4102444800000000.up.evil:_ckpt",
+               f"{inst}.999999.1.4102444800000000.up.forged:_ckpt"]
+    r = as_nobody("""
+        for name in sys.argv[2:]:
+            open(os.path.join(sys.argv[1], name), "x").close()
+    """, str(records), *planted)
+    assert r.returncode == 0, r.stderr
+    assert all((records / n).stat().st_uid == NOBODY for n in planted)
+    deadline = time.monotonic() + 20
+    while "0badc0ffee00" not in m.log.read_text():     # listed (and ignored, or not)
+        assert time.monotonic() < deadline, "the daemon did not list the planted record"
+        time.sleep(0.1)
+    (m.mnt / "step_1").mkdir()
+    (m.mnt / "step_1" / "shard").write_bytes(b"x" * 10000)
+    (m.mnt / "latest").write_text("step_1")
+    start = time.monotonic()
+    r = acpfs("sync", str(m.mnt), "--timeout", "10", check=False)
+    assert r.returncode == 0, r.stderr
+    assert time.monotonic() - start < 10
+    assert (m.back / "latest").read_text() == "step_1"
+    st = m.status()
+    assert st["peers"]["peers"] == [] and st["peers"]["held"] is None
+    log = m.log.read_text()
+    for name in planted:
+        line = next(x for x in log.splitlines() if f"ignoring the node record {name}" in x)
+        assert " WARNING " in line and "belongs to user nobody (uid 65534)" in line, line
+    assert "longer than the lease" not in log

@@ -380,3 +380,52 @@ def test_a_file_closed_twice_before_it_is_queued_is_held_to_its_first_close(core
     core.drain()
     assert held[0] == first, (held, first, last)
     fl.peers = None
+
+
+def test_a_record_of_another_user_holds_nobody(tmp_path, caplog):
+    """Issue 19 (c): the records directory is 1777. A record another user planted there (up,
+    its frontier at the epoch, its heartbeat in 2100: it would never pass nor expire) is
+    ignored with one WARNING naming the file and its owner; a record like it owned by root
+    (this test's user) holds the change, so the check is by owner. Records are looked at
+    once per file: a counted record renamed (renewed) is not looked at again."""
+    c = Cluster(str(tmp_path), 1, 0.01, spread=0.0, rnd=random.Random(7))
+    c.applied_set = set()
+    (a,) = c.nodes
+    records = tmp_path / os.fsdecode(NODES_DIR)
+    assert oct(records.stat().st_mode & 0o7777) == "0o1777"
+    planted = RecordName("0badc0ffee00", 1, 1e-6, 4102444800.0, "up", "evil")
+    path = records / os.fsdecode(planted.encode())
+    path.touch()
+    os.chown(path, 65534, 65534)
+    c.make(0)
+    s, _ = a.queue[0]
+    c.now += 0.1
+    for _ in range(3):
+        a.peers._list()
+        with a.lock:
+            assert a.peers.cleared(s) is True and a.peers.live() == []
+    warned = [r.getMessage() for r in caplog.records if "ignoring the node record" in r.getMessage()]
+    assert len(warned) == 1 and os.fsdecode(planted.encode()) in warned[0], warned
+    assert "belongs to user nobody (uid 65534)" in warned[0]
+    same = RecordName("0badc0ffee01", 1, 1e-6, 4102444800.0, "up", "root's")
+    (records / os.fsdecode(same.encode())).touch()   # a record like it, of this node's user
+    a.peers._list()
+    with a.lock:
+        held = a.peers.cleared(s)
+    assert held is not True and held.record.instance == same.instance
+    looked = []
+    real_stat = os.stat
+
+    def counting_stat(*args, **kw):
+        looked.append(args[0])
+        return real_stat(*args, **kw)
+    renewed = RecordName(same.instance, 2, 1e-6, 4102444801.0, "up", "root's")
+    os.rename(records / os.fsdecode(same.encode()), records / os.fsdecode(renewed.encode()))
+    os.stat = counting_stat
+    try:
+        a.peers._list()
+    finally:
+        os.stat = real_stat
+    assert looked == []
+    with a.lock:
+        assert a.peers.cleared(s).record.version == 2

@@ -38,7 +38,7 @@ from .backing import STALE, Backing, Comps, MissingDir, NotEmpty, flat_name, ite
 from .cache import Cache
 from .conflicts import Conflicts, describe_entry
 from .journal import Record
-from .peers import Peers
+from .peers import UP, Peers
 from .retry import describe, retry
 from .types import Node, Op, OpKind, OpState, Staged
 
@@ -218,11 +218,16 @@ class Flusher:
                          "instance": None if ok is None else ok.record.instance}
             if ok is not None and not warned and now - since > 10:
                 warned = True
-                log.warning("global order: %s %r has waited %.0f s for node %s (%s), which has "
-                            "not persisted what it acknowledged %.0f s ago; it goes on once that "
-                            "node catches up, or after its lease (%.0f s) if it stops renewing "
-                            "its record", op.kind, op.path, now - since, ok.record.label,
-                            ok.record.instance, now - ok.record.frontier, peers.lease)
+                r = ok.record
+                # an idle record acknowledged nothing pending: its promise ran out, and it
+                # has not been renewed since
+                why = (f"which has not persisted what it acknowledged {now - r.frontier:.0f} s "
+                       "ago" if r.state == UP else f"whose record (idle: nothing pending) has "
+                       f"not been renewed for {now - r.heartbeat:.0f} s")
+                log.warning("global order: %s %r has waited %.0f s for node %s (%s), %s; it "
+                            "goes on once that node catches up, or after its lease (%.0f s) if "
+                            "it stops renewing its record", op.kind, op.path, now - since,
+                            r.label, r.instance, why, peers.lease)
             peers.kick()
             self._launch()
             self.lock.wait(0.5)

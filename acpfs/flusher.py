@@ -623,6 +623,8 @@ class Flusher:
         if stopped():
             return False
         if snap.staged is not None:  # already in the backing: finish it in place
+            if snap.staged.read_only:   # as a recovery over a read-only backing opened it
+                self._writable_staged(op, snap.staged)
             self.backing.finish_temp(snap.staged.fd, snap.size, snap.mode, snap.uid, snap.gid,
                                      snap.times, snap.xattrs)
             return True
@@ -683,6 +685,15 @@ class Flusher:
                 self.backing.close_fd(fd)
             raise
         self._swap_staged(op, sp, fds)
+
+    def _writable_staged(self, op: Op, sp: Staged) -> None:
+        """Open ``sp`` for writing (it was opened read-only): again by name, or, if it is
+        gone from the backing, copied back under its name from the descriptor held. Raises
+        while the backing still refuses (the upload is retried, shown in status)."""
+        if not self._reopen_staged(op, sp):
+            fds = self.backing.restage(sp.fd, sp.name, op.snap.size)  # type: ignore[union-attr]
+            self._swap_staged(op, sp, fds)
+        sp.read_only = False
 
     def _reopen_staged(self, op: Op, sp: Staged) -> bool:
         """Open the staged file again by name (its descriptors went stale); False if gone."""

@@ -29,7 +29,7 @@ Which records are replayed:
   ``.acpfs-recovered/<time>-<instance>/``; otherwise its cached changes are dropped. Both
   are logged at ERROR with the file's path, and listed in the status document.
 
-Setting aside writes nothing to the backing during the recovery: the file is made in the
+Setting aside makes nothing in the backing during the recovery: the file is made in the
 mount, under ``.acpfs-recovered/<time>-<instance>/``, through the same ``Cache`` methods
 (mkdir, create, snapshot), so it is one more pending change, journaled in the new journal
 and published by the flusher like any other. Invariant: a backing that refuses changes

@@ -319,3 +319,37 @@ def test_a_remount_over_a_backing_that_refuses_the_set_aside_mounts_and_retries_
         if how == "read-only":
             m.cleanup()                   # before the bind mount under it goes
             subprocess.run(["umount", "-l", str(m.back)], check=True)
+
+
+def test_a_remount_while_the_backing_hangs_on_changes_mounts_and_serves(make_mount, faults, tmp_path):
+    """Issue 19, point 5, a backing that hangs instead of refusing: every mkdir held (an NFS
+    server that answers lookups but not changes). The recovery writes nothing, so the mount
+    comes up and serves the content it keeps aside; it lands once the backing answers."""
+    m = make_mount("m", mount=False, cache_size="8M", extra=("--cache-full-timeout", "30"))
+    src = tmp_path / "src"
+    shim = faults.shim(src, m.back)
+    faults.mount(m)
+    data = os.urandom(20 << 20)               # larger than the cache: written through
+    f = open(m.mnt / "huge.bin", "wb")
+    f.write(data)
+    f.flush()
+    os.kill(m.pid, signal.SIGKILL)
+    try:
+        f.close()
+    except OSError:
+        pass
+    shim.set("hang mkdir")
+    r = acpfs(*m.args(), check=False, timeout=60)
+    assert r.returncode == 0, f"the mount failed: {r.stderr}"
+    m.pid = m.status()["pid"]
+    rec = m.status()["recovery"]
+    [aside] = rec["kept_aside"]
+    assert rec["aside_pending"] == [aside]
+    assert (m.mnt / aside).read_bytes() == data
+    time.sleep(1)
+    assert m.status()["recovery"]["aside_pending"] == [aside]
+    assert not (src / ".acpfs-recovered").exists()
+    shim.set("ok")
+    m.sync()
+    assert (src / aside).read_bytes() == data
+    assert m.status()["recovery"]["aside_pending"] == []

@@ -470,7 +470,8 @@ def recover(cache: Cache, left: Leftover, replay: list[Record], dirty: list[Reco
             if e.errno == errno.ENOSPC or rec.kind in CONTENT_KINDS:
                 # acknowledged content is never dropped: the mount fails, the journal stays.
                 # Only the backing's answers to reads get here (listings, opening a staged
-                # file): setting content aside writes nothing (module docstring)
+                # file): setting content aside makes nothing in the backing (module
+                # docstring)
                 raise
             r.skip(rec, str(e), logging.ERROR)
         except Exception as e:   # a bug: one record must not stop the rest from being recovered

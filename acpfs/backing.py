@@ -83,7 +83,8 @@ class NotEmpty(OSError):
 
 def flat_name(path: str) -> bytes:
     """A path as one file name for ``.acpfs-recovered/<time>-<instance>/`` or
-    ``.acpfs-conflicts/...`` ("/" as %2F): within NAME_MAX, with a digest of the whole path where it had to be cut."""
+    ``.acpfs-conflicts/...`` ("/" as %2F): within NAME_MAX, with a digest of the whole path
+    where it had to be cut."""
     flat = urllib.parse.quote(path, safe="").encode()
     if len(flat) > 200:
         flat = flat[:160] + b"~" + hashlib.sha1(flat).hexdigest()[:16].encode()
@@ -790,7 +791,7 @@ class Backing:
         except FileNotFoundError:
             pass
 
-    def _aside_dir(self, stamp: bytes, top: bytes = RECOVERED_DIR) -> tuple[int, bytes]:
+    def _aside_dir(self, stamp: bytes, top: bytes) -> tuple[int, bytes]:
         """Open ``<top>/<stamp>``; returns its descriptor and the top folder used (made private if new), never through a symlink. ``top`` is
         shared by the daemons of every node and user (sticky and world-writable, as /tmp);
         if something else stands under its name, ``<top>-<instance>`` is used instead."""

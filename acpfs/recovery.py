@@ -133,8 +133,9 @@ class Replayer:
         self.report = report
         self.direct = direct              # paths saved straight to the backing meanwhile
         self.taken_over: set[bytes] = set()   # staged files taken over by replayed files
-        self.stamp = time.strftime("%Y%m%dT%H%M%S").encode()   # .acpfs-recovered/<stamp>-<instance>/
-        self.aside_dir: Node | None = None    # that folder in the mount, once made
+        # .acpfs-recovered/<stamp>-<instance>/: that folder in the mount, once made
+        self.stamp = time.strftime("%Y%m%dT%H%M%S").encode()
+        self.aside_dir: Node | None = None
 
     def newer(self, *paths: bytes | None) -> bool:
         """Was one of ``paths`` saved straight to the backing after the daemon died?"""

@@ -82,8 +82,9 @@ class NotEmpty(OSError):
 
 
 def flat_name(path: str) -> bytes:
-    """A path as one file name for ``.acpfs-recovered/<time>/`` or ``.acpfs-conflicts/...``
-    ("/" as %2F): within NAME_MAX, with a digest of the whole path where it had to be cut."""
+    """A path as one file name for ``.acpfs-recovered/<time>-<instance>/`` or
+    ``.acpfs-conflicts/...`` ("/" as %2F): within NAME_MAX, with a digest of the whole path
+    where it had to be cut."""
     flat = urllib.parse.quote(path, safe="").encode()
     if len(flat) > 200:
         flat = flat[:160] + b"~" + hashlib.sha1(flat).hexdigest()[:16].encode()
@@ -804,9 +805,13 @@ class Backing:
     def close_fd(self, fd: int) -> None:
         os.close(fd)
 
+    def stat_fd(self, fd: int) -> os.stat_result:
+        return os.fstat(fd)
+
     # -- the staging directory, as recovery finds it ---------------------------------------
-    def open_staged(self, tmpname: bytes) -> tuple[int, int] | None:
-        """Open a staged file a dead daemon left: (directory fd, file fd), None if gone."""
+    def open_staged(self, tmpname: bytes, write: bool = True) -> tuple[int, int] | None:
+        """Open a staged file a dead daemon left: (directory fd, file fd), None if gone;
+        for reading only unless ``write``."""
         check_name(tmpname)
         try:
             dfd = os.open(staging_dir_of(tmpname), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -814,7 +819,8 @@ class Backing:
         except FileNotFoundError:
             return None
         try:
-            return dfd, os.open(tmpname, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            return dfd, os.open(tmpname, (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW
+                                | os.O_CLOEXEC, dir_fd=dfd)
         except FileNotFoundError:
             os.close(dfd)
             return None
@@ -847,7 +853,7 @@ class Backing:
         except FileNotFoundError:
             pass
 
-    def _aside_dir(self, stamp: bytes, top: bytes = RECOVERED_DIR) -> tuple[int, bytes]:
+    def _aside_dir(self, stamp: bytes, top: bytes) -> tuple[int, bytes]:
         """Open ``<top>/<stamp>``; returns its descriptor and the top folder used (made private if new), never through a symlink. ``top`` is
         shared by the daemons of every node and user (sticky and world-writable, as /tmp);
         if something else stands under its name, ``<top>-<instance>`` is used instead."""
@@ -890,37 +896,6 @@ class Backing:
                 return candidate
             n += 1
             candidate = name + b"~%d" % n
-
-    def keep_aside(self, tmpname: bytes, stamp: bytes, flat_name: bytes) -> str:
-        """Move a staged file to ``.acpfs-recovered/<stamp>/<flat_name>``; returns that path."""
-        dfd, top = self._aside_dir(stamp)
-        try:
-            flat_name = self._free_name(dfd, flat_name)
-            sfd = os.open(staging_dir_of(tmpname), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-                          | os.O_CLOEXEC, dir_fd=self.root_fd)
-            try:
-                os.rename(tmpname, flat_name, src_dir_fd=sfd, dst_dir_fd=dfd)
-                os.fsync(dfd)
-            finally:
-                os.close(sfd)
-        finally:
-            os.close(dfd)
-        return os.fsdecode(b"/".join((top, stamp, flat_name)))
-
-    def keep_aside_content(self, stamp: bytes, flat_name: bytes, extents: Iterable[tuple[int, int, int]],
-                           src_fd: int, size: int, mode: int, uid: int, gid: int,
-                           times: tuple[int, int], xattrs: dict[bytes, bytes]) -> str:
-        """Write content from the cache pool to ``.acpfs-recovered/<stamp>/<flat_name>``
-        (atomically, like any upload); returns that path."""
-        dfd, top = self._aside_dir(stamp)
-        try:
-            flat_name = self._free_name(dfd, flat_name)
-            tmp = self.temp_name()
-            self.write_temp(dfd, tmp, extents, src_fd, size, mode, uid, gid, times, xattrs)
-            self.publish(dfd, tmp, dfd, flat_name)
-        finally:
-            os.close(dfd)
-        return os.fsdecode(b"/".join((top, stamp, flat_name)))
 
     def move_aside(self, comps: Comps, name: bytes, stamp: bytes, flat: bytes) -> str:
         """Move the entry at ``comps``/``name`` (another writer's, in the way of this

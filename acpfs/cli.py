@@ -485,8 +485,12 @@ def render_status(d: dict[str, Any]) -> str:
                      f"dead daemon ({_age(max(0.0, time.time() - rec['started']))} ago)")
         for path in rec["lost_open_files"][:10]:
             lines.append(f"  LOST       {safe(path)}: open for writing at the crash; unsaved changes dropped")
+        pending = set(rec.get("aside_pending", ()))
         for path in rec["kept_aside"][:10]:
-            lines.append(f"  KEPT ASIDE {safe(path)} (in the backing): content of a file open at the crash")
+            where = ("in the backing" if path not in pending else "pending: not in the backing "
+                     "yet" + ("; see ERROR below" if d["errors"] else ""))
+            lines.append(f"  KEPT ASIDE {safe(path)} ({where}): content the recovery could not "
+                         "put in its place")
     if d.get("journal_error"):
         lines.append(f"  ERROR      the crash journal cannot be written ({d['journal_error']}): a "
                      f"daemon crash now would lose what is pending")

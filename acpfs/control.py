@@ -59,6 +59,8 @@ class MountInfo:
     persist_open_after: float
     coherence_timeout: float = 1.0   # see Core.refreshed
     recovery: dict | None = None   # what this daemon recovered from a dead one (recovery.py)
+    # paths the recovery kept aside -> the seq of their publish (Recovered.aside_seqs)
+    recovery_aside: dict[str, int] = dataclasses.field(default_factory=dict)
     peers: Any = None              # global order (peers.Peers); None when off
     pid: int = dataclasses.field(default_factory=os.getpid)
     owner: int = dataclasses.field(default_factory=os.getuid)   # the mount's owner
@@ -155,7 +157,8 @@ def hide_names(doc: dict[str, Any]) -> dict[str, Any]:
         e["path"] = HIDDEN
     doc["conflicts"]["recent"] = []
     if doc.get("recovery"):
-        doc["recovery"] = {**doc["recovery"], "lost_open_files": [], "kept_aside": []}
+        doc["recovery"] = {**doc["recovery"], "lost_open_files": [], "kept_aside": [],
+                           "aside_pending": []}
     held = (doc.get("peers") or {}).get("held")
     if held:
         held["path"] = HIDDEN
@@ -182,6 +185,11 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         peers = info.peers.status(fl.held) if info.peers is not None else None
     oldest = min([n.dirty_since for n in cache.dirty_nodes] + [op.since for op in queue[:1]],
                  default=None)
+    recovery = info.recovery
+    if recovery is not None:
+        # content kept aside by the recovery lands like any change: pending until applied
+        recovery = {**recovery, "aside_pending": [p for p, seq in info.recovery_aside.items()
+                                                  if seq > applied]}
     errors = []
     for op in queue[:fl.window]:
         if op.error:
@@ -216,7 +224,7 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         "peers": peers,
         "flusher_alive": fl.thread.is_alive(),
         "journal_error": cache.journal.error if cache.journal is not None else None,
-        "recovery": info.recovery,
+        "recovery": recovery,
         "fast_write": fastwrite.state(),
     }
 

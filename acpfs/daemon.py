@@ -261,10 +261,12 @@ class Daemon:
                                       progress=lambda i, n: self.notify(
                                           f"progress recovering: {i} of {n} changes replayed"))
             self.info.recovery = report.as_dict()
+            self.info.recovery_aside = report.aside_seqs
             log.warning("recovered: %d files and %d operations queued for persisting again, %d "
-                        "already done, %d open files lost, %d kept aside in %s", report.files,
-                        report.replayed_ops, report.skipped, len(report.lost_open_files),
-                        len(report.kept_aside), opts.backing)
+                        "already done, %d open files lost, %d kept aside (queued for "
+                        ".acpfs-recovered/ in %s)", report.files, report.replayed_ops,
+                        report.skipped, len(report.lost_open_files), len(report.kept_aside),
+                        opts.backing)
         journal.finish_recovery(opts.cache_dir)        # the new journal holds all that is pending
         with self.cache.lock:
             self.cache.journal.applied(self.base_seq)  # type: ignore[union-attr]

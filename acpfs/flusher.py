@@ -38,7 +38,7 @@ from .backing import STALE, Backing, Comps, MissingDir, NotEmpty, flat_name, ite
 from .cache import Cache
 from .conflicts import Conflicts, describe_entry
 from .journal import Record
-from .peers import Peers
+from .peers import UP, Peers
 from .retry import describe, retry
 from .types import Node, Op, OpKind, OpState, Staged
 
@@ -218,11 +218,16 @@ class Flusher:
                          "instance": None if ok is None else ok.record.instance}
             if ok is not None and not warned and now - since > 10:
                 warned = True
-                log.warning("global order: %s %r has waited %.0f s for node %s (%s), which has "
-                            "not persisted what it acknowledged %.0f s ago; it goes on once that "
-                            "node catches up, or after its lease (%.0f s) if it stops renewing "
-                            "its record", op.kind, op.path, now - since, ok.record.label,
-                            ok.record.instance, now - ok.record.frontier, peers.lease)
+                r = ok.record
+                # an idle record acknowledged nothing pending: its promise ran out, and it
+                # has not been renewed since
+                why = (f"which has not persisted what it acknowledged {now - r.frontier:.0f} s "
+                       "ago" if r.state == UP else f"whose record (idle: nothing pending) has "
+                       f"not been renewed for {now - r.heartbeat:.0f} s")
+                log.warning("global order: %s %r has waited %.0f s for node %s (%s), %s; it "
+                            "goes on once that node catches up, or after its lease (%.0f s) if "
+                            "it stops renewing its record", op.kind, op.path, now - since,
+                            r.label, r.instance, why, peers.lease)
             peers.kick()
             self._launch()
             self.lock.wait(0.5)
@@ -619,6 +624,8 @@ class Flusher:
         if stopped():
             return False
         if snap.staged is not None:  # already in the backing: finish it in place
+            if snap.staged.read_only:   # as a recovery over a read-only backing opened it
+                self._writable_staged(op, snap.staged)
             self.backing.finish_temp(snap.staged.fd, snap.size, snap.mode, snap.uid, snap.gid,
                                      snap.times, snap.xattrs)
             return True
@@ -679,6 +686,15 @@ class Flusher:
                 self.backing.close_fd(fd)
             raise
         self._swap_staged(op, sp, fds)
+
+    def _writable_staged(self, op: Op, sp: Staged) -> None:
+        """Open ``sp`` for writing (it was opened read-only): again by name, or, if it is
+        gone from the backing, copied back under its name from the descriptor held. Raises
+        while the backing still refuses (the upload is retried, shown in status)."""
+        if not self._reopen_staged(op, sp):
+            fds = self.backing.restage(sp.fd, sp.name, op.snap.size)  # type: ignore[union-attr]
+            self._swap_staged(op, sp, fds)
+        sp.read_only = False
 
     def _reopen_staged(self, op: Op, sp: Staged) -> bool:
         """Open the staged file again by name (its descriptors went stale); False if gone."""

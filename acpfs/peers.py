@@ -28,7 +28,9 @@ How (docs/design.md, "Global order across nodes"):
   before it acknowledges anything (they list at least once per ``heartbeat``).
 - Liveness: a peer whose record's heartbeat is more than ``lease`` old is expired: it holds
   nobody back any more, and a WARNING names it. A node that unmounts after persisting
-  everything renames its record to state "left", and nobody waits for it.
+  everything renames its record to state "left", and nobody waits for it. So does a daemon
+  restarted over the same cache directory, for its dead predecessor's record, once its own
+  record covers what the predecessor acknowledged (``forget_predecessor``).
 - Whose records count (issue 19): the records directory is 1777, so that every user's
   mounts of a backing keep records there, and a record is believed only if its file belongs
   to this daemon's user, to root, or to the owner the backing gives this daemon's own record
@@ -303,8 +305,51 @@ class Peers:
                         "mode 1777", self.dir, owner_name(st.st_uid), stat.S_IMODE(st.st_mode))
 
     def forget_predecessor(self, predecessor: str) -> None:
-        """This node's record now covers what ``predecessor`` acknowledged: drop its record."""
-        self._remove_instance(predecessor)
+        """This node's record now covers what ``predecessor`` (the dead daemon on this cache
+        directory, whose journal this one replays) acknowledged: its record is renamed to say
+        "left", so that every other node stops waiting for it at its next listing.
+
+        Invariant: a predecessor's record says "left" only after this node's own record is
+        written (``enter``), carrying the predecessor's frontier while its changes are
+        replayed (``Cache.recovery_stamp``). Removing the record instead was not enough: a
+        node keeps a record missing from its listing for a lease (it may be in the middle of
+        a rename), so the other nodes waited a whole lease for a daemon that a restart had
+        replaced in under a second (issue 19, point 4). A record saying "left" is removed by
+        anyone a minute later, this node included (it stops ignoring it here)."""
+        try:
+            names = self._names()
+        except OSError as e:
+            self._not_left(predecessor, e)
+            return
+        mine = sorted((r for r in map(RecordName.parse, names)
+                       if r is not None and r.instance == predecessor), key=lambda r: r.version)
+        if not mine:
+            self.ignore = None     # no record: nothing to wait for
+            return
+        *older, last = mine
+        left = dataclasses.replace(last, version=last.version + 1, heartbeat=self.clock(),
+                                   state=LEFT)
+        try:
+            self._io(lambda root: os.rename(NODES_DIR + b"/" + last.encode(),
+                                            NODES_DIR + b"/" + left.encode(),
+                                            src_dir_fd=root, dst_dir_fd=root))
+        except FileNotFoundError:
+            pass                   # removed meanwhile (by an operator): nobody waits for it
+        except OSError as e:
+            self._not_left(predecessor, e)
+            return
+        with self.lock:
+            self.ops += 1
+        for r in older:            # a listing that crossed one of its renames
+            self._remove(r)
+        self.ignore = None
+        log.info("global order: the record of the dead daemon %s now says it left; this "
+                 "node's record covers what it acknowledged", predecessor)
+
+    def _not_left(self, predecessor: str, e: OSError) -> None:
+        log.warning("global order: cannot mark the record of the dead daemon %s in %s as left "
+                    "(%s): the other nodes wait for it until its lease (%.0f s) runs out",
+                    predecessor, self.dir, describe(e), self.lease)
 
     def start(self) -> None:
         self.thread.start()
@@ -543,16 +588,6 @@ class Peers:
             self.lock.notify_all()
         for r in stale:
             if r.instance not in self._kept:
-                self._remove(r)
-
-    def _remove_instance(self, instance: str) -> None:
-        try:
-            names = self._names()
-        except OSError:
-            return
-        for name in names:
-            r = RecordName.parse(name)
-            if r is not None and r.instance == instance:
                 self._remove(r)
 
     def _remove(self, r: RecordName) -> None:

@@ -16,8 +16,8 @@ Which records are replayed:
   the dead daemon never queued it; it is published like a snapshot;
 - never dropped: content (a publish or "flushed" record) whose directory is gone from the
   backing, or whose name a directory holds now, is kept aside in
-  ``.acpfs-recovered/<time>/`` (``Replayer.keep_aside``), logged at ERROR and listed in the
-  status document; if even that fails, the recovery fails and the journal stays;
+  ``.acpfs-recovered/<time>-<instance>/`` (``Replayer.keep_aside``), logged at ERROR and
+  listed in the status document;
 - never over a newer file: a path that ``acpfs.torch`` saved straight to the backing while
   the daemon was dead (listed in the cache directory's ``direct-writes``) is newer than
   anything the journal holds for it; records that would replace, rename over or delete it
@@ -26,8 +26,19 @@ Which records are replayed:
 - a "dirty" record that is the last word on its file: the file was open for writing at the
   crash. Its unsaved content is never published over the backing version. If it was being
   written through (a staging file in the backing), that file is kept aside in
-  ``.acpfs-recovered/<time>/``; otherwise its cached changes are dropped. Both are logged
-  at ERROR with the file's path, and listed in the status document.
+  ``.acpfs-recovered/<time>-<instance>/``; otherwise its cached changes are dropped. Both
+  are logged at ERROR with the file's path, and listed in the status document.
+
+Setting aside makes nothing in the backing during the recovery: the file is made in the
+mount, under ``.acpfs-recovered/<time>-<instance>/``, through the same ``Cache`` methods
+(mkdir, create, snapshot), so it is one more pending change, journaled in the new journal
+and published by the flusher like any other. Invariant: a backing that refuses changes
+(read-only, immutable, out of quota) never stops the mount; the set-aside is retried in the
+background, shown in ``status.errors`` and the log, and its content stays in the pool (or
+its staged file) and in the journal until it lands (issue 19, point 5: the mount used to
+fail with EPERM on ``.acpfs-recovered``). Staged files are opened read-only where the
+backing refuses to open them for writing (``Staged.read_only``); the flusher opens them
+again before it publishes them.
 
 A crash during recovery is recovered from the same journal again: the dead daemon's journal
 is kept aside (``journal.recovering``) until the replay is complete, and the new flusher
@@ -43,7 +54,7 @@ import os
 import time
 from typing import Callable
 
-from .backing import flat_name, iter_extents, staged_ino
+from .backing import RECOVERED_DIR, flat_name, staged_ino
 from .cache import Cache
 from .journal import CONTENT_KINDS, DIRTY, FLUSHED, Leftover, Record
 from .retry import retry
@@ -61,9 +72,14 @@ class Recovered:
     skipped: int = 0
     lost_open_files: list[str] = dataclasses.field(default_factory=list)
     kept_aside: list[str] = dataclasses.field(default_factory=list)
+    # each kept-aside path -> the seq of its publish: in the backing once the flusher's
+    # applied seq reaches it (status: ``aside_pending``); not part of the document
+    aside_seqs: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        del d["aside_seqs"]
+        return d
 
 
 def plan(left: Leftover) -> tuple[list[Record], list[Record]]:
@@ -117,7 +133,9 @@ class Replayer:
         self.report = report
         self.direct = direct              # paths saved straight to the backing meanwhile
         self.taken_over: set[bytes] = set()   # staged files taken over by replayed files
-        self.stamp = time.strftime("%Y%m%dT%H%M%S").encode()   # .acpfs-recovered/<stamp>/
+        # .acpfs-recovered/<stamp>-<instance>/: that folder in the mount, once made
+        self.stamp = time.strftime("%Y%m%dT%H%M%S").encode()
+        self.aside_dir: Node | None = None
 
     def newer(self, *paths: bytes | None) -> bool:
         """Was one of ``paths`` saved straight to the backing after the daemon died?"""
@@ -275,15 +293,25 @@ class Replayer:
                       "version stays", logging.WARNING)
             return
         assert rec.mode is not None and rec.uid is not None and rec.gid is not None
-        assert rec.times is not None
         if node is None:
             node = cache.create(parent, name, rec.mode, rec.uid, rec.gid)
         self._relink(rec, node)
+        self._publish(node, rec, staged)
+        self.report.files += 1
+
+    def _publish(self, node: Node, rec: Record, staged: Staged | None) -> None:
+        """Give ``node`` the content ``rec`` describes (the pool blocks it names, claimed for
+        it at build, or ``staged``) and queue its publish."""
+        cache = self.cache
+        assert rec.mode is not None and rec.uid is not None and rec.gid is not None
+        assert rec.times is not None
         with cache.lock:
             if node.blocks:
                 cache.pool.decref(node.blocks)
             cache.lru.pop(node.ino, None)
-            node.blocks = None if staged is not None else blocks
+            if staged is not None:
+                cache.pool.decref(rec.blocks)   # the staged file holds the content
+            node.blocks = None if staged is not None else rec.blocks
         node.staged = staged
         node.size = rec.size
         node.mode, node.uid, node.gid = rec.mode, rec.uid, rec.gid
@@ -291,7 +319,6 @@ class Replayer:
         node.xattrs = dict(rec.xattrs)
         node.dirty = True
         cache.snapshot(node)
-        self.report.files += 1
 
     def _relink(self, rec: Record, node: Node) -> None:
         """The file's other names when its content was acknowledged (hard links): each one
@@ -313,34 +340,88 @@ class Replayer:
 
     def keep_aside(self, rec: Record, staged: Staged | None, why: str) -> None:
         """Content whose close() was acknowledged cannot go where the mount had it: keep it
-        in ``.acpfs-recovered/<time>/`` instead, never drop it (issue 10.3). Raises if even
-        that fails: the mount is then refused and the journal kept for the next try."""
-        cache, backing = self.cache, self.cache.backing
+        in ``.acpfs-recovered/<time>-<instance>/`` instead, never drop it (issue 10.3)."""
         shown = os.fsdecode(rec.path) if rec.path is not None else f"(inode {rec.ino})"
-        flat = flat_name(shown)
-        if staged is not None:
-            with cache.lock:
-                staged.close(backing.close_fd)
-            self.taken_over.discard(rec.staged_name)
-            aside = backing.keep_aside(rec.staged_name, self.stamp, flat)
-        else:
-            assert rec.mode is not None and rec.uid is not None and rec.gid is not None
-            assert rec.times is not None
-            aside = backing.keep_aside_content(
-                self.stamp, flat, iter_extents(rec.blocks, rec.size, cache.bs), cache.pool.fd,
-                rec.size, rec.mode, rec.uid, rec.gid, rec.times, rec.xattrs)
-        with cache.lock:
-            cache.pool.decref(rec.blocks)
+        aside = self._set_aside(rec, staged, shown)
+        log.error("recovery: %s: %s; the content its close() acknowledged is kept aside as %s "
+                  "(served by the mount now; in the backing once it lands there, as any "
+                  "change does)", shown, why, aside)
+
+    def _set_aside(self, rec: Record, staged: Staged | None, shown: str) -> str:
+        """Make ``.acpfs-recovered/<time>-<instance>/<shown, flat>`` in the mount with
+        ``rec``'s content and queue its publish; returns its path. Nothing is written to the
+        backing here (module docstring): the flusher lands it, retrying while the backing
+        refuses."""
+        cache = self.cache
+        where = self._aside_folder()
+        name = flat = flat_name(shown)
+        n = 0
+        while name in where.children:  # type: ignore[operator]
+            n += 1                     # content kept aside never replaces other content
+            name = flat + b"~%d" % n
+        node = cache.create(where, name, rec.mode or 0o600, rec.uid or 0, rec.gid or 0)
+        self._publish(node, rec, staged)
+        aside = cache.path(node)
         self.report.kept_aside.append(aside)
-        log.error("recovery: %s: %s; the content its close() acknowledged is kept aside as %s in "
-                  "the backing", shown, why, aside)
+        self.report.aside_seqs[aside] = node.publish_ops[-1].seq
+        return aside
+
+    def _aside_folder(self) -> Node:
+        """This recovery's folder in the mount, ``.acpfs-recovered/<time>-<instance>/``, made
+        through the cache (queued mkdirs) where missing. ``.acpfs-recovered`` is shared by
+        every node and user (mode 1777, as /tmp); each daemon keeps aside in a 0700 folder
+        named after itself, so that daemons of several nodes recovering in the same second
+        (a whole job restarted) never publish over each other's content; if something else
+        stands under the name ``.acpfs-recovered``, ``.acpfs-recovered-<instance>`` is used."""
+        if self.aside_dir is not None and self.aside_dir.parent is not None:
+            return self.aside_dir
+        cache = self.cache
+        uid, gid = os.geteuid(), os.getegid()
+        mine = b"-" + cache.backing.instance.encode()
+        root = self._loaded(cache.root)
+        top = None
+        for name in (RECOVERED_DIR, RECOVERED_DIR + mine):
+            there = root.children.get(name)  # type: ignore[union-attr]
+            if there is None:
+                top = cache.mkdir(root, name, 0o1777, uid, gid)
+                break
+            if there.is_dir:
+                top = self._loaded(there)
+                break
+            log.warning("%r in the backing is not a directory: keeping aside in %r instead",
+                        os.fsdecode(name), os.fsdecode(RECOVERED_DIR + mine))
+        folder = self.stamp + mine
+        there = top.children.get(folder) if top is not None else None  # type: ignore[union-attr]
+        if top is None or (there is not None and not there.is_dir):
+            taken = [RECOVERED_DIR] if top is None else [top.name, folder]
+            raise OSError(errno.EEXIST, "no folder to keep content aside in: "
+                          f"{os.fsdecode(b'/'.join(taken))!r} is not a directory in the backing")
+        self.aside_dir = cache.mkdir(top, folder, 0o700, uid, gid) if there is None \
+            else self._loaded(there)
+        return self.aside_dir
 
     def _open_staged(self, tmpname: bytes) -> Staged | None:
-        fds = self.cache.backing.open_staged(tmpname)
+        """A staged file the dead daemon left, None if gone. A backing that refuses to open
+        it for writing (read-only) does not stop the recovery: it is opened for reading,
+        and the flusher opens it again for writing before it publishes it."""
+        backing = self.cache.backing
+        read_only = False
+        try:
+            fds = backing.open_staged(tmpname)
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            log.warning("recovery: the staged file %s cannot be opened for writing (%s): "
+                        "read from it for now; it is published once the backing takes changes",
+                        os.fsdecode(tmpname), e.strerror or e)
+            fds = backing.open_staged(tmpname, write=False)
+            read_only = True
         if fds is None:
             return None
         self.taken_over.add(tmpname)
-        return Staged(fds[0], fds[1], tmpname)
+        sp = Staged(fds[0], fds[1], tmpname)
+        sp.read_only = read_only
+        return sp
 
     def open_files(self, dirty: list[Record]) -> None:
         """Files open for writing at the crash: keep staged content aside, log the rest."""
@@ -350,17 +431,19 @@ class Replayer:
             ino = staged_ino(raw)
             if raw not in self.taken_over and ino is not None:
                 staged[ino] = raw
-        stamp = self.stamp
         for rec in dirty:
             path = rec.path
             shown = os.fsdecode(path) if path is not None else f"(inode {rec.ino}, deleted)"
             tmp = staged.pop(rec.ino, None)
-            if tmp is not None and path is not None:
-                flat = flat_name(os.fsdecode(path))
-                aside = backing.keep_aside(tmp, stamp, flat)
-                self.report.kept_aside.append(aside)
+            sp = self._open_staged(tmp) if tmp is not None and path is not None else None
+            if sp is not None:
+                st = backing.stat_fd(sp.fd)
+                what = Record(0, FLUSHED, rec.ino, path, size=st.st_size, mode=st.st_mode,
+                              uid=st.st_uid, gid=st.st_gid, times=(st.st_atime_ns, st.st_mtime_ns))
+                aside = self._set_aside(what, sp, shown)
                 log.error("recovery: %s was open for writing when the daemon died; its content "
-                          "written so far is kept aside as %s in the backing; the file itself "
+                          "written so far is kept aside as %s (served by the mount now; in the "
+                          "backing once it lands there, as any change does); the file itself "
                           "keeps its previous version", shown, aside)
             else:
                 self.report.lost_open_files.append(shown)
@@ -386,7 +469,11 @@ def recover(cache: Cache, left: Leftover, replay: list[Record], dirty: list[Reco
             r.apply(rec)
         except OSError as e:
             if e.errno == errno.ENOSPC or rec.kind in CONTENT_KINDS:
-                raise   # acknowledged content is never dropped: the mount fails, the journal stays
+                # acknowledged content is never dropped: the mount fails, the journal stays.
+                # Only the backing's answers to reads get here (listings, opening a staged
+                # file): setting content aside makes nothing in the backing (module
+                # docstring)
+                raise
             r.skip(rec, str(e), logging.ERROR)
         except Exception as e:   # a bug: one record must not stop the rest from being recovered
             log.exception("recovery: cannot replay %s %s (seq %d)", rec.kind, rec.path, rec.seq)

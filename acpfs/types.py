@@ -224,7 +224,7 @@ class Staged:
     fsyncs it and renames it over the final name in order, like any upload. Calls on ``fd``
     pin it (``users``) so that a publish or discard meanwhile closes it only afterwards.
     """
-    __slots__ = ("dir_fd", "name", "fd", "queued", "users", "closing")
+    __slots__ = ("dir_fd", "name", "fd", "queued", "users", "closing", "read_only")
 
     def __init__(self, dir_fd: int = -1, fd: int = -1, name: bytes = b"") -> None:
         self.dir_fd = dir_fd
@@ -233,6 +233,9 @@ class Staged:
         self.queued = False   # handed to a publish op, which owns it now
         self.users = 0        # (lock) calls on fd in flight
         self.closing = False  # (lock) close when the last user is done
+        # fd is open for reading only: a recovery found the backing refusing writes; the
+        # publish opens it again for writing first (Flusher._write_upload)
+        self.read_only = False
 
     def close(self, close_fd) -> None:
         """Close now, or when the last call in flight ends (hold Cache.lock)."""

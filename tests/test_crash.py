@@ -10,13 +10,15 @@ import os
 import random
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 
-from conftest import acpfs, tree
+from conftest import acpfs, tree, wait_for
 
 WRITER = Path(__file__).with_name("crash_writer.py")
 KILL_POINTS = int(os.environ.get("ACPFS_CRASH_POINTS", "24"))
@@ -165,6 +167,8 @@ def test_written_through_file_open_at_the_crash_is_kept_aside(make_mount):
         pass
     acpfs(*m.args())
     m.pid = m.status()["pid"]
+    # kept aside in the mount at once, in the backing like any change (issue 19, point 5)
+    m.sync()
     rec = m.status()["recovery"]
     assert len(rec["kept_aside"]) == 1, rec
     aside = m.back / rec["kept_aside"][0]
@@ -234,3 +238,118 @@ def test_a_journal_that_cannot_be_written_is_reported_and_changes_still_persist(
             subprocess.run(["umount", "-l", str(m.back)], check=False)
     finally:
         subprocess.run(["umount", "-l", str(cache_fs)], check=False)
+
+
+def refuse(back: Path, how: str) -> None:
+    if how == "immutable":            # chattr +i: mkdir at its root gets EPERM
+        subprocess.run(["chattr", "+i", str(back)], check=True)
+    else:                             # a read-only bind mount: EROFS, staged files too
+        subprocess.run(["mount", "--bind", str(back), str(back)], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(back)], check=True)
+
+
+def accept(back: Path, how: str) -> None:
+    if how == "immutable":
+        subprocess.run(["chattr", "-i", str(back)], check=True)
+    else:                             # the daemon's descriptors stay on the bind mount
+        subprocess.run(["mount", "-o", "remount,bind,rw", str(back)], check=True)
+
+
+@pytest.mark.parametrize("how,errno_name", [("immutable", "EPERM"), ("read-only", "EROFS")])
+def test_a_remount_over_a_backing_that_refuses_the_set_aside_mounts_and_retries_it(
+        make_mount, how, errno_name):
+    """Issue 19, point 5: after a SIGKILL that left content to set aside, the backing refuses
+    changes (its root made immutable: mkdir of .acpfs-recovered gets EPERM). The mount used
+    to fail ('cannot mount ...: Operation not permitted: b'.acpfs-recovered''), although the
+    running daemon survives that very fault. Now it mounts and serves; the set-aside is a
+    pending change like any other, retried in the background, shown in status and the log;
+    once the fault is gone the content lands in .acpfs-recovered/."""
+    m = make_mount(cache_size="8M", extra=("--cache-full-timeout", "30"))
+    (m.mnt / "d").mkdir()
+    (m.mnt / "d" / "before.bin").write_bytes(b"persisted" * 1000)
+    m.sync()
+    data = os.urandom(20 << 20)               # larger than the cache: written through
+    f = open(m.mnt / "huge.bin", "wb")
+    f.write(data)
+    f.flush()
+    os.kill(m.pid, signal.SIGKILL)
+    try:
+        f.close()
+    except OSError:
+        pass
+    refuse(m.back, how)
+    try:
+        try:
+            r = acpfs(*m.args(), check=False)
+            assert r.returncode == 0, f"the mount failed: {r.stderr}"
+            m.pid = m.status()["pid"]
+            # it serves: what was persisted, new files, and the content kept aside
+            assert (m.mnt / "d" / "before.bin").read_bytes() == b"persisted" * 1000
+            (m.mnt / "d" / "after.bin").write_bytes(b"new")
+            rec = m.status()["recovery"]
+            assert len(rec["kept_aside"]) == 1 and rec["aside_pending"] == rec["kept_aside"], rec
+            aside = rec["kept_aside"][0]
+            assert aside.startswith(".acpfs-recovered/") and aside.endswith("/huge.bin")
+            assert (m.mnt / aside).read_bytes() == data
+            wait_for(lambda: m.status()["errors"], what="the set-aside to fail")
+            [err] = [e for e in m.status()["errors"] if e["path"] == ".acpfs-recovered"]
+            assert err["op"] == "mkdir" and errno_name in err["reason"], err
+            text = acpfs("status", str(m.mnt)).stdout
+            assert f"KEPT ASIDE {aside} (pending: not in the backing yet" in text, text
+            assert f"ERROR      mkdir .acpfs-recovered: {errno_name}" in text, text
+            log = m.log.read_text()
+            assert f"kept aside as {aside}" in log
+            assert f"mkdir '.acpfs-recovered' failed ({errno_name}" in log
+            assert not (m.back / ".acpfs-recovered").exists()
+            assert not (m.back / "huge.bin").exists()
+        finally:
+            accept(m.back, how)
+        m.sync()
+        assert (m.back / aside).read_bytes() == data
+        # shared by every node and user, as /tmp; this daemon's folder private
+        assert stat.S_IMODE(os.stat(m.back / ".acpfs-recovered").st_mode) == 0o1777
+        assert stat.S_IMODE(os.stat((m.back / aside).parent).st_mode) == 0o700
+        assert (m.back / "d" / "after.bin").read_bytes() == b"new"
+        st = m.status()
+        assert st["errors"] == [] and st["recovery"]["aside_pending"] == []
+        assert "(in the backing)" in acpfs("status", str(m.mnt)).stdout
+        assert not (m.back / "huge.bin").exists()
+        assert list(m.back.glob(".acpfs-tmp-*")) == []
+    finally:
+        if how == "read-only":
+            m.cleanup()                   # before the bind mount under it goes
+            subprocess.run(["umount", "-l", str(m.back)], check=True)
+
+
+def test_a_remount_while_the_backing_hangs_on_changes_mounts_and_serves(make_mount, faults, tmp_path):
+    """Issue 19, point 5, a backing that hangs instead of refusing: every mkdir held (an NFS
+    server that answers lookups but not changes). The recovery writes nothing, so the mount
+    comes up and serves the content it keeps aside; it lands once the backing answers."""
+    m = make_mount("m", mount=False, cache_size="8M", extra=("--cache-full-timeout", "30"))
+    src = tmp_path / "src"
+    shim = faults.shim(src, m.back)
+    faults.mount(m)
+    data = os.urandom(20 << 20)               # larger than the cache: written through
+    f = open(m.mnt / "huge.bin", "wb")
+    f.write(data)
+    f.flush()
+    os.kill(m.pid, signal.SIGKILL)
+    try:
+        f.close()
+    except OSError:
+        pass
+    shim.set("hang mkdir")
+    r = acpfs(*m.args(), check=False, timeout=60)
+    assert r.returncode == 0, f"the mount failed: {r.stderr}"
+    m.pid = m.status()["pid"]
+    rec = m.status()["recovery"]
+    [aside] = rec["kept_aside"]
+    assert rec["aside_pending"] == [aside]
+    assert (m.mnt / aside).read_bytes() == data
+    time.sleep(1)
+    assert m.status()["recovery"]["aside_pending"] == [aside]
+    assert not (src / ".acpfs-recovered").exists()
+    shim.set("ok")
+    m.sync()
+    assert (src / aside).read_bytes() == data
+    assert m.status()["recovery"]["aside_pending"] == []

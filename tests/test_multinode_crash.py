@@ -18,10 +18,12 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 
-from conftest import Node, wait_for
+from acpfs.peers import RecordName
+from conftest import Node, Worker, content, wait_for
 
 ROUNDS = int(os.environ.get("MULTINODE_CRASH_ROUNDS", "3"))
 B_FILES = 20                    # per round: 14 into the shared step directory, 6 at the root
@@ -178,3 +180,82 @@ def test_recovery_never_removes_another_nodes_uploads_in_flight(faults, make_nod
     finally:
         shim_a.set("ok")
         shim_b.set("ok")
+
+
+def records(backing: Path) -> dict[str, RecordName]:
+    """The node records of global order in ``backing`` (peers.py), by instance. A listing
+    that crosses a rename may show a record twice (the newer counts, as in Peers._list) or
+    not at all (callers look again)."""
+    out: dict[str, RecordName] = {}
+    for name in os.listdir(backing / ".acpfs-nodes"):
+        r = RecordName.parse(os.fsencode(name))
+        if r is not None and (r.instance not in out or r.version > out[r.instance].version):
+            out[r.instance] = r
+    return out
+
+
+def test_a_node_restarted_at_once_after_a_sigkill_holds_nobody(make_nodes):
+    """Issue 19, point 4: node A's daemon is SIGKILLed and ``acpfs mount`` runs again at once
+    over the same cache (systemd's ``Restart=on-failure``) while node B publishes. B's
+    ``acpfs sync`` took 27.4 s: B kept waiting for the dead instance's record (idle, its
+    promise long run out) for a whole lease, although A had persisted everything and its
+    successor had taken over. A restarted daemon holds nobody: the predecessor's record
+    says so once the successor's own record covers what it acknowledged."""
+    a, b = make_nodes(2)                       # the defaults: heartbeat 1 s, lease 30 s
+    a.path("a0").write_bytes(b"a" * 100_000)
+    b.path("b0").write_bytes(b"b" * 100_000)
+    a.sync()
+    b.sync()
+    time.sleep(2.5)                            # every record renewed since: both idle, live
+    dead = a.status()["instance"]
+    wait_for(lambda: dead in records(a.backing), what="A's record", timeout=5)
+    assert records(a.backing)[dead].state == "idle"
+
+    w, pointer = Worker(b), Worker(b)          # B's job publishes all along
+    stop = threading.Event()
+    published: list[str] = []
+
+    def publish() -> None:
+        i = 0
+        while not stop.is_set():
+            w.do("write", f"steps/b_{i}", f"b{i}", 1000)
+            published.append(f"steps/b_{i}")
+            i += 1
+            time.sleep(0.05)
+    t = threading.Thread(target=publish, daemon=True)
+    try:
+        t.start()
+        wait_for(lambda: len(published) >= 3, what="B to publish")
+        kill(a)
+        during = len(published)
+        a.mount()                              # at once, over the same cache directory
+        assert a.status()["instance"] != dead
+        stop.set()
+        t.join(30)
+        assert len(published) > during, "B published nothing while A was dead and restarting"
+        start = time.monotonic()               # B's sync covers what it published meanwhile
+        pointer.do("point", "latest", "steps")
+        b.sync(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        stop.set()
+        t.join(30)
+        w.close()
+        pointer.close()
+    print(f"\nB's sync after A's restart: {took:.2f} s")
+    assert took < 5, f"B's sync took {took:.1f} s after A's restart: held by A's dead instance"
+    for rel in published:
+        assert (b.backing / rel).read_bytes() == content(f"b{rel.rsplit('_', 1)[1]}", 1000)
+    # nobody waits for the dead instance: its record says it left (or is gone), and B has
+    # no warning about waiting for any node
+    gone = records(a.backing).get(dead)
+    assert gone is None or gone.state == "left", gone
+    peers = {p["instance"]: p["state"] for p in b.status()["peers"]["peers"]}
+    assert peers.get(dead) in (None, "left"), peers
+    assert "has waited" not in b.log.read_text()
+    # a node with nothing pending advertises a frontier at or ahead of its clock
+    a.sync()
+    time.sleep(1.5)
+    now = a.status()["instance"]
+    mine = wait_for(lambda: records(a.backing).get(now), what="A's new record", timeout=5)
+    assert mine.state == "idle" and mine.frontier >= mine.heartbeat, mine

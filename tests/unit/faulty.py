@@ -98,7 +98,7 @@ def _path_of(backing: FaultyBacking, method: str, bound: inspect.BoundArguments)
     if method == "rename":
         dst = [os.fsdecode(c) for c in args["dcomps"]] + [os.fsdecode(args["dname"])]
         return _join(*parts) + " -> " + _join(*dst)
-    if method in ("create_staged", "open_staged", "remove_staged", "keep_aside"):
+    if method in ("create_staged", "open_staged", "remove_staged"):
         return _join(os.fsdecode(staging_dir_of(args["tmpname"])), *parts)
     return _join(*parts)
 

@@ -327,6 +327,44 @@ def test_a_removed_record_or_records_directory_is_written_again(tmp_path):
     assert len(os.listdir(records)) == 2
 
 
+def test_a_daemon_restarted_on_the_same_cache_holds_nobody_for_its_dead_predecessor(tmp_path):
+    """Issue 19, point 4, the protocol alone: a node's daemon dies idle and is restarted at
+    once over the same cache directory. Its successor writes its own record, then marks the
+    predecessor's "left": a change of another node that the dead record held goes on at that
+    node's next listing. (The predecessor's record used to be removed, and a record missing
+    from a listing is kept for a lease: here the lease is endless, so it was held for ever.)"""
+    c = Cluster(str(tmp_path), 2, 0.01, spread=0.0, rnd=random.Random(7))
+    a, b = c.nodes
+    c.now += 0.5
+    a.peers._publish()                     # idle, two heartbeats promised
+    dead = a.peers.instance
+    c.now += 5                             # a dies; its promise runs out
+    stamp = b.stamp()
+    c.now += 0.01
+    b.peers._list()
+    with b.lock:
+        held = b.peers.cleared(stamp)
+    assert held is not True and held.record.instance == dead
+    successor = SimNode(c, str(tmp_path), a.offset, 0.01)      # same node, same clock
+    assert successor.peers.find_predecessor(dead) == a.peers.mine.frontier
+    successor.peers.enter()
+    successor.peers.forget_predecessor(dead)
+    c.nodes[0] = successor
+    c.now += 0.01
+    b.peers._list()
+    with b.lock:
+        assert b.peers.cleared(stamp) is True
+        assert b.peers.peers[dead].record.state == "left"
+    names = [RecordName.parse(os.fsencode(n)) for n in os.listdir(tmp_path / os.fsdecode(NODES_DIR))]
+    assert sorted((r.instance, r.state) for r in names) == sorted(
+        [(dead, "left"), (successor.peers.instance, "idle"), (b.peers.instance, "idle")])
+    # the successor no longer ignores it: it removes it a minute later, as anyone does
+    c.now += 61
+    successor.peers._list()
+    assert dead not in {RecordName.parse(os.fsencode(n)).instance
+                        for n in os.listdir(tmp_path / os.fsdecode(NODES_DIR))}
+
+
 class HoldRecorder:
     """Stands in for ``Peers`` in a flusher: clears every hold, noting the stamp held to."""
     lease = 30.0

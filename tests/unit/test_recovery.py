@@ -445,3 +445,51 @@ def test_a_new_version_of_a_linked_file_cut_between_its_names_is_finished_by_the
     assert tree(c.back) == {"f": b"v2 longer", "d": "dir", "d/g": b"v2 longer"}
     assert os.stat(c.back / "f").st_ino == os.stat(c.back / "d" / "g").st_ino
     assert os.stat(c.back / "f").st_nlink == 2
+
+
+def test_content_to_keep_aside_while_the_backing_refuses_changes_is_queued_not_fatal(
+        tmp_path, make_core, restart):
+    """Issue 19, point 5: a recovery that must keep content aside while the backing refuses
+    changes (here mkdir of .acpfs-recovered: EPERM, as on an immutable root) used to fail,
+    and with it the mount. Now setting aside writes nothing during the recovery: the file is
+    made in the mount under .acpfs-recovered/<time>/ and queued like any change, so the
+    failure is the flusher's, retried and shown (Op.error). Its content stays in the pool
+    and in the new journal: a daemon killed again before it lands recovers it again."""
+    c = make_core("k", journal=True)
+    cache = c.cache
+    d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
+    c.drain()
+    h = hold(c)
+    cache.release(write_file(cache, b"f", b"acknowledged", parent=d), True)
+    assert h.entered.wait(5)
+    kill(c, h)
+    os.rename(c.back / "d", c.back / "d.away")
+
+    r = restart(c)
+    refused = r.backing.inject("mkdir", path=".acpfs-recovered", errno=errno.EPERM)
+    report = r.recover()                                # no exception: the mount goes on
+    [aside] = report.kept_aside
+    assert aside.startswith(".acpfs-recovered/") and aside.endswith("/d%2Ff")
+    assert report.aside_seqs[aside] > r.flusher.applied_seq
+    assert "aside_seqs" not in report.as_dict()
+    assert refused.entered.wait(5)
+    deadline = time.monotonic() + 5
+    while not (r.flusher.queue and r.flusher.queue[0].error):
+        assert time.monotonic() < deadline, "the refused mkdir is not shown as failing"
+        time.sleep(0.01)
+    failing = r.flusher.queue[0]
+    assert failing.kind == "mkdir" and failing.path == ".acpfs-recovered"
+    assert "EPERM" in failing.error
+    # the mount serves it meanwhile, from the pool
+    parent, name, node = recovery.Replayer(r.cache, report, set()).resolve(os.fsencode(aside))
+    assert node is not None and bytes(r.cache.read(node, 0, 100)) == b"acknowledged"
+    assert not (c.back / ".acpfs-recovered").exists()
+
+    r.flusher.stop(drain=False, timeout=10)             # killed again before it landed
+    assert not r.flusher.thread.is_alive()
+    r2 = restart(c)
+    report2 = r2.recover()
+    r2.drain()
+    assert report2.kept_aside == [] and report2.skipped == 0
+    assert (c.back / aside).read_bytes() == b"acknowledged"
+    assert os.listdir(c.back / "d.away") == []

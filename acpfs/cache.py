@@ -673,14 +673,15 @@ class Cache:
             self._reserve(n)
             return [self.pool.alloc() for _ in range(n)]
 
-    def open_backing_copy(self, node: Node) -> int:
-        """Worker thread: a descriptor of the backing copy of a file, the very version the
-        mount knows (``Node.backing_version``), else ESTALE (``Backing.open_version``)."""
+    def open_backing_copy(self, node: Node, verify: bool = True) -> int:
+        """Worker thread: a descriptor of the backing copy of a file; ``verify``: the very
+        version the mount knows (``Node.backing_version``), else ESTALE
+        (``Backing.open_version``)."""
         with self.position_lock:
             if node.backing_parent is None:
                 raise err(errno.ENOENT, "file has no backing copy")
-            return self.backing.open_version(self.backing_path(node.backing_parent),
-                                             node.backing_name, node.backing_version)[0]
+            return self.backing.open_version(self.backing_path(node.backing_parent), node.backing_name,
+                                             node.backing_version if verify else None)[0]
 
     def read_backing_into(self, node: Node, blocks: list[int]) -> None:
         """Worker thread: fill ``blocks`` with the backing content of ``node``."""

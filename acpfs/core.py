@@ -21,7 +21,7 @@ import logging
 import os
 import stat as statmod
 import time
-from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
+from typing import TYPE_CHECKING, Callable, NoReturn, Protocol, TypeVar
 
 import trio
 
@@ -245,11 +245,7 @@ class Core:
                 and (node.backing_parent, node.backing_name) == pos \
                 and (st is None or not statmod.S_ISREG(st.st_mode)
                      or (node.opens and (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version)):
-            if st is None:
-                cache._removed_elsewhere(pos[0], pos[1], node)
-            else:
-                cache.split(pos[0], pos[1], node, st)
-            raise err(errno.ESTALE, "another writer replaced or removed the file in the backing")
+            await self._leaves_view(pos[0], pos[1], node, gone=st is None)
         if st is not None and statmod.S_ISREG(st.st_mode) \
                 and (node.backing_parent, node.backing_name) == pos \
                 and (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version:
@@ -298,13 +294,21 @@ class Core:
         if pos != (parent, name) or parent.children is None or parent.children.get(name) is not node \
                 or not cache._subtree_quiescent(node, applied):
             return
-        if st is not None and statmod.S_IFMT(st.st_mode) == statmod.S_IFMT(node.mode):
-            return
-        cache._removed_elsewhere(parent, name, node)
-        if st is not None:
-            found = await self._check((parent.ino, name), functools.partial(cache.stat_name, parent, name))
-            if found is not None and parent.children is not None and name not in parent.children:
-                cache.attach_found(parent, name, found)
+        if st is None or statmod.S_IFMT(st.st_mode) != statmod.S_IFMT(node.mode):
+            await self._leaves_view(parent, name, node, gone=st is None)
+
+    async def _leaves_view(self, parent: Node, name: bytes, node: Node, gone: bool) -> NoReturn:
+        """Another writer removed ``node``'s entry from the backing, or put another entry
+        under its name: the node leaves the view (it lives on for descriptors open on it),
+        the name holds what the backing has now (looked up as a missing name is), and the
+        request answers ESTALE, on which the kernel looks the name up again."""
+        self.cache._removed_elsewhere(parent, name, node)
+        if not gone:
+            try:
+                await self.found_elsewhere(parent, name)
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
         raise err(errno.ESTALE, "another writer removed or replaced the entry in the backing")
 
     def _look_again(self, pos: tuple[Node, bytes]) -> None:
@@ -532,17 +536,9 @@ class Core:
     async def _open_backing(self, h: Handle, verify: bool = False) -> None:
         """(Re)open the backing copy of the handle's file for reading; ``verify``: the very
         version the mount knows, else ESTALE (an open looks the name up again)."""
-        cache = self.cache
         node = h.node
-
-        def open_backing() -> tuple[int, int]:
-            with cache.position_lock:
-                if node.backing_parent is None:
-                    raise err(errno.EIO, "file has no backing copy")
-                fd, _ = cache.backing.open_version(cache.backing_path(node.backing_parent), node.backing_name,
-                                                   node.backing_version if verify else None)
-                return fd, node.versions
-        fd, version = await trio.to_thread.run_sync(open_backing)
+        version = node.versions   # read before: a publish meanwhile only reopens once more
+        fd = await trio.to_thread.run_sync(self.cache.open_backing_copy, node, verify)
         if h.backing_fd >= 0:
             self.backing.close_fd(h.backing_fd)
         h.backing_fd, h.backing_version = fd, version

@@ -154,9 +154,11 @@ def test_file_open_at_the_crash_keeps_the_old_version(make_mount):
     assert "ERROR" in log
 
 
-def test_written_through_file_open_at_the_crash_is_kept_aside(make_mount):
-    m = make_mount(cache_size="8M", extra=("--cache-full-timeout", "30"))
-    data = os.urandom(20 << 20)               # larger than the cache: written through
+def killed_while_writing_through(m) -> bytes:
+    """Kill the daemon of ``m`` (an 8M cache) while huge.bin, larger than the cache and so
+    written through to a staged file in the backing, is still open: its content is what a
+    recovery keeps aside. Returns that content."""
+    data = os.urandom(20 << 20)
     f = open(m.mnt / "huge.bin", "wb")
     f.write(data)
     f.flush()
@@ -165,6 +167,12 @@ def test_written_through_file_open_at_the_crash_is_kept_aside(make_mount):
         f.close()
     except OSError:
         pass
+    return data
+
+
+def test_written_through_file_open_at_the_crash_is_kept_aside(make_mount):
+    m = make_mount(cache_size="8M", extra=("--cache-full-timeout", "30"))
+    data = killed_while_writing_through(m)
     acpfs(*m.args())
     m.pid = m.status()["pid"]
     # kept aside in the mount at once, in the backing like any change (issue 19, point 5)
@@ -268,15 +276,7 @@ def test_a_remount_over_a_backing_that_refuses_the_set_aside_mounts_and_retries_
     (m.mnt / "d").mkdir()
     (m.mnt / "d" / "before.bin").write_bytes(b"persisted" * 1000)
     m.sync()
-    data = os.urandom(20 << 20)               # larger than the cache: written through
-    f = open(m.mnt / "huge.bin", "wb")
-    f.write(data)
-    f.flush()
-    os.kill(m.pid, signal.SIGKILL)
-    try:
-        f.close()
-    except OSError:
-        pass
+    data = killed_while_writing_through(m)
     refuse(m.back, how)
     try:
         try:
@@ -329,15 +329,7 @@ def test_a_remount_while_the_backing_hangs_on_changes_mounts_and_serves(make_mou
     src = tmp_path / "src"
     shim = faults.shim(src, m.back)
     faults.mount(m)
-    data = os.urandom(20 << 20)               # larger than the cache: written through
-    f = open(m.mnt / "huge.bin", "wb")
-    f.write(data)
-    f.flush()
-    os.kill(m.pid, signal.SIGKILL)
-    try:
-        f.close()
-    except OSError:
-        pass
+    data = killed_while_writing_through(m)
     shim.set("hang mkdir")
     r = acpfs(*m.args(), check=False, timeout=60)
     assert r.returncode == 0, f"the mount failed: {r.stderr}"

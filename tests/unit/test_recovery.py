@@ -391,13 +391,9 @@ def test_written_through_files_are_published_or_kept_aside(tmp_path, make_core, 
     assert sorted(os.listdir(c.back)) == [os.fsdecode(RECOVERED_DIR), "big", "open"]
 
 
-@pytest.mark.parametrize("how", ["moved away", "a symlink now"])
-def test_acknowledged_content_whose_directory_is_gone_is_kept_aside(tmp_path, make_core, restart,
-                                                                     how):
-    """Issue 10.3: the backing lost a pending file's directory behind acpfs's back before the
-    crash. The content its close() acknowledged is kept aside, never dropped as 'already done'."""
-    from acpfs.backing import RECOVERED_DIR
-
+def _killed_with_d_f_pending_and_d_moved_away(make_core):
+    """A daemon killed while d/f's acknowledged content was being published, whose backing
+    then lost d (renamed to d.away behind acpfs's back): its content must be kept aside."""
     c = make_core("k", journal=True)
     cache = c.cache
     d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
@@ -407,6 +403,17 @@ def test_acknowledged_content_whose_directory_is_gone_is_kept_aside(tmp_path, ma
     assert h.entered.wait(5)
     kill(c, h)
     os.rename(c.back / "d", c.back / "d.away")
+    return c
+
+
+@pytest.mark.parametrize("how", ["moved away", "a symlink now"])
+def test_acknowledged_content_whose_directory_is_gone_is_kept_aside(tmp_path, make_core, restart,
+                                                                     how):
+    """Issue 10.3: the backing lost a pending file's directory behind acpfs's back before the
+    crash. The content its close() acknowledged is kept aside, never dropped as 'already done'."""
+    from acpfs.backing import RECOVERED_DIR
+
+    c = _killed_with_d_f_pending_and_d_moved_away(make_core)
     if how == "a symlink now":
         os.symlink("d.away", c.back / "d")
     r = restart(c)
@@ -455,15 +462,7 @@ def test_content_to_keep_aside_while_the_backing_refuses_changes_is_queued_not_f
     made in the mount under .acpfs-recovered/<time>/ and queued like any change, so the
     failure is the flusher's, retried and shown (Op.error). Its content stays in the pool
     and in the new journal: a daemon killed again before it lands recovers it again."""
-    c = make_core("k", journal=True)
-    cache = c.cache
-    d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
-    c.drain()
-    h = hold(c)
-    cache.release(write_file(cache, b"f", b"acknowledged", parent=d), True)
-    assert h.entered.wait(5)
-    kill(c, h)
-    os.rename(c.back / "d", c.back / "d.away")
+    c = _killed_with_d_f_pending_and_d_moved_away(make_core)
 
     r = restart(c)
     refused = r.backing.inject("mkdir", path=".acpfs-recovered", errno=errno.EPERM)

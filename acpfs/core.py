@@ -241,6 +241,7 @@ class Core:
         if not stats or not cache.quiescent(node, applied) or node.backing_version is None:
             return node
         pos, st = stats[0]
+        lost_name = False
         if at_open and not node.links and (node.parent, node.name) == pos \
                 and (node.backing_parent, node.backing_name) == pos \
                 and (st is None or not statmod.S_ISREG(st.st_mode)
@@ -255,22 +256,40 @@ class Core:
                 if at_open and forget and node.opens == 0:
                     self.invalidate_attrs(node.ino)   # before the reader's first read
             else:
-                # another file under the name looked at: the listing of its directory splits
-                # it off at the next lookup. This open (through whichever name) goes on with
-                # the file as the mount knows it: never with a file of another name.
-                self._look_again(pos)
+                # another file under the name looked at: split off below at an open or a
+                # lookup, else by the listing of its directory at the next lookup. This open
+                # (through whichever name) goes on with the file as the mount knows it:
+                # never with a file of another name.
+                self._another_file_at(pos, node, st, at_open)
+                lost_name = True
         # a file with several names: each of them, as close-to-open asks. A name another
         # node removed leaves the file (which keeps its others: an open through it goes on
-        # with the file, as POSIX has it); one that holds another file is looked at again
+        # with the file, as POSIX has it); one that holds another file is split off
         for pos, st in stats if node.links else ():
             if node.position_at(*pos) is None or pos[0].children is None \
                     or pos[0].children.get(pos[1]) is not node or not node.links:
                 continue
             if st is None:
                 cache._removed_elsewhere(pos[0], pos[1], node)
+                lost_name = True
             elif (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version:
-                self._look_again(pos)
+                self._another_file_at(pos, node, st, at_open)
+                lost_name = True
+        if at_open and lost_name:
+            # the open may have come through the name that left: the kernel looks the
+            # path up again, and opens the file, a new one, or nothing, as the backing has it
+            raise err(errno.ESTALE, "another writer removed or replaced a name of the file")
         return node
+
+    def _another_file_at(self, pos: tuple[Node, bytes], node: Node, st: os.stat_result,
+                         at_open: bool) -> None:
+        """A name of a file with several names holds another file in the backing now (another
+        writer replaced that name alone): at an open or lookup it becomes that file in the
+        view at once (``Cache.split``); otherwise the next lookup lists its directory."""
+        if at_open and statmod.S_ISREG(st.st_mode) and node.links:
+            self.cache.split(pos[0], pos[1], node, st)
+        else:
+            self._look_again(pos)
 
     async def _entry_checked(self, parent: Node, name: bytes, node: Node) -> None:
         """A directory, symlink or special file known under ``parent``/``name``, compared with
@@ -355,13 +374,13 @@ class Core:
         # gone). The reply carries the attributes, which the kernel then keeps.
         try:
             if node.is_reg:
-                return await self.revalidated(node, at_open=True, forget=False)
-            await self._entry_checked(parent, name, node)
-            return node
+                await self.revalidated(node, at_open=True, forget=False)
+            else:
+                await self._entry_checked(parent, name, node)
         except OSError as e:
             if e.errno != errno.ESTALE:
                 raise
-        node = parent.children.get(name)  # type: ignore[union-attr]
+        node = parent.children.get(name)  # type: ignore[union-attr]   # what the check left there
         if node is None:
             raise err(errno.ENOENT)
         return node
@@ -407,7 +426,19 @@ class Core:
         return node
 
     async def unlink(self, parent_ino: int, name: bytes) -> None:
-        self.cache.unlink(await self.dir(parent_ino), name)
+        """unlink(2). The kernel sends it for a name it may know from before another node's
+        change (within its entry timeout): a clean file is compared with the backing first,
+        as a lookup would, so that the name is removed whichever version it holds now (as
+        an NFS server removes the name), never kept as 'newer than this node's'."""
+        parent = await self.dir(parent_ino)
+        node = parent.children.get(name)  # type: ignore[union-attr]
+        if node is not None and node.is_reg:
+            try:
+                await self.revalidated(node, at_open=True, forget=False)
+            except OSError as e:
+                if e.errno != errno.ESTALE:
+                    raise
+        self.cache.unlink(parent, name)
 
     async def rmdir(self, parent_ino: int, name: bytes) -> None:
         parent = await self.dir(parent_ino)

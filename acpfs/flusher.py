@@ -762,7 +762,8 @@ class Flusher:
                 comps = cache.backing_path(op.parent)  # type: ignore[arg-type]
                 mine = node.position_at(op.parent, op.name) is not None
                 self._make_way(op, comps, op.name, node if mine else None)
-                if mine and (node.nlink > 1 or op.links) and unknown is None:
+                if mine and unknown is None:
+                    # whatever this node counts: another node may have linked it since
                     unknown = self._unknown_names(op, comps)
                 # the directory where the file is now, by path: the one the temporary file
                 # was written in may have been moved away meanwhile

@@ -256,15 +256,14 @@ class Core:
                 if at_open and forget and node.opens == 0:
                     self.invalidate_attrs(node.ino)   # before the reader's first read
             else:
-                # another file under the name looked at: split off below at an open or a
-                # lookup, else by the listing of its directory at the next lookup. This open
-                # (through whichever name) goes on with the file as the mount knows it:
-                # never with a file of another name.
+                # another file under this name alone: split off now at an open or lookup
+                # (then ESTALE below), else by the listing of its directory at the next
+                # lookup; never read or written as this file
                 self._another_file_at(pos, node, st, at_open)
                 lost_name = True
         # a file with several names: each of them, as close-to-open asks. A name another
-        # node removed leaves the file (which keeps its others: an open through it goes on
-        # with the file, as POSIX has it); one that holds another file is split off
+        # node removed leaves the file (which keeps its others); one that holds another
+        # file is split off. At an open, either answers ESTALE below
         for pos, st in stats if node.links else ():
             if node.position_at(*pos) is None or pos[0].children is None \
                     or pos[0].children.get(pos[1]) is not node or not node.links:

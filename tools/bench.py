@@ -37,7 +37,8 @@ TARGET_LABEL = {
     "acpfs": "acpfs",
     "rclone": "rclone",
 }
-WORKLOADS = ["torch", "safetensors", "dcp", "dd", "writers4", "small", "close_flush"]
+WORKLOADS = ["torch", "safetensors", "dcp", "dd", "writers", "small", "close_flush"]
+WRITERS = (1, 2, 4, 8)   # the scaling line of the writers workload (--writers picks)
 
 # metric -> (workload, unit, higher_is_better, description)
 METRICS = {
@@ -46,10 +47,12 @@ METRICS = {
     "torch_load_mmap": ("torch", "GB/s", True, "torch.load(mmap=True) + touch every page"),
     "st_save": ("safetensors", "GB/s", True, "safetensors save_file"),
     "st_load": ("safetensors", "GB/s", True, "safetensors load_file + touch every page (cached)"),
+    "np_memmap": ("safetensors", "GB/s", True, "np.memmap of the same file + touch every page (cached)"),
     "dcp_save": ("dcp", "GB/s", True, "dcp.save, FileSystemWriter, no_dist"),
     "dcp_load": ("dcp", "GB/s", True, "dcp.load, FileSystemReader, no_dist"),
     "dd_1m": ("dd", "GB/s", True, "dd bs=1M of the checkpoint size"),
-    "writers4": ("writers4", "GB/s", True, "4 processes torch.save a quarter each, at once"),
+    **{f"writers{n}": ("writers", "GB/s", True, f"{n} processes torch.save 1/{n} each, at once")
+       for n in WRITERS},
     "small_create": ("small", "files/s", True, "small files: create+write+close"),
     "small_stat": ("small", "files/s", True, "small files: stat"),
     "small_unlink": ("small", "files/s", True, "small files: unlink"),
@@ -484,6 +487,8 @@ class Bench:
         t.settle(d)
         r = self.w.call("st_load", path=p)
         self.record("st_load", t.name, rep, self.size_gb() / r["s"])
+        r = self.w.call("np_memmap", path=p)
+        self.record("np_memmap", t.name, rep, r["bytes"] / 1e9 / r["s"])
         t.remove(d)
 
     def wl_dcp(self, t: Target, rep: int) -> None:
@@ -510,17 +515,22 @@ class Bench:
         t.settle(d)
         t.remove(d)
 
-    def wl_writers4(self, t: Target, rep: int) -> None:
-        d = self.fresh(t, "w4", rep)
-        shard = self.w.size // 4
+    def wl_writers(self, t: Target, rep: int) -> None:
+        for n in self.args.writers:
+            self.writers(t, rep, n)
+
+    def writers(self, t: Target, rep: int, n: int) -> None:
+        """n fresh processes (ranks of one node) each torch.save 1/n of the size at once."""
+        d = self.fresh(t, f"w{n}", rep)
+        shard = self.w.size // n
         procs = [subprocess.Popen([PY, WORKER, "rank", str(shard), os.path.join(d, f"rank{i}.pt"),
                                    "1" if t.fsync else "0"], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True, cwd="/") for i in range(4)]
+                                  stdout=subprocess.PIPE, text=True, cwd="/") for i in range(n)]
         try:
             for p in procs:
                 if p.stdout.readline().strip() != "ready":
                     raise RuntimeError("rank writer failed to start")
-            with self.profiled(t, f"writers4-r{rep}"):
+            with self.profiled(t, f"writers{n}-r{rep}"):
                 t0 = time.perf_counter()
                 for p in procs:
                     p.stdin.write("go\n")
@@ -532,9 +542,9 @@ class Bench:
             for p in procs:
                 p.stdin.close()
                 p.wait()
-        self.record("writers4", t.name, rep, 4 * shard / 1e9 / s)
+        self.record(f"writers{n}", t.name, rep, n * shard / 1e9 / s)
         t.settle(d)
-        self.sample_rss(t, "writers4")
+        self.sample_rss(t, f"writers{n}")
         t.remove(d)
 
     def wl_small(self, t: Target, rep: int) -> None:
@@ -856,6 +866,8 @@ def main() -> int:
     ap.add_argument("--size", type=parse_size, help="checkpoint size (default 8G, 2G with --quick)")
     ap.add_argument("--small-files", type=int, help="small-file count (default 10000, 2000 with --quick)")
     ap.add_argument("--small-size", type=int, default=4096, help="bytes per small file")
+    ap.add_argument("--writers", default="1,2,4,8",
+                    help="process counts of the writers workload (a subset of 1,2,4,8)")
     ap.add_argument("--rss-files", type=int, default=100_000, help="cached files for the rss100k workload")
     ap.add_argument("--reps", type=int, default=3, help="measured repetitions (after one warm-up)")
     ap.add_argument("--backing-dir", default="/var/tmp", help="a directory on the real disk for backings")
@@ -882,6 +894,12 @@ def main() -> int:
     for w in a.workloads:
         if w not in WORKLOADS + ["rss100k"]:
             sys.exit(f"bench: unknown workload {w!r}")
+    try:
+        a.writers = [int(n) for n in a.writers.split(",") if n]
+    except ValueError:
+        sys.exit(f"bench: --writers takes process counts, e.g. 1,2,4,8, not {a.writers!r}")
+    if not a.writers or any(n not in WRITERS for n in a.writers):
+        sys.exit(f"bench: --writers must be a subset of {','.join(map(str, WRITERS))}")
     if a.reps < 1:
         sys.exit("bench: --reps must be at least 1")
     if "tmpfs" in fs_type(a.backing_dir).split()[0]:

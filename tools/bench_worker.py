@@ -4,7 +4,7 @@
 (one per line on stdin, one JSON answer per line on stdout), so torch is imported and the
 tensors are built once per run, not once per measurement.
 
-`bench_worker.py rank SIZE PATH FSYNC` is one of the concurrent writers of the `writers4`
+`bench_worker.py rank SIZE PATH FSYNC` is one of the concurrent writers of the `writers`
 workload: it builds its shard, prints "ready", waits for "go" on stdin, torch.saves the
 shard to PATH and prints the seconds it took.
 
@@ -137,6 +137,18 @@ class Worker:
         ok = same(sd, self.sd)
         del sd
         return {"s": s, "ok": ok}
+
+    def np_memmap(self, path: str) -> dict:
+        """A file mapped by np.memmap (as weight loaders of raw arrays do), every 4 KiB page
+        read once: the mmap load path, without a framework's parsing."""
+        import numpy as np
+
+        t = time.perf_counter()
+        arr = np.memmap(path, dtype=np.uint8, mode="r")
+        int(arr[::4096].sum())
+        n = arr.size
+        del arr
+        return {"s": time.perf_counter() - t, "bytes": n}
 
     # -- torch.distributed.checkpoint -----------------------------------------------------
     def dcp_save(self, path: str, fsync: bool) -> dict:

@@ -64,9 +64,25 @@
 #include <sys/utsname.h>
 #include <unistd.h>
 
+#include <sys/ioctl.h>
+
 #ifndef FUSE_DIRECT_IO_ALLOW_MMAP
 #define FUSE_DIRECT_IO_ALLOW_MMAP (1ULL << 36)   /* Linux 6.6 (as FUSE_DIRECT_IO_RELAX) */
 #endif
+/* Linux 6.9: passthrough of read, write, splice and mmap to a registered backing file.
+ * Defined here: the uapi headers of the build machine may predate it. */
+#define ACPFS_FUSE_PASSTHROUGH (1ULL << 37)
+#define ACPFS_FOPEN_PASSTHROUGH (1U << 7)
+#define ACPFS_KILLPRIV_V2 (1U << 28)
+#define ACPFS_INIT_OUT_FLAGS2 32          /* byte offsets in struct fuse_init_out */
+#define ACPFS_INIT_OUT_STACK_DEPTH 36
+struct acpfs_backing_map {
+    int32_t fd;
+    uint32_t flags;
+    uint64_t padding;
+};
+#define ACPFS_IOC_BACKING_OPEN _IOW(229, 1, struct acpfs_backing_map)
+#define ACPFS_IOC_BACKING_CLOSE _IOW(229, 2, uint32_t)
 
 typedef struct fuse_session *(*session_new_fn)(struct fuse_args *, const struct fuse_lowlevel_ops *,
                                                size_t, void *);
@@ -272,6 +288,13 @@ static uint64_t init_unique;        /* the INIT request's id, until its reply is
 static uint64_t kernel_flags;       /* what the kernel offered in INIT (flags | flags2 << 32) */
 static int direct_io_mmap;          /* the reply granted FUSE_DIRECT_IO_ALLOW_MMAP */
 static int custom_io;               /* the session's I/O is ours */
+static struct fuse_session *session; /* the mounted session (for the backing ioctls) */
+static int want_passthrough;        /* max_stack_depth to ask for; 0: do not ask */
+static int passthrough;             /* the reply granted FUSE_PASSTHROUGH */
+static int killpriv_v2;             /* ... and FUSE_HANDLE_KILLPRIV_V2 with it */
+static int32_t next_backing;        /* reply_backing(): for the next OPEN/CREATE reply */
+static int32_t patching;            /* the OPEN/CREATE reply being sent carries this id */
+static unsigned long long passthrough_opens;
 
 static ssize_t io_read(int fd, void *buf, size_t len, void *userdata)
 {
@@ -302,6 +325,12 @@ static ssize_t io_splice_send(int fdin, off_t *offin, int fdout, off_t *offout, 
     return splice(fdin, offin, fdout, offout, len, flags);
 }
 
+static int want_direct_io_mmap(void)
+{
+    const char *off = getenv("ACPFS_NO_READ_DIRECT_IO");
+    return !(off != NULL && *off != '\0' && strcmp(off, "0") != 0);
+}
+
 /* Linux 6.9 or later: shared writable mappings of direct_io files work there. */
 static int kernel_maps_direct_io_safely(void)
 {
@@ -320,11 +349,46 @@ static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata)
             init_unique = 0;
             struct fuse_init_out *arg = iov[1].iov_base;
             if (out->error == 0 && iov[1].iov_len >= offsetof(struct fuse_init_out, unused)
-                && (arg->flags & FUSE_INIT_EXT) && (kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP)) {
+                && (arg->flags & FUSE_INIT_EXT) && (kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP)
+                && want_direct_io_mmap()) {
                 arg->flags2 |= (uint32_t)(FUSE_DIRECT_IO_ALLOW_MMAP >> 32);
                 direct_io_mmap = 1;
             }
+            /* the kernel ignores the flag with the writeback cache, or without a depth */
+            if (out->error == 0 && want_passthrough
+                && iov[1].iov_len >= ACPFS_INIT_OUT_STACK_DEPTH + sizeof(uint32_t)
+                && (arg->flags & FUSE_INIT_EXT) && !(arg->flags & FUSE_WRITEBACK_CACHE)
+                && (kernel_flags & ACPFS_FUSE_PASSTHROUGH)) {
+                char *raw = iov[1].iov_base;
+                uint32_t flags2, depth = (uint32_t)want_passthrough;
+                memcpy(&flags2, raw + ACPFS_INIT_OUT_FLAGS2, sizeof(flags2));
+                flags2 |= (uint32_t)(ACPFS_FUSE_PASSTHROUGH >> 32);
+                memcpy(raw + ACPFS_INIT_OUT_FLAGS2, &flags2, sizeof(flags2));
+                memcpy(raw + ACPFS_INIT_OUT_STACK_DEPTH, &depth, sizeof(depth));
+                passthrough = 1;
+                /* passthrough writes never reach the daemon: without this the kernel asks
+                 * for security.capability (a GETXATTR) before each of them */
+                if (kernel_flags & ACPFS_KILLPRIV_V2) {
+                    arg->flags |= ACPFS_KILLPRIV_V2;
+                    killpriv_v2 = 1;
+                }
+            }
         }
+    }
+    if (patching != 0 && count >= 2 && iov[0].iov_len == sizeof(struct fuse_out_header)
+        && iov[count - 1].iov_len >= 16) {
+        /* the OPEN or CREATE reply (fuse_open_out last: after fuse_entry_out for CREATE) */
+        struct fuse_out_header *out = iov[0].iov_base;
+        if (out->error == 0) {
+            char *open_out = (char *)iov[count - 1].iov_base + iov[count - 1].iov_len - 16;
+            uint32_t open_flags;
+            memcpy(&open_flags, open_out + 8, sizeof(open_flags));
+            open_flags |= ACPFS_FOPEN_PASSTHROUGH;
+            memcpy(open_out + 8, &open_flags, sizeof(open_flags));
+            memcpy(open_out + 12, &patching, sizeof(patching));
+            passthrough_opens++;
+        }
+        patching = 0;
     }
     return writev(fd, iov, count);
 }
@@ -336,12 +400,14 @@ int fuse_session_mount(struct fuse_session *se, const char *mountpoint)
     if (real == NULL && (real = (session_mount_fn)libfuse_symbol("fuse_session_mount")) == NULL)
         return -1;
     init_unique = kernel_flags = 0;   /* a session of its own: nothing from an earlier one */
-    direct_io_mmap = custom_io = 0;
+    direct_io_mmap = custom_io = passthrough = killpriv_v2 = 0;
+    next_backing = patching = 0;
+    session = NULL;
     int res = real(se, mountpoint);
-    const char *off = getenv("ACPFS_NO_READ_DIRECT_IO");
-    if (res != 0 || (off != NULL && *off != '\0' && strcmp(off, "0") != 0)
-        || !kernel_maps_direct_io_safely())
+    if (res != 0 || !kernel_maps_direct_io_safely()
+        || (!want_direct_io_mmap() && !want_passthrough))
         return res;
+    session = se;
     static const struct fuse_custom_io io = {.writev = io_writev, .read = io_read,
                                              .splice_receive = io_splice_receive,
                                              .splice_send = io_splice_send};
@@ -377,6 +443,99 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
     if (se != NULL)
         sessions_hooked++;
     return se;
+}
+
+/* -- passthrough: the OPEN and CREATE replies ---------------------------------------------- */
+typedef int (*reply_open_fn)(fuse_req_t, const struct fuse_file_info *);
+typedef int (*reply_create_fn)(fuse_req_t, const struct fuse_entry_param *,
+                               const struct fuse_file_info *);
+
+/* Interposed like fuse_session_new. pyfuse3 calls it right after Operations.open returns,
+ * with no other request handled in between, so the id reply_backing() set during that call
+ * belongs to this reply; io_writev adds it (the reply is written within the real call). */
+int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi)
+{
+    static reply_open_fn real;
+    if (real == NULL && (real = (reply_open_fn)libfuse_symbol("fuse_reply_open")) == NULL)
+        return -ENOSYS;
+    patching = next_backing;
+    next_backing = 0;
+    int res = real(req, fi);
+    patching = 0;
+    return res;
+}
+
+int fuse_reply_create(fuse_req_t req, const struct fuse_entry_param *e,
+                      const struct fuse_file_info *fi)
+{
+    static reply_create_fn real;
+    if (real == NULL && (real = (reply_create_fn)libfuse_symbol("fuse_reply_create")) == NULL)
+        return -ENOSYS;
+    patching = next_backing;
+    next_backing = 0;
+    int res = real(req, e, fi);
+    patching = 0;
+    return res;
+}
+
+static PyObject *set_passthrough(PyObject *self, PyObject *arg)
+{
+    long depth = PyLong_AsLong(arg);
+    if (depth == -1 && PyErr_Occurred())
+        return NULL;
+    if (depth < 0 || depth > 2) {
+        PyErr_SetString(PyExc_ValueError, "max_stack_depth must be 0 (off), 1 or 2");
+        return NULL;
+    }
+    want_passthrough = (int)depth;
+    Py_RETURN_NONE;
+}
+
+static PyObject *backing_open(PyObject *self, PyObject *arg)
+{
+    int fd = (int)PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    if (session == NULL || !passthrough) {
+        errno = EOPNOTSUPP;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    struct acpfs_backing_map map = {.fd = fd, .flags = 0, .padding = 0};
+    int id = ioctl(fuse_session_fd(session), ACPFS_IOC_BACKING_OPEN, &map);
+    if (id < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    return PyLong_FromLong(id);
+}
+
+static PyObject *backing_close(PyObject *self, PyObject *arg)
+{
+    long id = PyLong_AsLong(arg);
+    if (id == -1 && PyErr_Occurred())
+        return NULL;
+    if (session == NULL) {
+        errno = EOPNOTSUPP;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    uint32_t bid = (uint32_t)id;
+    if (ioctl(fuse_session_fd(session), ACPFS_IOC_BACKING_CLOSE, &bid) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+static PyObject *reply_backing(PyObject *self, PyObject *arg)
+{
+    long id = PyLong_AsLong(arg);
+    if (id == -1 && PyErr_Occurred())
+        return NULL;
+    next_backing = (int32_t)id;
+    Py_RETURN_NONE;
+}
+
+static PyObject *get_passthrough(PyObject *self, PyObject *unused)
+{
+    return Py_BuildValue("{s:O,s:O,s:K}", "granted", passthrough ? Py_True : Py_False,
+                         "killpriv_v2", killpriv_v2 ? Py_True : Py_False,
+                         "opens", passthrough_opens);
 }
 
 /* Replace the callable in *slot with arg (None: none). */
@@ -430,6 +589,17 @@ static PyMethodDef methods[] = {
      "the handler, 'passed_on': WRITEs it passed on to pyfuse3, 'failed': WRITEs answered with "
      "an error, 'from_pipe': WRITEs that arrived in libfuse's splice pipe, 'custom_io': the "
      "session's I/O is ours, 'kernel_flags': the INIT flags the kernel offered}"},
+    {"set_passthrough", set_passthrough, METH_O,
+     "Before the mount: ask for FUSE_PASSTHROUGH in INIT with this max_stack_depth (0: do not)."},
+    {"passthrough", get_passthrough, METH_NOARGS,
+     "{'granted': the INIT reply enabled passthrough, 'killpriv_v2': and the daemon clears "
+     "setuid/setgid, 'opens': OPEN/CREATE replies sent with a backing id}"},
+    {"backing_open", backing_open, METH_O,
+     "Register an open file descriptor as a backing file (FUSE_DEV_IOC_BACKING_OPEN): its id."},
+    {"backing_close", backing_close, METH_O,
+     "Unregister a backing id (FUSE_DEV_IOC_BACKING_CLOSE)."},
+    {"reply_backing", reply_backing, METH_O,
+     "The OPEN or CREATE reply pyfuse3 sends next passes the file through to this backing id."},
     {NULL, NULL, 0, NULL},
 };
 

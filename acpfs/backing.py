@@ -959,27 +959,6 @@ class Backing:
                             "they are kept in the mount only")
 
 
-def iter_extents(blocks: list[int], size: int, block_size: int) -> Iterator[tuple[int, int, int]]:
-    """Runs of (file offset, pool offset, length) for a block list, merging adjacent blocks."""
-    start_f = start_p = length = 0
-    for i, b in enumerate(blocks):
-        foff = i * block_size
-        if foff >= size:
-            break
-        n = min(block_size, size - foff)
-        if b < 0:
-            continue
-        poff = b * block_size
-        if length and start_f + length == foff and start_p + length == poff:
-            length += n
-            continue
-        if length:
-            yield start_f, start_p, length
-        start_f, start_p, length = foff, poff, n
-    if length:
-        yield start_f, start_p, length
-
-
 def _chmod_by_name(dfd: int, name: bytes, mode: int) -> None:
     """chmod ``name`` in ``dfd`` without following a symlink or opening the file (an O_PATH
     descriptor); a symlink's mode is left as it is (Linux has none to set)."""

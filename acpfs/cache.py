@@ -2,15 +2,15 @@
 
 Owns the tree of ``Node`` objects (the mount's view: the backing tree, loaded one directory
 at a time on first use, overlaid with every change made through the mount), the content
-of cached files as block lists in the ``Pool``, eviction, and the ordered stream of
+of cached files as handles of the content store (``content.Store``), eviction, and the ordered stream of
 mutations handed to the flusher (an ``OpSink``), with their journal records. It does no
 I/O on the backing but listing and reading through ``Backing``, and knows nothing of FUSE
 or trio: ``core`` and ``writethrough`` call it, the unit tests drive it directly.
 
 Threads: every method here runs on the FUSE (trio) thread, except what the flusher calls,
 and that goes through ``lock``, the one lock the cache and the flusher share (a
-``threading.Condition``: the sequencer waits on it). ``lock`` guards the pool's free list
-and reference counts, ``Node.publish_ops``, ``Op.state``, ``lru``, journal appends and the
+``threading.Condition``: the sequencer waits on it). ``lock`` guards the content store's
+space and reference counts, ``Node.publish_ops``, ``Op.state``, ``lru``, journal appends and the
 counters; ``position_lock`` guards the backing positions (``Node.backing_parent``/
 ``backing_name``) and is held while a path in the backing is computed and used, so that
 the flusher never moves a directory under a reader's feet. docs/concurrency.md has the
@@ -19,16 +19,15 @@ whole picture.
 States of a regular file (``state_of``):
     dirty      content changed since the last snapshot (open for writing, or not closed)
     flushing   one or more snapshots are queued or being uploaded (``Node.publish_ops``)
-    persisted  the backing holds the current content; the blocks may be evicted
+    persisted  the backing holds the current content; it may be evicted
     error      a queued operation on it is failing; the reason comes from the backing
 Transitions: write/truncate -> dirty; last close of a dirty file -> snapshot -> flushing;
-flusher publishes the last snapshot -> persisted; eviction drops the blocks of a
+flusher publishes the last snapshot -> persisted; eviction drops the content of a
 persisted file (it is then read from the backing); open for writing copies it back in.
 
 Invariants:
-- A byte of a block past the end of its file is zero (``_zero_tail`` and ``_new_block``),
-  so growing a file never exposes stale data.
-- A block referenced by a snapshot (refcount > 1) is never written: writers copy it first.
+- Content shared with a snapshot or a journal record is never written in place: the store
+  copies it first (``content.Store.write``), or the open does (``Core.open``, passthrough).
 - A file is evictable (in ``lru``) only if clean, not open for writing, without queued
   operations, and present in the backing with its current content.
 """
@@ -47,12 +46,13 @@ from typing import Callable, NamedTuple
 from .backing import Backing, check_name, is_internal_name
 from .journal import CLEAN, DIRTY, FLUSHED, Journal, Record
 from .peers import stamp_after
-from .pool import Pool, PoolFull
+from .content import CacheFull, Content, Store
 from .types import JournalState, Node, Op, OpKind, OpSink, OpState, Snapshot, err, now_ns
 
 log = logging.getLogger(__name__)
 
 ROOT_INODE = 1
+HEADROOM = 1 / 8   # of the cache, free at the open of a writer the kernel passes through
 
 
 def check_not_reserved(name: bytes) -> None:
@@ -70,10 +70,9 @@ class Relisting(NamedTuple):
 
 
 class Cache:
-    def __init__(self, backing: Backing, pool: Pool) -> None:
+    def __init__(self, backing: Backing, store: Store) -> None:
         self.backing = backing
-        self.pool = pool
-        self.bs = pool.block_size
+        self.store = store
         self.lock = threading.Condition()
         self.position_lock = threading.Lock()
         st = backing.stat_root()
@@ -349,10 +348,10 @@ class Cache:
         the backing."""
         if node.opens > 0:
             return    # its readers keep the version they opened; looked at again later
-        if node.blocks is not None:
+        if node.content is not None:
             with self.lock:
-                self.pool.decref(node.blocks)
-                node.blocks = None
+                self.store.drop(node.content)
+                node.content = None
                 self.lru.pop(node.ino, None)
         node.mode, node.uid, node.gid = st.st_mode, st.st_uid, st.st_gid
         node.size = st.st_size
@@ -465,7 +464,8 @@ class Cache:
     def create(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
         kids = self._free_name(parent, name)
         node = self._new_node(statmod.S_IFREG | statmod.S_IMODE(mode), uid, gid, parent, name)
-        node.blocks = []
+        with self.lock:
+            node.content = self.store.empty()
         node.xattrs = {}
         kids[name] = node
         self._mark_dirty(node)
@@ -630,23 +630,27 @@ class Cache:
         self._enqueue(OpKind.XATTR, node, attrs=(key, value))
 
     # -- file content --------------------------------------------------------------------
-    def open(self, node: Node, writable: bool, trunc: bool, append: bool = False) -> None:
+    def open(self, node: Node, writable: bool, trunc: bool, append: bool = False,
+             passthrough: bool = False) -> None:
         """Account an open; the caller made sure a writable file is cached or staged
         (``WriteThrough.cached``)."""
         node.opens += 1
+        node.passthrough_opens += passthrough
         if writable:
             node.writers += 1   # before truncating: a truncate without writers is published
             node.appenders += append
             if trunc and node.staged is not None:
                 node.staged = None if node.staged.queued else node.staged
-            if trunc and node.staged is None and (node.size or node.blocks is None):
+            if trunc and node.staged is None and (node.size or node.content is None):
                 self.truncate(node, 0)
-            assert node.blocks is not None or node.staged is not None
+            assert node.content is not None or node.staged is not None
             with self.lock:
                 self.lru.pop(node.ino, None)
 
-    def release(self, node: Node, writable: bool, append: bool = False) -> None:
+    def release(self, node: Node, writable: bool, append: bool = False,
+                passthrough: bool = False) -> None:
         node.opens -= 1
+        node.passthrough_opens -= passthrough
         if writable:
             node.writers -= 1
             node.appenders -= append
@@ -666,12 +670,42 @@ class Cache:
         if node.opens == 0 and node.nlink == 0:
             self.drop(node)
 
-    def copy_up_blocks(self, node: Node) -> list[int]:
-        """Reserve blocks for the backing content of ``node`` (raises PoolFull)."""
-        n = -(-node.size // self.bs)
+    # -- files the kernel reads and writes itself (passthrough: Core.open) -----------------
+    def sync_content(self, node: Node) -> None:
+        """A file open for writing with passthrough: the kernel wrote it without asking, so
+        its size and times come from its memory file (once they changed there: a time set
+        by utimens since stays)."""
+        if not (node.passthrough_opens and node.writers) or node.content is None:
+            return
+        st = self.store.sync(node.content)
+        seen = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if seen != node.content.seen:
+            node.content.seen = seen
+            node.size = st.st_size
+            node.mtime = st.st_mtime_ns
+            node.ctime = max(node.ctime, st.st_ctime_ns)
+
+    def headroom(self, node: Node) -> bool:
+        """Whether a writer of ``node`` may be passed through: the free space, after evicting
+        persisted files, is HEADROOM of the cache at least. Its writes are counted only
+        when the daemon next looks (``sync_content``), so this is all that bounds them."""
         with self.lock:
-            self._reserve(n)
-            return [self.pool.alloc() for _ in range(n)]
+            try:
+                self._reserve(int(self.store.limit * HEADROOM))
+            except CacheFull:
+                return False
+        return True
+
+    def shared_in_kernel(self, node: Node) -> bool:
+        """A memory file the kernel passes opens through to, that a snapshot or record
+        holds too: its identity cannot change (``Core._unshared``), nor its bytes in place."""
+        return bool(node.passthrough_opens) and self.store.shared(node.content)
+
+    def copy_up(self, node: Node) -> Content:
+        """Reserve room for the backing content of ``node`` (raises CacheFull)."""
+        with self.lock:
+            self._reserve(node.size)
+            return self.store.alloc(node.size)
 
     def open_backing_copy(self, node: Node, verify: bool = True) -> int:
         """Worker thread: a descriptor of the backing copy of a file; ``verify``: the very
@@ -683,67 +717,34 @@ class Cache:
             return self.backing.open_version(self.backing_path(node.backing_parent), node.backing_name,
                                              node.backing_version if verify else None)[0]
 
-    def read_backing_into(self, node: Node, blocks: list[int]) -> None:
-        """Worker thread: fill ``blocks`` with the backing content of ``node``."""
+    def read_backing_into(self, node: Node, content: Content) -> None:
+        """Worker thread: fill ``content`` with the backing content of ``node``."""
         fd = self.open_backing_copy(node)
         try:
-            bs = self.bs
-            view = self.pool.view
-            size = node.size
-            for i, b in enumerate(blocks):
-                want = min(bs, size - i * bs)
-                got = self.backing.read_into(fd, view[b * bs:b * bs + want], i * bs)
-                if got < bs:
-                    self.pool.mem[b * bs + got:(b + 1) * bs] = 0
+            self.store.fill(content, fd, node.size, self.backing)
         finally:
             self.backing.close_fd(fd)
 
-    def attach_blocks(self, node: Node, blocks: list[int]) -> None:
+    def attach_content(self, node: Node, content: Content) -> None:
         with self.lock:
-            if node.blocks is not None:
-                self.pool.decref(blocks)
+            if node.content is not None:
+                self.store.drop(content)
                 return
-            node.blocks = blocks
+            node.content = content
 
-    def release_blocks(self, blocks: list[int]) -> None:
+    def release_content(self, content: Content) -> None:
         with self.lock:
-            self.pool.decref(blocks)
+            self.store.drop(content)
 
     def read(self, node: Node, off: int, size: int):
         """Bytes of a cached file, or None when its content lives only in the backing."""
-        blocks = node.blocks
-        if blocks is None:
+        content = node.content
+        if content is None:
             return None
         end = min(off + size, node.size)
         if off >= end:
             return b""
-        bs = self.bs
-        view = self.pool.view
-        i = off // bs
-        if i == (end - 1) // bs:
-            b = blocks[i] if i < len(blocks) else -1
-            if b < 0:
-                return bytes(end - off)
-            base = b * bs - i * bs
-            return view[base + off:base + end]
-        j = (end - 1) // bs
-        if j < len(blocks) and blocks[i] >= 0 and blocks[j] - blocks[i] == j - i \
-                and all(blocks[k + 1] == blocks[k] + 1 for k in range(i, j)):
-            base = blocks[i] * bs - i * bs     # contiguous in the pool: one view, no copy
-            return view[base + off:base + end]
-        parts = []
-        pos = off
-        while pos < end:
-            i = pos // bs
-            stop = min(end, (i + 1) * bs)
-            b = blocks[i] if i < len(blocks) else -1
-            if b < 0:
-                parts.append(bytes(stop - pos))
-            else:
-                base = b * bs - i * bs
-                parts.append(view[base + pos:base + stop])
-            pos = stop
-        return b"".join(parts)
+        return self.store.read(content, off, end)
 
     def touch(self, node: Node) -> None:
         if node.ino in self.lru:
@@ -752,50 +753,18 @@ class Cache:
                     self.lru.move_to_end(node.ino)
 
     def write(self, node: Node, off: int, data: bytes) -> int:
-        """Copy ``data`` into the file at ``off``; raises PoolFull without writing anything."""
+        """Copy ``data`` into the file at ``off``; raises CacheFull without writing anything."""
         n = len(data)
         if n == 0:
             return 0
-        blocks = node.blocks
-        assert blocks is not None, "write to an uncached file"
-        bs = self.bs
-        end = off + n
-        first, last = off // bs, (end - 1) // bs
-        pool = self.pool
-        rc = pool.refcount
-        view = pool.view
-        src = memoryview(data)
+        assert node.content is not None, "write to an uncached file"
+        store = self.store
         with self.lock:
-            have = len(blocks)
-            need = max(0, last + 1 - max(first, have))   # blocks past the end
-            for i in range(first, min(last + 1, have)):
-                b = blocks[i]
-                if b < 0 or rc[b] > 1:
-                    need += 1
+            need = store.need(node.content, off, off + n)
             if need:
-                self._reserve(need)   # PoolFull leaves the file as it was
-            if have <= last:
-                blocks.extend([-1] * (last + 1 - have))
-            for i in range(first, last + 1):
-                b = blocks[i]
-                if b < 0:
-                    blocks[i] = self._new_block(zero=off > i * bs or end < (i + 1) * bs)
-                elif rc[b] > 1:
-                    blocks[i] = self._cow(b)
-            # copy in runs of consecutive blocks: one slice copy for a contiguous write
-            pos = off
-            s = 0
-            i = first
-            while i <= last:
-                j = i
-                while j < last and blocks[j + 1] == blocks[j] + 1:
-                    j += 1
-                take = min((j + 1) * bs, end) - pos
-                base = blocks[i] * bs + (pos - i * bs)
-                view[base:base + take] = src[s:s + take]
-                s += take
-                pos += take
-                i = j + 1
+                self._reserve(need)   # CacheFull leaves the file as it was
+            node.content = store.write(node.content, off, data)
+        end = off + n
         if end > node.size:
             node.size = end
         node.mtime = node.ctime = now_ns()
@@ -804,27 +773,17 @@ class Cache:
         return n
 
     def truncate(self, node: Node, size: int) -> None:
-        """Set the size of a cached file (or of any file, to zero); raises PoolFull."""
-        bs = self.bs
+        """Set the size of a cached file (or of any file, to zero); raises CacheFull."""
+        store = self.store
         with self.lock:
-            if node.blocks is None:
+            if node.content is None:
                 assert size == 0, "truncate of an uncached file"
-                node.blocks = []
+                node.content = store.empty()
                 self.lru.pop(node.ino, None)
-            blocks = node.blocks
-            if size < node.size:
-                keep = -(-size // bs)
-                tail = size % bs
-                if tail and keep <= len(blocks) and blocks[keep - 1] >= 0 \
-                        and self.pool.refcount[blocks[keep - 1]] > 1:
-                    self._reserve(1)
-                self.pool.decref(blocks[keep:])
-                del blocks[keep:]
-                if tail and keep == len(blocks) and blocks[keep - 1] >= 0:
-                    b = blocks[keep - 1]
-                    if self.pool.refcount[b] > 1:
-                        b = blocks[keep - 1] = self._cow(b)
-                    self.pool.mem[b * bs + tail:(b + 1) * bs] = 0
+            need = store.need_truncate(node.content, node.size, size)
+            if need:
+                self._reserve(need)
+            node.content = store.truncate(node.content, node.size, size)
         node.size = size
         node.mtime = node.ctime = now_ns()
         node.truncated = True
@@ -842,35 +801,23 @@ class Cache:
             self.snapshot(node)
         return node.last_seq
 
-    # -- blocks (hold self.lock) -----------------------------------------------------------
-    def _new_block(self, zero: bool) -> int:
-        b = self.pool.alloc()
-        if zero:
-            bs = self.bs
-            self.pool.mem[b * bs:(b + 1) * bs] = 0
-        return b
-
-    def _cow(self, b: int) -> int:
-        nb = self.pool.alloc()
-        bs = self.bs
-        self.pool.view[nb * bs:(nb + 1) * bs] = self.pool.view[b * bs:(b + 1) * bs]
-        self.pool.decref([b])
-        return nb
-
+    # -- space and eviction (hold self.lock) ------------------------------------------------
     def _reserve(self, need: int) -> None:
-        """Make ``need`` blocks free, evicting persisted files least recently used first."""
-        pool = self.pool
-        while len(pool.free) < need:
+        """Make ``need`` bytes free, evicting persisted files least recently used first."""
+        store = self.store
+        while store.free_bytes() < need:
             if not self.lru:
-                raise PoolFull()
+                raise CacheFull()
             _, victim = self.lru.popitem(last=False)
-            if victim.blocks is not None and self._evictable(victim):
-                pool.decref(victim.blocks)
-                victim.blocks = None
+            if victim.content is not None and self._evictable(victim):
+                store.drop(victim.content)
+                victim.content = None
 
     def _evictable(self, node: Node) -> bool:
-        return (node.is_reg and node.blocks is not None and not node.dirty and not node.publish_ops
-                and node.writers == 0 and node.nlink > 0 and node.backing_parent is not None)
+        # a file open with passthrough stays: the kernel holds its memory file anyway
+        return (node.is_reg and node.content is not None and not node.dirty and not node.publish_ops
+                and node.writers == 0 and node.nlink > 0 and node.backing_parent is not None
+                and node.passthrough_opens == 0)
 
     def maybe_evictable(self, node: Node) -> None:
         with self.lock:
@@ -891,12 +838,15 @@ class Cache:
         self._mark_dirty(node)
 
     def write_through_candidate(self, exclude=()) -> Node | None:
-        """The largest file open for writing whose cached blocks could go to the backing."""
-        best = None
+        """The largest file open for writing whose cached content could go to the backing
+        (not one the kernel writes itself: passthrough)."""
+        best, most = None, 0
         for node in self.dirty_nodes:
-            if node.writers and node.staged is None and node.blocks and node.ino not in exclude:
-                if best is None or len(node.blocks) > len(best.blocks):  # type: ignore[arg-type]
-                    best = node
+            if node.writers and node.staged is None and node.content is not None \
+                    and not node.passthrough_opens and node.ino not in exclude:
+                held = self.store.nbytes(node.content)
+                if held > most:
+                    best, most = node, held
         return best
 
     def _mark_dirty(self, node: Node) -> None:
@@ -918,9 +868,9 @@ class Cache:
             if not sp.queued and self.flusher is not None:
                 self.flusher.discard_staged(sp)
         with self.lock:
-            if node.blocks:
-                self.pool.decref(node.blocks)
-            node.blocks = None
+            if node.content is not None:
+                self.store.drop(node.content)
+            node.content = None
             self.lru.pop(node.ino, None)
         node.dirty = False
         self.dirty_nodes.discard(node)
@@ -940,8 +890,7 @@ class Cache:
     def snapshot(self, node: Node) -> None:
         """Queue the current content of ``node`` for persistence (its last close)."""
         with self.lock:
-            snap = Snapshot(node)
-            self.pool.incref(snap.blocks)
+            snap = Snapshot(node, None if node.content is None else self.store.share(node.content))
             if node.staged is not None:
                 node.staged.queued = True   # the op owns it now; reads still use it
             # the acknowledgement stays in ``acked`` until the op that covers it is queued
@@ -989,26 +938,25 @@ class Cache:
 
         FUSE answers close() at FLUSH and sends RELEASE (where the snapshot is taken) without
         waiting, so a daemon killed in between must still find the content that close()
-        acknowledged. The blocks are held until the snapshot or the next change.
+        acknowledged. The content is held (shared) until the snapshot or the next change.
         """
         if self.journal is None or not node.dirty or not node.nlink or not node.is_reg \
                 or node.journal_state == JournalState.FLUSHED:
             return
         with self.lock:
-            blocks = list(node.blocks or ())
-            self.pool.incref(blocks)
-        self._journal_state(node, JournalState.FLUSHED, blocks=blocks)
+            content = None if node.content is None else self.store.share(node.content)
+        self._journal_state(node, JournalState.FLUSHED, content=content)
 
-    def _journal_state(self, node: Node, state: JournalState, blocks: list[int] | None = None,
+    def _journal_state(self, node: Node, state: JournalState, content: Content = None,
                        record: bool = True) -> None:
         """Move ``node`` to journal state ``state``, writing the record that says so."""
         with self.lock:
-            if node.journal_state == JournalState.FLUSHED:
-                self.pool.decref(node.journal_blocks or [])
-                node.journal_blocks = None
+            if node.journal_state == JournalState.FLUSHED and node.journal_content is not None:
+                self.store.drop(node.journal_content)
+            node.journal_content = None
             node.journal_state = state
             if state == JournalState.FLUSHED:
-                node.journal_blocks = blocks
+                node.journal_content = content
             if state == JournalState.NONE:
                 self.journaled.discard(node)
             else:
@@ -1020,7 +968,7 @@ class Cache:
         if node.journal_state == JournalState.DIRTY:
             return Record(0, DIRTY, node.ino, self.mount_path(node))
         if node.journal_state == JournalState.FLUSHED:
-            return self._content_record(0, FLUSHED, node, node.journal_blocks or [],
+            return self._content_record(0, FLUSHED, node, node.journal_content,
                                         (node.atime, node.mtime), dict(node.xattrs or {}))
         return Record(0, CLEAN, node.ino)
 
@@ -1040,7 +988,7 @@ class Cache:
         if node.journal_state != JournalState.DIRTY:
             self._mark_dirty(node)
 
-    def _content_record(self, seq: int, kind: str, node: Node, blocks: list[int],
+    def _content_record(self, seq: int, kind: str, node: Node, content: Content,
                         times: tuple[int, int], xattrs: dict[bytes, bytes],
                         what: Node | Snapshot | None = None) -> Record:
         """A record of a file's content: of the node itself, or of ``what`` (a snapshot)."""
@@ -1048,7 +996,8 @@ class Cache:
         sp = src.staged
         links = [p for p in (self.name_path(d, n) for d, n in node.links or ()) if p is not None]
         return Record(seq, kind, node.ino, self.mount_path(node), size=src.size, mode=src.mode,
-                      uid=src.uid, gid=src.gid, times=times, xattrs=xattrs, blocks=blocks,
+                      uid=src.uid, gid=src.gid, times=times, xattrs=xattrs,
+                      blocks=[] if content is None else self.store.ref(content),
                       staged_name=sp.name if sp is not None else b"", links=links)
 
     def _record(self, op: Op, old_path: bytes | None, src_path: bytes | None) -> Record:
@@ -1056,7 +1005,7 @@ class Cache:
         if kind == OpKind.PUBLISH:
             snap = op.snap
             assert snap is not None
-            return self._content_record(op.seq, kind, node, snap.blocks, snap.times, snap.xattrs, snap)
+            return self._content_record(op.seq, kind, node, snap.content, snap.times, snap.xattrs, snap)
         if kind == OpKind.MKDIR:
             return Record(op.seq, kind, node.ino, self.mount_path(node), mode=node.mode,
                           uid=node.uid, gid=node.gid)

@@ -463,6 +463,15 @@ def render_peers(pe: dict[str, Any]) -> list[str]:
     return lines
 
 
+def data_path(d: dict[str, Any]) -> str:
+    """Who reads and writes cached files: the kernel (passthrough) or the daemon, and why."""
+    pt = d.get("passthrough") or {}
+    store = d["cache"].get("store", "pool")
+    if pt.get("on"):
+        return f"kernel passthrough into {store} ({pt.get('opens', 0)} opens passed through)"
+    return f"through the daemon, {store} ({pt.get('why_not') or 'passthrough not asked for'})"
+
+
 def render_status(d: dict[str, Any]) -> str:
     if d.get("stale"):
         return f"{d['mountpoint']}  STALE: the daemon is gone; run 'acpfs umount {d['mountpoint']}'"
@@ -471,6 +480,7 @@ def render_status(d: dict[str, Any]) -> str:
         f"{d['mountpoint']}  (backing {d['backing']}, pid {d['pid']}, up {_age(d['uptime_s'])})",
         f"  cache      {format_size(c['used_bytes'])} used of {format_size(c['limit_bytes'])} "
         f"(peak {format_size(c['peak_used_bytes'])}), {c['cached_files']} files cached",
+        f"  data path  {data_path(d)}",
         f"  dirty      {di['files']} files, {format_size(di['bytes'])}",
         f"  flushing   {fl['files']} files, {format_size(fl['bytes'])} "
         f"({fl['in_flight']} uploads in flight, {d['queue']['pending_ops']} operations queued)",

@@ -30,7 +30,7 @@ import os
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .types import OpKind, OpState
 
@@ -62,6 +62,8 @@ class MountInfo:
     # paths the recovery kept aside -> the seq of their publish (Recovered.aside_seqs)
     recovery_aside: dict[str, int] = dataclasses.field(default_factory=dict)
     peers: Any = None              # global order (peers.Peers); None when off
+    # the kernel's passthrough state (passthrough.Kernel.state), None where not asked for
+    passthrough: Callable[[], dict] | None = None
     pid: int = dataclasses.field(default_factory=os.getpid)
     owner: int = dataclasses.field(default_factory=os.getuid)   # the mount's owner
     started: float = dataclasses.field(default_factory=time.time)
@@ -170,7 +172,7 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
     fl = cache.flusher
     assert fl is not None
     now = time.time()
-    pool = cache.pool
+    store = cache.store
     dirty_bytes = sum(n.size for n in cache.dirty_nodes)
     with cache.lock:
         queue = list(fl.queue)
@@ -179,9 +181,8 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         queued_bytes = fl.queued_bytes
         in_flight = fl.uploading
         persisted_files, persisted_bytes = fl.persisted_files, fl.persisted_bytes
-        used = pool.used_blocks * pool.block_size
-        peak = pool.peak_used * pool.block_size
-        cached_files = sum(1 for n in cache.nodes.values() if n.blocks)
+        used, peak = store.used, store.peak
+        cached_files = sum(1 for n in cache.nodes.values() if n.content is not None and n.size)
         peers = info.peers.status(fl.held) if info.peers is not None else None
     oldest = min([n.dirty_since for n in cache.dirty_nodes] + [op.since for op in queue[:1]],
                  default=None)
@@ -211,8 +212,8 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
                     "cache_full_timeout_s": info.cache_full_timeout,
                     "persist_open_after_s": info.persist_open_after,
                     "coherence_timeout_s": info.coherence_timeout},
-        "cache": {"used_bytes": used, "limit_bytes": pool.size, "peak_used_bytes": peak,
-                  "block_size": pool.block_size, "cached_files": cached_files},
+        "cache": {"used_bytes": used, "limit_bytes": store.limit, "peak_used_bytes": peak,
+                  "block_size": store.unit, "cached_files": cached_files, "store": store.kind},
         "dirty": {"files": len(cache.dirty_nodes), "bytes": dirty_bytes},
         "flushing": {"files": flushing_files, "bytes": queued_bytes, "in_flight": in_flight},
         "queue": {"pending_ops": len(queue), "applied_seq": applied, "last_seq": cache.seq},
@@ -226,6 +227,8 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         "journal_error": cache.journal.error if cache.journal is not None else None,
         "recovery": recovery,
         "fast_write": fastwrite.state(),
+        "passthrough": info.passthrough() if info.passthrough is not None else
+        {"on": False, "why_not": "not asked for"},
     }
 
 

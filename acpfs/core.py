@@ -28,12 +28,13 @@ import trio
 from . import control
 from .backing import is_internal_name
 from .cache import Cache, Relisting
+from .content import CacheFull
 from .peers import UNIT
-from .pool import PoolFull
 from .types import Node, err
 from .writethrough import WriteThrough
 
 if TYPE_CHECKING:
+    from .passthrough import Kernel
     from .peers import Peers
 
 T = TypeVar("T")
@@ -48,6 +49,7 @@ COHERENCE_WAIT = 0.5
 
 PRIV_BITS = statmod.S_ISUID | statmod.S_ISGID
 NAME_MAX = 255   # bytes in one name, as every filesystem the backing may be on
+UNSHARED_POLL = 0.005   # s between looks at a memory file an upload still holds (Core._unshared)
 LATE_ACK = 0.5   # s: content acknowledged by a close() whose RELEASE has not come is queued
 
 
@@ -60,12 +62,14 @@ class Caller(Protocol):
 
 class Handle:
     """An open file."""
-    __slots__ = ("node", "writable", "append", "backing_fd", "backing_version", "kill_priv")
+    __slots__ = ("node", "writable", "append", "backing_fd", "backing_version", "kill_priv",
+                 "passthrough")
 
     def __init__(self, node: Node, writable: bool, append: bool = False,
-                 kill_priv: bool = False) -> None:
+                 kill_priv: bool = False, passthrough: bool = False) -> None:
         self.node = node
         self.writable = writable
+        self.passthrough = passthrough   # the kernel reads and writes its memory file itself
         self.append = append         # opened with O_APPEND
         self.kill_priv = kill_priv   # opened by a user other than root: its writes clear setuid
         self.backing_fd = -1         # the backing copy, for files not in the cache
@@ -75,8 +79,10 @@ class Handle:
 class Core:
     def __init__(self, cache: Cache, info: control.MountInfo,
                  direct_io_mmap: Callable[[], bool] = lambda: False,
-                 invalidate_attrs: Callable[[int], None] = lambda ino: None) -> None:
+                 invalidate_attrs: Callable[[int], None] = lambda ino: None,
+                 kernel: Kernel | None = None) -> None:
         self.cache = cache
+        self.kernel = kernel   # passthrough (passthrough.py); None: every request comes here
         self.backing = cache.backing
         self.info = info
         self.wt = WriteThrough(cache, info.cache_full_timeout, info.persist_open_after)
@@ -355,7 +361,9 @@ class Core:
                 self._checking.discard(key)
 
     async def getattr(self, ino: int) -> Node:
-        return await self.revalidated(self.node(ino))
+        node = await self.revalidated(self.node(ino))
+        self.cache.sync_content(node)
+        return node
 
     # -- the namespace ---------------------------------------------------------------------
     async def lookup(self, parent_ino: int, name: bytes) -> Node:
@@ -472,6 +480,8 @@ class Core:
             if not node.is_reg:
                 raise err(errno.EINVAL, "not a regular file")
             await self.xattrs_loaded(node)
+            self.cache.sync_content(node)
+            await self._unshared(node, size == 0)
             await self.wt.truncate(node, size)
         if (mode, uid, gid, atime, mtime) != (None,) * 5:
             self.cache.setattr(node, mode=mode, uid=uid, gid=gid, atime=atime, mtime=mtime)
@@ -501,12 +511,13 @@ class Core:
             await self.wt.wait_seq(self.cache.seq)
 
     # -- files -----------------------------------------------------------------------------
-    async def open(self, ino: int, flags: int, uid: int = 0) -> tuple[int, bool]:
-        """Open a file: (file handle, whether the kernel should bypass its page cache)."""
+    async def open(self, ino: int, flags: int, uid: int = 0) -> tuple[int, bool, int]:
+        """Open a file: (file handle, whether the kernel should bypass its page cache, the
+        backing id the kernel passes the file through to, or 0)."""
         node = await self.revalidated(self.node(ino), at_open=True)
         if node.is_dir:
             raise err(errno.EISDIR)
-        if node.parent is None and node.blocks is None and node.staged is None \
+        if node.parent is None and node.content is None and node.staged is None \
                 and node.backing_parent is None:
             # another writer removed it and a listing took it out of the view while the
             # kernel still held its name: the kernel looks the name up again
@@ -518,35 +529,85 @@ class Core:
         if writable:
             await self.xattrs_loaded(node)
             await self.wt.open_for_writing(node, trunc)
-        h = Handle(node, writable, append, kill_priv=writable and uid != 0)
+            await self._unshared(node, trunc)
         # direct_io only where shared mmap survives it (the kernel granted it in INIT:
         # Linux 6.9+ with the fast write extension; elsewhere a shared writable mapping of a
         # direct_io file fails with ENODEV, which breaks SQLite's WAL and np.memmap).
-        # There, writers get it (1 MiB requests straight into the pool, no page cache cap),
-        # and readers of a cached file (one copy from the pool into the reader's buffer,
+        # There, writers get it (1 MiB requests straight into the cache, no page cache cap),
+        # and readers of a cached file (one copy from the cache into the reader's buffer,
         # where the page cache copies twice and allocates a page per 4 KiB). Files read
-        # from the backing keep the page cache and its read-ahead.
-        direct = self.direct_io_mmap() and (writable or node.blocks is not None)
-        if not writable and node.blocks is None and node.staged is None and node.is_reg:
+        # from the backing keep the page cache and its read-ahead, except beside
+        # passthrough, where a file must not enter the page cache's mode.
+        backing_id = self._passthrough(node, writable)
+        direct = self.direct_io_mmap() and (writable or node.content is not None
+                                            or self.kernel is not None)
+        h = Handle(node, writable, append, kill_priv=writable and uid != 0,
+                   passthrough=bool(backing_id))
+        if not writable and node.content is None and node.staged is None and node.is_reg:
             # Open the backing copy now, so that the reader keeps the version it opened
             # even if the file is renamed over, deleted or republished meanwhile.
             await self._open_backing(h, verify=True)
-        self.cache.open(node, writable, trunc, append and writable)
+        self.cache.open(node, writable, trunc, append and writable, passthrough=h.passthrough)
+        if h.passthrough and writable:
+            if h.kill_priv and node.mode & PRIV_BITS:
+                self.kill_priv(node)   # its writes never come here: cleared at the open
+            self.cache.note_change(node)   # nor does its first write: dirty from the open
         fh = self._new_fh()
         self.handles[fh] = h
-        return fh, direct
+        return fh, direct and not backing_id, backing_id
+
+    def _passthrough(self, node: Node, writable: bool) -> int:
+        """The backing id an open of ``node`` is passed through to, or 0 for an open the
+        daemon serves. The kernel fails an open with EIO when an inode has opens of both
+        kinds (or two backing files), so every open of a file open with passthrough is
+        passed through to the same memory file, and a file open through the daemon stays so
+        until its last close. A writer is passed through only while the cache has headroom
+        (its writes are counted only when the daemon next looks); else it takes the daemon's
+        path, where a full cache makes it wait or write through to the backing."""
+        kernel, cache = self.kernel, self.cache
+        if kernel is None or not node.is_reg or node.content is None or node.staged is not None:
+            return 0
+        if node.passthrough_opens:
+            return node.content.backing_id
+        if node.opens or not kernel.granted():
+            return 0
+        if writable and not cache.headroom(node):
+            return 0
+        try:
+            return cache.store.backing(node.content, kernel.register)
+        except OSError as e:
+            log.warning("%s: cannot pass it through (%s); served by the daemon", cache.path(node), e)
+            return 0
+
+    async def _unshared(self, node: Node, trunc: bool) -> None:
+        """Before an open for writing: content a snapshot or journal record still holds is
+        copied, so that the kernel writes a memory file nobody else reads. Not while the
+        file is open with passthrough: the kernel holds that memory file, so the writer
+        waits until the upload that holds it lands."""
+        cache = self.cache
+        while True:
+            with cache.lock:
+                if node.content is None or not cache.store.shared(node.content):
+                    return
+                if not node.passthrough_opens:   # O_TRUNC: nothing worth copying
+                    node.content = cache.store.private(node.content, 0 if trunc else node.size)
+                    return
+            await self.wt.wait_seq(node.last_seq)
+            await trio.sleep(UNSHARED_POLL)   # the upload's reference goes just after its seq
 
     async def create(self, parent_ino: int, name: bytes, mode: int, flags: int,
-                     caller: Caller) -> tuple[int, Node]:
+                     caller: Caller) -> tuple[int, Node, int]:
+        """Create and open a file: (file handle, its node, the backing id as ``open``)."""
         parent = await self.dir(parent_ino)
         node = self.cache.create(parent, name, mode & ~caller.umask, caller.uid, self._gid(parent, caller))
         append = bool(flags & os.O_APPEND)
         # The creating handle always counts as a writer, so that the new file is
         # published at its last close even when it was opened read-only.
-        self.cache.open(node, True, False, append)
+        backing_id = self._passthrough(node, True)
+        self.cache.open(node, True, False, append, passthrough=bool(backing_id))
         fh = self._new_fh()
-        self.handles[fh] = Handle(node, True, append)
-        return fh, node
+        self.handles[fh] = Handle(node, True, append, passthrough=bool(backing_id))
+        return fh, node, backing_id
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         h = self.handle(fh)
@@ -575,7 +636,7 @@ class Core:
 
     def write_now(self, fh: int, off: int, data: memoryview) -> int | None:
         """A WRITE straight from libfuse's buffer: bytes written, or None to take the async
-        path (``write``). ``data`` is valid only during this call: it is copied into the pool."""
+        path (``write``). ``data`` is valid only during this call: it is copied into the cache."""
         h = self.handle(fh)
         self._clear_priv(h)
         # O_APPEND: at the end of the file as this mount has it, whatever offset the kernel
@@ -596,9 +657,10 @@ class Core:
         if off < 0 or length <= 0:
             return -errno.EINVAL
         node, end = h.node, off + length
+        self.cache.sync_content(node)
         if mode & FALLOC_FL_KEEP_SIZE or end <= node.size:
             return 0
-        if node.blocks is None or not self.wt.in_pool(node):
+        if node.content is None or not self.wt.in_cache(node) or self.cache.shared_in_kernel(node):
             return -errno.EOPNOTSUPP
         self._clear_priv(h)
         self.cache.truncate(node, end)
@@ -633,13 +695,14 @@ class Core:
         close() returns when FLUSH is answered; RELEASE, which queues the file, follows
         without being waited for. So the content close() acknowledges is journaled here
         (Cache.record_close) and stamped for global order (Cache.note_ack). No waiting for
-        a staged file being built: the blocks stay valid until it is complete, and the
+        a staged file being built: the cached content stays valid until it is complete, and the
         record holds them. A FLUSH whose RELEASE does not follow (the close of a copy of
         the descriptor in a forked process) is queued by ``_queue_late_acks``.
         """
         h = self.handles.get(fh)
         if h is None or not h.writable or h.node.writers != 1 or not h.node.dirty:
             return
+        self.cache.sync_content(h.node)
         self.cache.record_close(h.node)
         self.cache.note_ack(h.node)
 
@@ -701,8 +764,9 @@ class Core:
             raise err(errno.EBADF, f"file handle {fh} is not open")
         if h.writable:
             await self.wt.settle(h.node)
+        self.cache.sync_content(h.node)
         try:
-            self.cache.release(h.node, h.writable, h.append and h.writable)
+            self.cache.release(h.node, h.writable, h.append and h.writable, h.passthrough)
         finally:
             if h.backing_fd >= 0:
                 self.backing.close_fd(h.backing_fd)
@@ -722,24 +786,24 @@ class Core:
         if not node.is_reg:
             raise err(errno.EINVAL, "only regular files can be preloaded")
         await self.wt.settle(node)
-        if node.blocks is None and node.staged is None:
-            if node.size > cache.pool.size:
+        if node.content is None and node.staged is None:
+            if node.size > cache.store.limit:
                 raise err(errno.EFBIG, "file larger than the cache")
             async with self.wt.copying(node):
-                if node.blocks is None:
+                if node.content is None:
                     try:
-                        blocks = cache.copy_up_blocks(node)
-                    except PoolFull:
+                        content = cache.copy_up(node)
+                    except CacheFull:
                         raise err(errno.ENOSPC, "cache full") from None
                     try:
-                        await trio.to_thread.run_sync(cache.read_backing_into, node, blocks)
+                        await trio.to_thread.run_sync(cache.read_backing_into, node, content)
                     except BaseException:
-                        cache.release_blocks(blocks)
+                        cache.release_content(content)
                         raise
-                    cache.attach_blocks(node, blocks)
+                    cache.attach_content(node, content)
                     cache.maybe_evictable(node)
         cache.touch(node)
-        return json.dumps({"size": node.size, "cached": node.blocks is not None}).encode()
+        return json.dumps({"size": node.size, "cached": node.content is not None}).encode()
 
     # -- the backing's numbers -------------------------------------------------------------
     async def statfs(self) -> os.statvfs_result:

@@ -128,6 +128,8 @@ class Daemon:
         from .control import MountInfo
         from .core import Core
         from .flusher import Flusher
+        from . import fastwrite, memfiles, passthrough
+        from .memfiles import MemFiles
         from .pool import Pool
 
         opts = self.opts
@@ -156,37 +158,59 @@ class Daemon:
         front = self._find_peers(instance, left.instance if left else None) \
             if opts.global_order else None
         cache_size, block_size = opts.cache_size, opts.block_size
-        if self.replay or self.dirty:
+        depth, why_not = passthrough.plan(opts.cache_dir, fastwrite.extension())
+        recovering = bool(self.replay or self.dirty)
+        if recovering:
             assert left is not None
             log.warning("recovering: a previous daemon died with %d changes not persisted (%d "
                         "files open for writing); replaying its journal from %s", len(self.replay),
                         len(self.dirty), opts.cache_dir)
-            if (left.pool_size, left.block_size) != (Pool.size_for(cache_size, block_size), block_size):
+            if left.block_size == 0:   # its content is in memory files: served from them
+                cache_size = left.pool_size
+                if not depth:
+                    log.warning("recovering the memory files of a daemon that had passthrough; "
+                                "this one serves them without it (%s)", why_not)
+            elif (left.pool_size, left.block_size) != (Pool.size_for(cache_size, block_size), block_size):
                 log.warning("recovering with the previous cache size %s and block size %s; the "
                             "options given apply from the next mount",
                             format_size(left.pool_size), format_size(left.block_size))
                 cache_size, block_size = left.pool_size, left.block_size
             journal.start_recovery(opts.cache_dir)
             self.notify(f"progress recovering {len(self.replay)} changes left by a dead daemon")
-        self.pool = Pool(os.path.join(opts.cache_dir, "pool"), cache_size, block_size,
-                         progress=self._allocating, mlock=opts.mlock)
-        self.pool.claim(recovery.claimed_blocks(self.replay))
+        ext = fastwrite.extension()
+        self.kernel = passthrough.Kernel(ext, why_not) if ext is not None and depth else None
+        if depth:
+            fastwrite.ask_passthrough(depth)
+        # a recovery keeps the store the dead daemon's journal names
+        if (left.block_size == 0) if recovering else bool(depth):
+            remove_leftover(os.path.join(opts.cache_dir, "pool"))
+            self.store = MemFiles(opts.cache_dir, cache_size,
+                                  unregister=self.kernel.unregister if self.kernel else None)
+        else:
+            log.info("kernel passthrough off: %s; every read and write goes through the daemon",
+                     why_not)
+            remove_leftover(os.path.join(opts.cache_dir, memfiles.DIRNAME))
+            self.store = Pool(os.path.join(opts.cache_dir, "pool"), cache_size, block_size,
+                              progress=self._allocating, mlock=opts.mlock)
+        self.store.claim_refs(recovery.claimed_content(self.replay))
         # a new identity for this daemon's temporary files; the dead one's leftovers are ours
         self.backing = Backing(opts.backing, instance, left.instance if left else None)
         log.info("temporary files of this daemon: %s*", os.fsdecode(self.backing.mine))
-        cache = self.cache = Cache(self.backing, self.pool)
+        cache = self.cache = Cache(self.backing, self.store)
         self.flusher = Flusher(cache, self.backing, opts.flush_workers)
         cache.flusher = self.flusher
         self.base_seq = left.last_seq if left else 0
         cache.seq = self.flusher.applied_seq = self.base_seq
         # the dead daemon's applied counter stays until its journal is replayed (a crash during
         # the replay must find both as they were)
-        cache.journal = journal.Journal(opts.cache_dir, self.pool.block_size, self.pool.size,
+        cache.journal = journal.Journal(opts.cache_dir, self.store.unit, self.store.limit,
                                         cache.live_file_records, self.backing.instance)
         self.info = MountInfo(opts.mountpoint, opts.backing, opts.cache_dir, opts.log_file,
                               opts.fsync_backing, opts.flush_workers, opts.cache_full_timeout,
-                              opts.persist_open_after, coherence_timeout=opts.coherence_timeout)
-        self.core = Core(cache, self.info)
+                              opts.persist_open_after, coherence_timeout=opts.coherence_timeout,
+                              passthrough=self.kernel.state if self.kernel is not None else
+                              (lambda: {"on": False, "why_not": why_not}))
+        self.core = Core(cache, self.info, kernel=self.kernel)
         if self.peers is not None:
             self._join(front, left.instance if left else None)
 
@@ -338,7 +362,7 @@ class Daemon:
         """Release everything; the cache directory goes only when everything is persisted."""
         opts = self.opts
         self.cache.journal.close()  # type: ignore[union-attr]
-        self.pool.close()
+        self.store.close()
         if self.peers is not None:
             self.peers.leave(drained)
         if drained:
@@ -403,6 +427,18 @@ async def watch_detached(mountpoint: str) -> None:
                         "serving them until they let go; unmount it there or end those processes, "
                         "then this daemon persists what is left and exits", mountpoint, len(holders),
                         ", ".join(f"pid {pid} {comm} at {where}" for pid, comm, where in holders))
+
+
+def remove_leftover(path: str) -> None:
+    """The other content store's file or directory, left by an earlier mount: its memory
+    goes back (a recovery that needs it keeps the store it names, ``Daemon.build``)."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def set_read_ahead(mountpoint: str) -> None:

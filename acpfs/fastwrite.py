@@ -73,6 +73,17 @@ def install(handler: Callable[[int, int, memoryview], Optional[int]],
     return True
 
 
+def extension() -> Optional[ModuleType]:
+    """The C extension, if it is loaded and can hook the session (passthrough.py uses it)."""
+    return _ext
+
+
+def ask_passthrough(depth: int) -> None:
+    """Before the mount: the INIT reply asks for FUSE_PASSTHROUGH with this stack depth."""
+    if _ext is not None:
+        _ext.set_passthrough(depth)
+
+
 def uninstall() -> None:
     if _ext is not None:
         _ext.set_handler(None)

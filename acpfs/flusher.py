@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Callable, TypeVar
 
-from .backing import STALE, Backing, Comps, MissingDir, NotEmpty, flat_name, iter_extents
+from .backing import STALE, Backing, Comps, MissingDir, NotEmpty, flat_name
 from .cache import Cache
 from .conflicts import Conflicts, describe_entry
 from .journal import Record
@@ -257,7 +257,8 @@ class Flusher:
         node = op.node
         node.publish_ops.remove(op)
         self.queued_bytes -= op.nbytes
-        self.cache.pool.decref(op.snap.blocks)  # type: ignore[union-attr]
+        if op.snap.content is not None:  # type: ignore[union-attr]
+            self.cache.store.drop(op.snap.content)  # type: ignore[union-attr]
         sp = op.snap.staged  # type: ignore[union-attr]
         if sp is not None:
             if node.staged is sp:
@@ -633,9 +634,9 @@ class Flusher:
             dfd = self.backing.open_dir(cache.backing_path(op.parent))  # type: ignore[arg-type]
         tmpname = self.backing.temp_name()   # fresh each attempt: created exclusively
         try:
-            ok = self.backing.write_temp(
-                dfd, tmpname, iter_extents(snap.blocks, snap.size, cache.bs), cache.pool.fd,
-                snap.size, snap.mode, snap.uid, snap.gid, snap.times, snap.xattrs, stopped)
+            with cache.store.source(snap.content, snap.size) as (src_fd, extents):
+                ok = self.backing.write_temp(dfd, tmpname, extents, src_fd, snap.size, snap.mode,
+                                             snap.uid, snap.gid, snap.times, snap.xattrs, stopped)
         except BaseException:
             self.backing.close_fd(dfd)
             raise

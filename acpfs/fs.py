@@ -107,6 +107,15 @@ def entry(node: Node) -> pyfuse3.EntryAttributes:
     return attrs(node)
 
 
+def pass_through(core: Core, backing_id: int) -> None:
+    """The last step of an OPEN or CREATE handler: pyfuse3 sends the reply as soon as the
+    handler returns, with no other request handled in between, and the C extension adds
+    ``backing_id`` to it (FOPEN_PASSTHROUGH). Nothing may fail after this call."""
+    if backing_id:
+        assert core.kernel is not None
+        core.kernel.reply(backing_id)
+
+
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
@@ -207,14 +216,19 @@ class Operations(pyfuse3.Operations):
     # -- files -----------------------------------------------------------------------------
     @replies
     async def open(self, inode, flags, ctx):
-        fh, direct = await self.core.open(inode, flags, ctx.uid)
-        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False)
+        fh, direct, backing_id = await self.core.open(inode, flags, ctx.uid)
+        info = pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False)
+        pass_through(self.core, backing_id)
+        return info
 
     @replies
     async def create(self, parent_inode, name, mode, flags, ctx):
-        fh, node = await self.core.create(parent_inode, name, mode, flags, ctx)
-        return pyfuse3.FileInfo(fh=fh, direct_io=self.core.direct_io_mmap(), keep_cache=False), \
-            entry(node)
+        fh, node, backing_id = await self.core.create(parent_inode, name, mode, flags, ctx)
+        info = pyfuse3.FileInfo(fh=fh, direct_io=self.core.direct_io_mmap() and not backing_id,
+                                keep_cache=False)
+        reply = info, entry(node)
+        pass_through(self.core, backing_id)
+        return reply
 
     async def read(self, fh, off, size):
         try:

@@ -5,8 +5,8 @@
 the same ``Cache`` methods a FUSE request would call, onto a cache loaded from the backing:
 the backing already shows the history up to ``applied``, so replaying the rest rebuilds the
 dead daemon's view, and queues every pending change again (new seqs, same order) for the
-new flusher. File contents are not copied: replayed files take over the pool blocks the
-records name (the pool file is reused as it is).
+new flusher. File contents are not copied: replayed files take over what the records name in the
+content store (pool blocks or memory files, reused as they are: ``Store.claim_refs``).
 
 Which records are replayed:
 - operations with seq > applied (the one right after ``applied`` may already be in the
@@ -34,7 +34,7 @@ mount, under ``.acpfs-recovered/<time>-<instance>/``, through the same ``Cache``
 (mkdir, create, snapshot), so it is one more pending change, journaled in the new journal
 and published by the flusher like any other. Invariant: a backing that refuses changes
 (read-only, immutable, out of quota) never stops the mount; the set-aside is retried in the
-background, shown in ``status.errors`` and the log, and its content stays in the pool (or
+background, shown in ``status.errors`` and the log, and its content stays in the cache (or
 its staged file) and in the journal until it lands (issue 19, point 5: the mount used to
 fail with EPERM on ``.acpfs-recovered``). Staged files are opened read-only where the
 backing refuses to open them for writing (``Staged.read_only``); the flusher opens them
@@ -117,14 +117,10 @@ def plan(left: Leftover) -> tuple[list[Record], list[Record]]:
     return replay, open_at_crash
 
 
-def claimed_blocks(records: list[Record]) -> list[int]:
-    """Every pool block named by a content record to be replayed (with repeats: one
-    reference per record)."""
-    out: list[int] = []
-    for r in records:
-        if r.kind in CONTENT_KINDS:
-            out.extend(b for b in r.blocks if b >= 0)
-    return out
+def claimed_content(records: list[Record]) -> list[list[int]]:
+    """What each content record to be replayed names in the content store (one reference
+    per record: ``Store.claim_refs``)."""
+    return [r.blocks for r in records if r.kind in CONTENT_KINDS]
 
 
 class Replayer:
@@ -266,11 +262,9 @@ class Replayer:
     def content(self, rec: Record) -> None:
         """A file's content at its last close: make it the file's content, queue it."""
         cache = self.cache
-        blocks = rec.blocks
         staged = self._open_staged(rec.staged_name) if rec.staged_name else None
         if rec.staged_name and staged is None:
-            with cache.lock:
-                cache.pool.decref(blocks)
+            self._release(rec)
             self.skip(rec, "its staged file is gone: published before the crash, or removed "
                       "from the backing by something else", logging.WARNING)
             return
@@ -284,8 +278,7 @@ class Replayer:
                             else "a directory stands under its name in the backing now")
             return
         if self.newer(rec.path):
-            with cache.lock:
-                cache.pool.decref(blocks)
+            self._release(rec)
             if staged is not None:
                 staged.close(cache.backing.close_fd)
                 self.taken_over.discard(rec.staged_name)
@@ -299,19 +292,25 @@ class Replayer:
         self._publish(node, rec, staged)
         self.report.files += 1
 
+    def _release(self, rec: Record) -> None:
+        """The content ``rec`` names is not replayed: give back what recovery claimed for it."""
+        with self.cache.lock:
+            self.cache.store.drop(self.cache.store.adopt(rec.blocks))
+
     def _publish(self, node: Node, rec: Record, staged: Staged | None) -> None:
-        """Give ``node`` the content ``rec`` describes (the pool blocks it names, claimed for
+        """Give ``node`` the content ``rec`` describes (what it names in the store, claimed for
         it at build, or ``staged``) and queue its publish."""
         cache = self.cache
         assert rec.mode is not None and rec.uid is not None and rec.gid is not None
         assert rec.times is not None
         with cache.lock:
-            if node.blocks:
-                cache.pool.decref(node.blocks)
+            if node.content is not None:
+                cache.store.drop(node.content)
             cache.lru.pop(node.ino, None)
+            content = cache.store.adopt(rec.blocks)
             if staged is not None:
-                cache.pool.decref(rec.blocks)   # the staged file holds the content
-            node.blocks = None if staged is not None else rec.blocks
+                cache.store.drop(content)   # the staged file holds the content
+            node.content = None if staged is not None else content
         node.staged = staged
         node.size = rec.size
         node.mode, node.uid, node.gid = rec.mode, rec.uid, rec.gid

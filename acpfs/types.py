@@ -7,7 +7,7 @@ Which thread may touch which field, and under which lock, is in docs/concurrency
 short form is next to each field.
 
 Vocabulary (one name per concept):
-    cached        a file whose content is in the pool (``Node.blocks``)
+    cached        a file whose content is in the content store (``Node.content``)
     written through / staged
                   a file too large for the cache (or open for a long time) whose content
                   lives in a *staged file* in the backing (``Node.staged``, ``Staged``)
@@ -80,10 +80,10 @@ class Node:
     trio thread.
     """
     __slots__ = ("ino", "mode", "uid", "gid", "size", "atime", "mtime", "ctime", "parent", "name",
-                 "children", "target", "blocks", "backing_parent", "backing_name",
+                 "children", "target", "content", "backing_parent", "backing_name",
                  "writers", "appenders", "opens", "nlink", "lookups", "dirty", "dirty_since",
                  "publish_ops", "last_seq", "xattrs", "staged", "versions", "journal_state",
-                 "journal_blocks", "truncated", "listed_at", "listed_version", "backing_version", "checked_at", "rdev",
+                 "journal_content", "passthrough_opens", "truncated", "listed_at", "listed_version", "backing_version", "checked_at", "rdev",
                  "links", "backing_links")
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, parent: Node | None, name: bytes) -> None:
@@ -99,12 +99,14 @@ class Node:
         self.children: dict[bytes, Node] | None = None   # directories: None until loaded
         self.target = b""                                # symlinks
         self.rdev = 0                                    # device nodes: the device number
-        self.blocks: list[int] | None = None             # (lock) files: None = not cached
+        self.content: Any = None                         # (lock) files: the store's handle
+                                                         # (content.py); None = not cached
         self.backing_parent: Node | None = None          # (position lock) position in the
         self.backing_name = b""                          # backing; parent None = absent there
         self.writers = 0                                 # open handles that may write
         self.appenders = 0                               # of those, opened with O_APPEND
         self.opens = 0
+        self.passthrough_opens = 0                       # of those, passed through by the kernel
         self.nlink = 1
         self.lookups = 0                                 # the kernel's references (FUSE lookup count)
         self.dirty = False                               # changed since its last snapshot
@@ -115,7 +117,7 @@ class Node:
         self.staged: Staged | None = None                # content written through to the backing
         self.versions = 0                                # versions published (readers' backing fds)
         self.journal_state = JournalState.NONE           # (lock) its last journal record
-        self.journal_blocks: list[int] | None = None     # (lock) blocks held for a FLUSHED record
+        self.journal_content: Any = None                 # (lock) content held for a FLUSHED record
         self.truncated = False                           # shrunk since its last snapshot
         self.listed_at = 0.0                             # directories: when the backing's
                                                          # entries were last merged in (monotonic)
@@ -250,11 +252,11 @@ class Staged:
 
 class Snapshot:
     """An immutable picture of a file taken at its last close: what one upload writes."""
-    __slots__ = ("blocks", "size", "mode", "uid", "gid", "times", "xattrs", "staged")
+    __slots__ = ("content", "size", "mode", "uid", "gid", "times", "xattrs", "staged")
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, content: Any) -> None:
         self.staged = node.staged
-        self.blocks = list(node.blocks or ())
+        self.content = content   # a reference of its own (Store.share); None: staged only
         self.size = node.size
         self.mode = node.mode
         self.uid = node.uid

@@ -2,10 +2,10 @@
 
 Owns the policy that keeps writers going at the backing's speed instead of failing:
 
-- ``with_space``: a change that needs blocks waits, while the cache is full, for the flusher
+- ``with_space``: a change that needs space waits, while the cache is full, for the flusher
   to persist and free some, writing the largest open file through to make room; after
   ``cache_full_timeout`` seconds without progress the writer gets ENOSPC.
-- writing a file through (``write_through``): an open file's cached blocks are copied to a
+- writing a file through (``write_through``): an open file's cached content is copied to a
   *staged file* in the backing's staging directory (``Backing.create_staged``); from then
   on its reads, writes, truncates and fsyncs go to that file, and its last close hands it to
   the flusher, which publishes it in order like any upload. A file larger than half the
@@ -34,16 +34,15 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 import trio
 
-from .backing import iter_extents
 from .cache import Cache
-from .pool import PoolFull
+from .content import CacheFull
 from .types import Node, Staged, err
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RETRY_FAILED_AFTER = 10.0   # seconds before a file whose write-through failed is tried again
-START_WRITE_THROUGH = 0.2   # seconds a writer waits for free blocks before writing through
+START_WRITE_THROUGH = 0.2   # seconds a writer waits for free space before writing through
 
 
 class Slot:
@@ -100,7 +99,7 @@ class WriteThrough:
             slot = self.slots.get(node.ino)
 
     def busy(self, node: Node) -> bool:
-        """Writes to the node cannot go straight to the pool: it is staged or being staged."""
+        """Writes to the node cannot go straight to the cache: it is staged or being staged."""
         return node.staged is not None or node.ino in self.slots
 
     async def on_staged(self, sp: Staged, fn: Callable[..., T], *args: Any) -> T:
@@ -127,7 +126,8 @@ class WriteThrough:
             raise err(errno.EIO, "staged file closed while still in use")
 
     def may_write_through(self, node: Node) -> bool:
-        return (node.writers > 0 and node.staged is None and node.blocks is not None
+        return (node.writers > 0 and node.staged is None and node.content is not None
+                and not node.passthrough_opens
                 and node.ino not in self.failed and node.ino not in self.slots)
 
     # -- the full cache ------------------------------------------------------------------
@@ -139,13 +139,13 @@ class WriteThrough:
         """
         try:
             return fn()
-        except PoolFull:
+        except CacheFull:
             pass
         start = time.monotonic()
         if not self._full_since:
             self._full_since = start
-            log.info("cache full (%d MiB): writers wait for the flusher to persist and free blocks",
-                     self.cache.pool.size >> 20)
+            log.info("cache full (%d MiB): writers wait for the flusher to persist and free space",
+                     self.cache.store.limit >> 20)
         delay = 0.001
         while True:
             await trio.sleep(delay)
@@ -156,7 +156,7 @@ class WriteThrough:
                 result = fn()
                 self._full_since = 0.0
                 return result
-            except PoolFull:
+            except CacheFull:
                 pass
             if time.monotonic() - start > START_WRITE_THROUGH:
                 now = time.monotonic()
@@ -186,7 +186,7 @@ class WriteThrough:
         """
         cache, backing = self.cache, self.backing
         tmp = backing.staged_name(node.ino)
-        blocks_before = node.blocks
+        content_before = node.content
 
         def run() -> tuple[int, int]:
             dfd, fd = backing.create_staged(tmp)
@@ -207,7 +207,7 @@ class WriteThrough:
                 log.warning("cannot %s %s (%s); it stays in the cache", why, cache.path(node), e)
                 return None
             sp = Staged(dfd, fd, tmp)
-            if node.staged is not None or node.blocks is not blocks_before:
+            if node.staged is not None or node.content is not content_before:
                 assert cache.flusher is not None
                 cache.flusher.discard_staged(sp)
                 return None
@@ -215,33 +215,34 @@ class WriteThrough:
             return sp
 
     async def write_through(self, node: Node) -> bool:
-        """Write a large open file through to the backing, freeing its cached blocks.
+        """Write a large open file through to the backing, freeing its cached content.
 
-        Its blocks are copied to a staged file; from then on its writes and reads go to that
+        Its content is copied to a staged file; from then on its writes and reads go to that
         file (at the backing's speed) and its last close hands the file to the flusher.
         """
         cache, backing = self.cache, self.backing
         if not self.may_write_through(node):   # its last writer may have closed it since
             return False
         with cache.lock:
-            blocks = list(node.blocks or ())
-            cache.pool.incref(blocks)
+            content = cache.store.share(node.content)
         size = node.size
 
         def fill(fd: int) -> None:
-            backing.copy_extents(fd, iter_extents(blocks, size, cache.bs), cache.pool.fd)
+            with cache.store.source(content, size) as (src_fd, extents):
+                backing.copy_extents(fd, extents, src_fd)
             backing.truncate(fd, size)
 
         try:
             sp = await self._stage(node, fill, "write through")
         finally:
-            cache.release_blocks(blocks)
+            cache.release_content(content)
         if sp is None:
             self.failed[node.ino] = time.monotonic()
             return False
         with cache.lock:
-            cache.pool.decref(node.blocks or [])
-            node.blocks = None
+            if node.content is not None:
+                cache.store.drop(node.content)
+            node.content = None
         log.info("cache full: writing %s through to the backing from now on (%d MiB were cached)",
                  cache.path(node), size >> 20)
         return True
@@ -270,7 +271,7 @@ class WriteThrough:
                 backing.close_fd(src)
 
         if await self._stage(node, fill, "copy for writing") is None and node.staged is None \
-                and node.blocks is None:
+                and node.content is None:
             raise err(errno.EIO, "cannot stage a copy of this file for writing")
 
     async def cached(self, node: Node) -> None:
@@ -282,7 +283,7 @@ class WriteThrough:
         cache = self.cache
         while True:
             await self.settle(node)
-            if node.blocks is not None:
+            if node.content is not None:
                 return
             sp = node.staged
             if sp is None:
@@ -291,21 +292,21 @@ class WriteThrough:
                 return
             await self.wait_seq(node.last_seq)   # then look again: others ran meanwhile
         # Nothing is staging the node, and no await since settle: _stage_copy may stage it.
-        if node.size > cache.pool.size // 2:
+        if node.size > cache.store.limit // 2:
             await self._stage_copy(node)
             return
         async with self.copying(node):
-            if node.blocks is None and node.staged is None:
-                blocks = await self.with_space(lambda: cache.copy_up_blocks(node))
+            if node.content is None and node.staged is None:
+                content = await self.with_space(lambda: cache.copy_up(node))
                 try:
-                    await trio.to_thread.run_sync(cache.read_backing_into, node, blocks)
+                    await trio.to_thread.run_sync(cache.read_backing_into, node, content)
                 except BaseException:
-                    cache.release_blocks(blocks)
+                    cache.release_content(content)
                     raise
-                if node.blocks is None and node.staged is None:
-                    cache.attach_blocks(node, blocks)
+                if node.content is None and node.staged is None:
+                    cache.attach_content(node, content)
                 else:   # staged meanwhile (its size changed): that copy wins
-                    cache.release_blocks(blocks)
+                    cache.release_content(content)
 
     @contextlib.asynccontextmanager
     async def copying(self, node: Node) -> AsyncIterator[None]:
@@ -330,19 +331,19 @@ class WriteThrough:
             delay = min(delay * 2, 0.05)
 
     # -- changes of a file's content -------------------------------------------------------
-    def in_pool(self, node: Node) -> bool:
-        """The file's content is changed in the pool alone: not staged in the backing, and
+    def in_cache(self, node: Node) -> bool:
+        """The file's content is changed in the cache alone: not staged in the backing, and
         no staging of it under way."""
         return node.staged is None and node.ino not in self.slots
 
     def write_now(self, node: Node, off: int, data: memoryview) -> int | None:
-        """A write that needs no waiting: into the pool, or None when it must wait (for free
-        blocks or a staged file: ``write``)."""
-        if not self.in_pool(node):
+        """A write that needs no waiting: into the cache, or None when it must wait (for free
+        space or a staged file: ``write``)."""
+        if not self.in_cache(node):
             return None
         try:
             return self.cache.write(node, off, data)
-        except PoolFull:
+        except CacheFull:
             return None
 
     async def write(self, node: Node, off: int, buf: bytes) -> int:
@@ -367,7 +368,7 @@ class WriteThrough:
                     cache.mark_written(node, off + n)
                 return n
             # None: the node started being written through while we waited; go around
-            if len(buf) > cache.pool.size // 2 and self.may_write_through(node):
+            if len(buf) > cache.store.limit // 2 and self.may_write_through(node):
                 self._start_write_through(node)   # this write alone nearly fills the cache
                 await trio.sleep(0)
                 continue
@@ -387,7 +388,7 @@ class WriteThrough:
             if sp is not None and sp.queued:
                 await self.wait_seq(node.last_seq)   # its last version is being published
                 continue
-            if sp is None and node.blocks is None and size:
+            if sp is None and node.content is None and size:
                 if not node.nlink and not node.opens:
                     node.size = size   # deleted and dropped meanwhile: nothing to keep
                     return
@@ -410,7 +411,7 @@ class WriteThrough:
                 return
             # False: the node was staged or evicted while we waited for space; go around
             if await self.with_space(
-                    lambda: False if self.busy(node) or (size and node.blocks is None)
+                    lambda: False if self.busy(node) or (size and node.content is None)
                     else cache.truncate(node, size) or True, node):
                 return
 

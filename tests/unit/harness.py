@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 from acpfs.cache import Cache
 from acpfs.flusher import Flusher
 from acpfs.journal import Journal
+from acpfs.memfiles import MemFiles
 from acpfs.pool import Pool
 from faulty import FaultyBacking
 
 BS = 4096
+
+
+def memory_files() -> bool:
+    """The content store the unit tier runs on: memory files (as the passthrough path), or
+    the pool with ACPFS_NO_PASSTHROUGH=1 (as the path every request takes)."""
+    return os.environ.get("ACPFS_NO_PASSTHROUGH", "") in ("", "0")
+
+
+def make_store(cache_dir: Path, size: int, block_size: int = BS, unit: int | None = None):
+    """The store of ``memory_files()``, or the one a journal names (``unit``: its block size)."""
+    files = memory_files() if unit is None else unit == 0
+    if files:
+        return MemFiles(str(cache_dir), size)
+    return Pool(str(cache_dir / "pool"), size, block_size)
 
 
 class Core:
@@ -22,13 +38,14 @@ class Core:
         self.back.mkdir(exist_ok=True)
         self.cache_dir = root / "cache"
         self.cache_dir.mkdir(exist_ok=True)
-        self.pool = Pool(str(self.cache_dir / "pool"), blocks * BS, BS)
+        self.store = make_store(self.cache_dir, blocks * BS)
+        self.store.claim_refs([])
         self.backing = FaultyBacking(str(self.back))
-        self.cache = Cache(self.backing, self.pool)
+        self.cache = Cache(self.backing, self.store)
         self.flusher = Flusher(self.cache, self.backing, workers=workers)
         self.cache.flusher = self.flusher
         if journal:
-            self.cache.journal = Journal(str(self.cache_dir), BS, self.pool.size,
+            self.cache.journal = Journal(str(self.cache_dir), self.store.unit, self.store.limit,
                                          self.cache.live_file_records, self.backing.instance)
         self.flusher.start()
         self.cache.attach_listing(self.cache.root, self.cache.list_backing(self.cache.root))
@@ -45,7 +62,7 @@ class Core:
         self.flusher.stop(drain=True, timeout=30)
         if self.cache.journal is not None:
             self.cache.journal.close()
-        self.pool.close()
+        self.store.close()
         self.backing.close()
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from acpfs.flusher import Flusher
-from acpfs.pool import PoolFull
+from acpfs.content import CacheFull
 
 from harness import BS, write_file
 
@@ -36,7 +36,7 @@ def test_snapshot_is_immune_to_later_writes(core):
     cache.release(node, True)
     drain(flusher, cache.seq)
     assert (back / "f").read_bytes() == b"A" * BS + b"B" * BS + b"A" * BS
-    assert cache.pool.used_blocks == 3     # the copies of the snapshot were freed
+    assert cache.store.used == 3 * BS     # the copies of the snapshot were freed
 
 
 def test_truncate_zeroes_the_tail_so_growth_shows_zeros(core):
@@ -53,8 +53,8 @@ def test_full_pool_evicts_persisted_files_first(core):
     cache.release(a, True)
     drain(flusher, cache.seq)
     b = write_file(cache, b"b", b"b" * (40 * BS))    # needs a's blocks: a is evicted
-    assert a.blocks is None and cache.read(a, 0, 1) is None   # now read from the backing
-    with pytest.raises(PoolFull):
+    assert a.content is None and cache.read(a, 0, 1) is None   # now read from the backing
+    with pytest.raises(CacheFull):
         cache.write(b, 40 * BS, b"c" * (30 * BS))    # nothing evictable left: the caller waits
     assert b.size == 40 * BS                          # and nothing was written
     cache.release(b, True)
@@ -71,7 +71,7 @@ def test_unlinked_before_persisted_is_never_uploaded(core):
     drain(flusher, cache.seq)
     assert not (back / "gone").exists()
     assert not [n for n in os.listdir(back) if n.startswith(".acpfs-tmp-")]
-    assert cache.pool.used_blocks == 0
+    assert cache.store.used == 0 * BS
 
 
 def test_rename_of_a_never_closed_file_leaves_the_name_empty_until_its_close(core):

@@ -174,10 +174,10 @@ def test_D_open_reader_switches_versions_mid_read(core):
         await tc.close(c, fh)
         await tc.drain(core)
         with cache.lock:                       # evicted: read from the backing
-            cache.pool.decref(node.blocks)
-            node.blocks = None
+            cache.store.drop(node.content)
+            node.content = None
             cache.lru.pop(node.ino, None)
-        rfh, _ = await c.open(node.ino, os.O_RDONLY)
+        rfh, _, _ = await c.open(node.ino, os.O_RDONLY)
         first = await tc.read(c, rfh, BS, 0)
         other_writes(back / "d" / "f", v2)
         d.listed_at = 0.0

@@ -70,7 +70,7 @@ def test_create_write_release_read_lands_in_the_backing(h):
         seq = json.loads(await core.getxattr(ROOT, control.SEQ))
         assert seq == {"seq": h.cache.seq, "open_dirty": 0}
         assert (await core.lookup(ROOT, b"f")) is node
-        fr, direct = await core.open(node.ino, os.O_RDONLY)
+        fr, direct, _ = await core.open(node.ino, os.O_RDONLY)
         assert await read(core, fr, 100, off=BS) == data[BS:BS + 100]
         await core.release(fr)
     run(h, test)
@@ -119,7 +119,7 @@ def test_setgid_directories_pass_their_group_on(h):
         await core.setattr(d.ino, gid=500)
         sub = await core.mkdir(d.ino, b"sub", 0o755, caller)
         assert sub.gid == 500 and sub.mode & stat.S_ISGID
-        _, f = await core.create(d.ino, b"f", 0o644, os.O_WRONLY, caller)
+        _, f, _ = await core.create(d.ino, b"f", 0o644, os.O_WRONLY, caller)
         assert (f.uid, f.gid) == (1000, 500)
         plain = await core.mkdir(ROOT, b"plain", 0o755, caller)
         assert plain.gid == 1000 and not plain.mode & stat.S_ISGID
@@ -132,10 +132,10 @@ def test_a_reader_of_an_uncached_file_reads_the_backing_and_keeps_its_version(se
 
     async def test(core):
         node = await core.lookup(ROOT, b"ckpt")
-        assert node.blocks is None
-        fr, _ = await core.open(node.ino, os.O_RDONLY)
+        assert node.content is None
+        fr, _, _ = await core.open(node.ino, os.O_RDONLY)
         assert await read(core, fr, 2 * BS, off=BS) == old[BS:3 * BS]
-        assert node.blocks is None                               # not copied into the cache
+        assert node.content is None                               # not copied into the cache
         await core.unlink(ROOT, b"ckpt")                         # deleted meanwhile...
         await drain(h)
         assert not (h.back / "ckpt").exists()
@@ -143,7 +143,7 @@ def test_a_reader_of_an_uncached_file_reads_the_backing_and_keeps_its_version(se
         await core.release(fr)
         sub = await core.lookup(ROOT, b"sub")                    # loaded on first use
         deep = await core.lookup(sub.ino, b"deep")
-        fd, _ = await core.open(deep.ino, os.O_RDONLY)
+        fd, _, _ = await core.open(deep.ino, os.O_RDONLY)
         assert await read(core, fd, 100) == b"deep"
         await core.release(fd)
     run(h, test)
@@ -155,17 +155,17 @@ def test_opening_for_writing_copies_the_backing_version_in(seeded):
 
     async def test(core):
         node = await core.lookup(ROOT, b"f")
-        fh, direct = await core.open(node.ino, os.O_RDWR)
+        fh, direct, _ = await core.open(node.ino, os.O_RDWR)
         # writers get direct_io only where the kernel keeps shared mmap of such files
-        assert not direct and node.blocks is not None and h.pool.used_blocks == 3
+        assert not direct and node.content is not None and h.store.used == 3 * BS
         core.direct_io_mmap = lambda: True
-        fh2, direct = await core.open(node.ino, os.O_RDWR)
+        fh2, direct, _ = await core.open(node.ino, os.O_RDWR)
         assert direct
         await close(core, fh2)
         await write(core, fh, b"NEW", off=BS)
         await close(core, fh)
         await drain(h)
-        ft, _ = await core.open(node.ino, os.O_WRONLY | os.O_TRUNC)
+        ft, _, _ = await core.open(node.ino, os.O_WRONLY | os.O_TRUNC)
         assert node.size == 0
         await write(core, ft, b"short")
         await close(core, ft)
@@ -263,10 +263,10 @@ def test_preload(seeded):
         s = await core.lookup(ROOT, b"small")
         answer = json.loads(await core.getxattr(s.ino, control.PRELOAD))
         assert answer == {"size": len(small), "cached": True}
-        assert s.blocks is not None and h.pool.used_blocks == 4
+        assert s.content is not None and h.store.used == 4 * BS
         assert bytes(h.cache.read(s, 0, CACHE)) == small
         assert json.loads(await core.preload(s)) == answer        # again: nothing to do
-        assert h.pool.used_blocks == 4
+        assert h.store.used == 4 * BS
 
         await raises(errno.EFBIG, core.preload, await core.lookup(ROOT, b"big"))
         await raises(errno.EINVAL, core.preload, await core.lookup(ROOT, b"d"))
@@ -277,15 +277,15 @@ def test_preload(seeded):
         t = time.monotonic()
         await raises(errno.ENOSPC, core.preload, m)                # 4 + 8 + 10 > 16
         assert time.monotonic() - t < 0.2                          # never waits for the flusher
-        assert m.blocks is None and h.pool.used_blocks <= 12
+        assert m.content is None and h.store.used <= 12 * BS
         await close(core, fh)
         await drain(h)                                             # w is persisted: evictable
         answer = json.loads(await core.preload(m))
         assert answer == {"size": len(mid), "cached": True}
-        fr, _ = await core.open(m.ino, os.O_RDONLY)
+        fr, _, _ = await core.open(m.ino, os.O_RDONLY)
         assert await read(core, fr, CACHE) == mid                 # from the cache
         await core.release(fr)
-        assert w.blocks is None or s.blocks is None                # something was evicted
+        assert w.content is None or s.content is None                # something was evicted
     run(h, test)
 
 
@@ -406,17 +406,17 @@ def test_an_open_sees_another_writers_version_at_once(seeded):
         core.info.coherence_timeout = 3600.0
         core.invalidate_attrs = forgot.append
         node = await core.lookup(ROOT, b"f")
-        fh, _ = await core.open(node.ino, os.O_RDONLY)
+        fh, _, _ = await core.open(node.ino, os.O_RDONLY)
         assert await read(core, fh, 10) == b"oneoneoneo"
         await core.release(fh)
         _replace(h.back / "f", b"three" * 300)
-        fh, _ = await core.open(node.ino, os.O_RDONLY)
+        fh, _, _ = await core.open(node.ino, os.O_RDONLY)
         assert node.size == 1500 and forgot == [node.ino]
         assert await read(core, fh, 2000) == b"three" * 300
         await core.release(fh)
         # a writer's open too: an append lands after the new version
         _replace(h.back / "f", b"four" * 10)
-        fa, _ = await core.open(node.ino, os.O_WRONLY | os.O_APPEND)
+        fa, _, _ = await core.open(node.ino, os.O_WRONLY | os.O_APPEND)
         await write(core, fa, b"+tail", off=3)        # the kernel's offset from an old size
         await close(core, fa)
         await drain(h)
@@ -430,12 +430,12 @@ def test_a_version_replaced_while_open_here_answers_estale_and_moves_the_name(se
     async def test(core):
         core.info.coherence_timeout = 3600.0
         node = await core.lookup(ROOT, b"f")
-        old, _ = await core.open(node.ino, os.O_RDONLY)
+        old, _, _ = await core.open(node.ino, os.O_RDONLY)
         _replace(h.back / "f", b"new" * 200)
         await raises(errno.ESTALE, core.open, node.ino, os.O_RDONLY)
         fresh = await core.lookup(ROOT, b"f")          # what the kernel does on ESTALE
         assert fresh is not node and fresh.size == 600
-        fh, _ = await core.open(fresh.ino, os.O_RDONLY)
+        fh, _, _ = await core.open(fresh.ino, os.O_RDONLY)
         assert await read(core, fh, 1000) == b"new" * 200
         assert await read(core, old, 1000) == b"old" * 100   # the old descriptor: its version
         await core.release(fh)
@@ -458,7 +458,7 @@ def test_a_copy_of_another_version_than_checked_is_estale(seeded):
         node = await core.lookup(ROOT, b"f")
         _replace(h.back / "f", b"b" * 300)               # after the check of the lookup
         await raises(errno.ESTALE, core.preload, node)
-        assert node.blocks is None and h.pool.used_blocks == 0
+        assert node.content is None and h.store.used == 0 * BS
     run(h, test)
 
 

@@ -390,7 +390,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
             return f
 
         def _open(self, f: MFile, trunc: bool) -> None:
-            assert f.node.blocks is not None, "the pool is large enough never to evict"
+            assert f.node.content is not None, "the pool is large enough never to evict"
             self.cache.open(f.node, True, trunc)
             f.open = True
             self.handles.add(f)
@@ -490,7 +490,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
             if not fs:
                 return
             path, f, _, _ = fs[pick % len(fs)]
-            assert f.node.blocks is not None, "the pool is large enough never to evict"
+            assert f.node.content is not None, "the pool is large enough never to evict"
             self.cache.truncate(f.node, size)
             f.data = f.data[:size] + bytearray(max(0, size - len(f.data)))
             f.dirty = True

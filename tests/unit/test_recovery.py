@@ -19,9 +19,9 @@ from acpfs.cache import Cache
 from acpfs.flusher import Flusher
 from acpfs.journal import CLEAN, DIRTY, FLUSHED, Journal, Leftover, Record
 from acpfs.pool import Pool
-from acpfs.recovery import claimed_blocks, plan
+from acpfs.recovery import claimed_content, plan
 from faulty import FaultyBacking
-from harness import BS, write_file
+from harness import BS, make_store, write_file
 
 
 def content(seq: int, ino: int, path: bytes, blocks=(1,), kind: str = FLUSHED) -> Record:
@@ -113,10 +113,10 @@ def test_claimed_blocks_counts_repeats(tmp_path):
             content(2, 5, b"f", blocks=(3, 9), kind="publish"),
             Record(3, "mkdir", 6, b"d", mode=0o40755, uid=0, gid=0),
             Record(0, DIRTY, 7, b"o")]
-    assert sorted(claimed_blocks(recs)) == [3, 3, 4, 9]
+    assert claimed_content(recs) == [[3, 4, -1], [3, 9]]
     pool = Pool(str(tmp_path / "pool"), 16 * BS, BS)
     try:
-        pool.claim(claimed_blocks(recs))
+        pool.claim_refs(claimed_content(recs))
         assert [int(pool.refcount[b]) for b in (3, 4, 9, 0)] == [2, 1, 1, 0]
         assert pool.used_blocks == 3 and 3 not in pool.free and 0 in pool.free
         with pytest.raises(ValueError, match="outside the pool"):
@@ -154,15 +154,15 @@ class Restarted:
         assert left is not None
         self.replay, self.dirty = recovery.plan(left)
         jmod.start_recovery(str(cache_dir))
-        self.pool = Pool(str(cache_dir / "pool"), left.pool_size, left.block_size)
-        self.pool.claim(recovery.claimed_blocks(self.replay))
+        self.store = make_store(cache_dir, left.pool_size, left.block_size, unit=left.block_size)
+        self.store.claim_refs(recovery.claimed_content(self.replay))
         self.backing = FaultyBacking(str(back), dead_instance=left.instance)
-        self.cache = Cache(self.backing, self.pool)
+        self.cache = Cache(self.backing, self.store)
         self.flusher = Flusher(self.cache, self.backing, workers)
         self.cache.flusher = self.flusher
         self.base_seq = left.last_seq
         self.cache.seq = self.flusher.applied_seq = self.base_seq
-        self.cache.journal = Journal(str(cache_dir), self.pool.block_size, self.pool.size,
+        self.cache.journal = Journal(str(cache_dir), self.store.unit, self.store.limit,
                                      self.cache.live_file_records, self.backing.instance)
         self.report = None
 
@@ -190,7 +190,7 @@ class Restarted:
         else:                                              # killed before it started
             self.flusher.pool.shutdown(wait=False)
         self.cache.journal.close()
-        self.pool.close()
+        self.store.close()
         self.backing.close()
 
 
@@ -306,7 +306,7 @@ def test_recover_replays_what_a_killed_daemon_left(tmp_path, make_core, restart)
     check_backing(c.back)
     assert not (c.cache_dir / jmod.RECOVERING).exists()
     # every block still held is a cached file's (the claimed ones went to the replayed files)
-    assert r.pool.used_blocks == sum(len(n.blocks or ()) for n in r.cache.nodes.values())
+    assert r.store.used == sum(r.store.nbytes(n.content) for n in r.cache.nodes.values() if n.content is not None)
 
 
 def test_a_recovered_daemon_killed_again_before_persisting_is_recovered_again(
@@ -366,7 +366,7 @@ def test_written_through_files_are_published_or_kept_aside(tmp_path, make_core, 
         assert node.staged is not None
         core.flush(fh)                                 # close() answered; RELEASE never comes
         o = await core.lookup(ROOT, b"open")
-        fo, _ = await core.open(o.ino, os.O_WRONLY | os.O_TRUNC)
+        fo, _, _ = await core.open(o.ino, os.O_WRONLY | os.O_TRUNC)
         await write(core, fo, partial)
         assert o.staged is not None
         staged.extend([node.staged, o.staged])

@@ -41,8 +41,8 @@ def test_a_write_larger_than_the_free_cache_is_written_through(h):
         t = time.monotonic()
         await write(core, fh, data)
         assert time.monotonic() - t < 0.15                 # at once, not after waiting
-        assert node.staged is not None and node.blocks is None
-        assert o.staged is None and h.pool.used_blocks == 8   # the other file stays cached
+        assert node.staged is not None and node.content is None
+        assert o.staged is None and h.store.used == 8 * BS   # the other file stays cached
         assert len(staged_files(h)) == 1
         assert node.size == len(data)
         assert await read(core, fh, 2 * CACHE) == data      # read from the staged file
@@ -50,7 +50,7 @@ def test_a_write_larger_than_the_free_cache_is_written_through(h):
         assert await read(core, fh, 10, off=len(data)) == b""
         assert core.write_now(fh, 0, memoryview(b"x")) is None   # staged: never the fast path
         await write(core, fh, b"tail", off=len(data))      # more writes go to the staged file
-        assert h.pool.used_blocks == 8
+        assert h.store.used == 8 * BS
         assert not (h.back / "big").exists()                # not published before close
         await close(core, fh)
         await close(core, fo)
@@ -76,16 +76,16 @@ def test_a_full_cache_writes_the_largest_open_file_through_and_only_it(h):
         fa, a = await create(core, b"a")
         for off in range(0, len(a_data), 3 * BS):          # each write fits: cached
             await write(core, fa, a_data[off:off + 3 * BS], off=off)
-        assert a.staged is None and h.pool.used_blocks == 12
+        assert a.staged is None and h.store.used == 12 * BS
         fb, b = await create(core, b"b")
         t = time.monotonic()
         await write(core, fb, b_data)                       # needs 6 blocks, 4 are free
         waited = time.monotonic() - t
         assert waited < TIMEOUT                              # no ENOSPC, no long wait
-        assert a.staged is not None and a.blocks is None    # a went to the backing
+        assert a.staged is not None and a.content is None    # a went to the backing
         await trio.sleep(0.2)                                # nothing else is going on
         assert (b.staged, b.ino in core.wt.slots) == (None, False), "b was written through too"
-        assert h.pool.used_blocks == 6                       # b is cached
+        assert h.store.used == 6 * BS                       # b is cached
         assert await read(core, fa, CACHE) == a_data
         await write(core, fa, b"more", off=len(a_data))
         await close(core, fa)
@@ -105,7 +105,7 @@ def test_a_writer_to_a_full_cache_gets_enospc_when_the_backing_hangs(h, where):
         fa, a = await create(core, b"a")
         for off in range(0, CACHE, 4 * BS):
             await write(core, fa, a_data[off:off + 4 * BS], off=off)
-        assert h.pool.used_blocks == BLOCKS
+        assert h.store.used == BLOCKS * BS
         hang = h.backing.inject(where, hang=True)
         fb, b = await create(core, b"b")
         results = {}
@@ -135,7 +135,7 @@ def test_a_writer_to_a_full_cache_gets_enospc_when_the_backing_hangs(h, where):
         hang.release()                                          # the backing answers again
         while a.staged is None:
             await trio.sleep(0.01)
-        assert a.blocks is None and h.pool.used_blocks == 0
+        assert a.content is None and h.store.used == 0 * BS
         await write(core, fb, b"b" * BS)                       # room again
         await close(core, fa)
         await close(core, fb)
@@ -194,10 +194,10 @@ def test_a_file_larger_than_half_the_cache_is_staged_when_opened_for_writing(tmp
 
     async def test(core):
         node = await core.lookup(ROOT, b"big")
-        fr, _ = await core.open(node.ino, os.O_RDONLY)            # a reader of the old version
-        fh, _ = await core.open(node.ino, os.O_RDWR)
-        assert node.staged is not None and node.blocks is None
-        assert h.pool.used_blocks == 0                            # copied in the backing only
+        fr, _, _ = await core.open(node.ino, os.O_RDONLY)            # a reader of the old version
+        fh, _, _ = await core.open(node.ino, os.O_RDWR)
+        assert node.staged is not None and node.content is None
+        assert h.store.used == 0 * BS                            # copied in the backing only
         await write(core, fh, b"NEW", off=BS)
         assert await read(core, fh, 8, off=BS - 2) == old[BS - 2:BS] + b"NEW" + old[BS + 3:BS + 6]
         await close(core, fh)

@@ -48,7 +48,8 @@ def run(h, test: Callable[[Core], Awaitable[None]], *, timeout: float = 15, **in
 async def create(core: Core, name: bytes, parent: int = ROOT, mode: int = 0o644,
                  flags: int = os.O_WRONLY):
     """(file handle, node) of a new file."""
-    return await core.create(parent, name, mode, flags, CALLER)
+    fh, node, _ = await core.create(parent, name, mode, flags, CALLER)
+    return fh, node
 
 
 async def write(core: Core, fh: int, data: bytes, off: int = 0, chunk: int = 1 << 20) -> None:

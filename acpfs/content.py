@@ -1,0 +1,94 @@
+"""The content store: where the bytes of cached files live, behind one narrow interface.
+
+Two implementations, chosen once per mount (``daemon``):
+
+    pool.Pool           one pre-faulted file cut into blocks; a file is a list of block
+                        numbers, shared block by block with its snapshots (copy on write).
+                        Every read and write goes through the daemon.
+    memfiles.MemFiles   one file per cached file in the cache directory; the kernel passes
+                        reads, writes and mmap of an open file straight to it (FUSE
+                        passthrough), so the daemon sees none of them.
+
+The cache, the flusher, write-through and recovery hold a file's content only as an opaque
+``Content`` handle (``Node.content``, ``Snapshot.content``, ``Node.journal_content``) and
+call the store for everything else. A handle is one reference: ``share`` makes another
+(what a snapshot or a journal record holds while it needs the bytes as they are), ``drop``
+gives one back. Bytes that a second reference holds never change: a write to shared
+content goes to a copy (the pool copies the blocks it writes; memory files copy the file).
+
+Every call that takes or frees space, or changes a reference count, is made with
+``Cache.lock`` held; ``read`` and ``source`` may run in worker threads on a handle they hold.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ContextManager, Iterator, Protocol
+
+Content = Any   # a store's handle: list[int] for the pool, memfiles.MemFile for memory files
+
+
+class CacheFull(Exception):
+    """The store has no room for what was asked; the caller evicts, waits or writes through."""
+
+
+class Store(Protocol):
+    kind: str    # "pool" or "memory files": for status and logs
+    unit: int    # the journal header's block size: the pool's; 0 for memory files
+    limit: int   # bytes the store may hold
+    peak: int    # the most it held
+
+    @property
+    def used(self) -> int: ...
+    def free_bytes(self) -> int: ...
+
+    def empty(self) -> Content:
+        """The content of an empty file."""
+    def alloc(self, size: int) -> Content:
+        """Room for ``size`` bytes, to be filled (``fill``); raises CacheFull."""
+    def fill(self, c: Content, src_fd: int, size: int, backing: Any) -> None:
+        """Worker thread: copy ``size`` bytes from ``src_fd``, a file of ``backing``, into ``c``."""
+    def need(self, c: Content, off: int, end: int) -> int:
+        """Bytes a write of [off, end) would take from the free space."""
+    def need_truncate(self, c: Content, size: int, new: int) -> int:
+        """Bytes a truncate from ``size`` to ``new`` would take."""
+    def read(self, c: Content, off: int, end: int) -> bytes | memoryview: ...
+    def write(self, c: Content, off: int, data: bytes | memoryview) -> Content:
+        """Write; returns the handle to keep (a copy when ``c`` was shared)."""
+    def truncate(self, c: Content, size: int, new: int) -> Content: ...
+    def shared(self, c: Content) -> bool:
+        """Whether an open the kernel writes itself must get a copy first (``private``)."""
+    def private(self, c: Content, size: int) -> Content:
+        """A handle with the first ``size`` bytes of ``c`` that nobody else holds."""
+    def backing(self, c: Content, register: Any) -> int:
+        """The kernel's id for ``c`` (passthrough), registered with ``register(fd)`` once."""
+    def share(self, c: Content) -> Content:
+        """Another reference to the bytes as they are now."""
+    def drop(self, c: Content) -> None: ...
+    def nbytes(self, c: Content) -> int:
+        """Bytes of the store that ``c`` holds."""
+    def source(self, c: Content, size: int) -> ContextManager[tuple[int, Iterator[tuple[int, int, int]]]]:
+        """For an upload, in any thread: a descriptor and runs of (file offset, offset in
+        it, length), valid until the block ends."""
+    def ref(self, c: Content) -> list[int]:
+        """What a journal record names to find ``c`` again after a crash."""
+    def claim_refs(self, refs: list[list[int]]) -> None:
+        """At recovery, before anything else: hold what each listed ref names."""
+    def adopt(self, ref: list[int]) -> Content:
+        """At recovery: the handle of a ref claimed before (one of its references)."""
+    def close(self) -> None: ...
+
+
+def copy_fd(src: int, dst: int, size: int) -> None:
+    """Copy the first ``size`` bytes of ``src`` to the same offsets of ``dst``, in the
+    kernel (copy_file_range, else sendfile)."""
+    done = 0
+    while done < size:
+        try:
+            n = os.copy_file_range(src, dst, size - done, done, done)
+        except OSError:
+            os.lseek(dst, done, os.SEEK_SET)
+            n = os.sendfile(dst, src, done, size - done)
+        if n == 0:
+            break
+        done += n

@@ -52,7 +52,7 @@ from .types import JournalState, Node, Op, OpKind, OpSink, OpState, Snapshot, er
 log = logging.getLogger(__name__)
 
 ROOT_INODE = 1
-HEADROOM = 1 / 8   # of the cache, free at the open of a writer the kernel passes through
+PASS_WRITER_RESERVE = 64 << 20   # bytes kept free for each writer the kernel writes for
 
 
 def check_not_reserved(name: bytes) -> None:
@@ -102,6 +102,8 @@ class Cache:
         # files found in the backing with more than one name, by backing inode: a second
         # name listed later is the same node (hard links, ``_attach``)
         self.linked: dict[int, Node] = {}
+        # files open for writing that the kernel writes itself (passthrough: Core.open)
+        self.passthrough_writers: set[Node] = set()
 
     # -- stamps (global order) -------------------------------------------------------------
     def next_stamp(self) -> float:
@@ -636,6 +638,8 @@ class Cache:
         (``WriteThrough.cached``)."""
         node.opens += 1
         node.passthrough_opens += passthrough
+        if passthrough and writable:
+            self.passthrough_writers.add(node)
         if writable:
             node.writers += 1   # before truncating: a truncate without writers is published
             node.appenders += append
@@ -651,6 +655,8 @@ class Cache:
                 passthrough: bool = False) -> None:
         node.opens -= 1
         node.passthrough_opens -= passthrough
+        if not node.passthrough_opens or not node.writers - writable:
+            self.passthrough_writers.discard(node)
         if writable:
             node.writers -= 1
             node.appenders -= append
@@ -686,15 +692,24 @@ class Cache:
             node.ctime = max(node.ctime, st.st_ctime_ns)
 
     def headroom(self, node: Node) -> bool:
-        """Whether a writer of ``node`` may be passed through: the free space, after evicting
-        persisted files, is HEADROOM of the cache at least. Its writes are counted only
-        when the daemon next looks (``sync_content``), so this is all that bounds them."""
+        """Whether a writer of ``node`` may be passed through: after evicting persisted
+        files, the free space holds a reservation for it and for every writer passed
+        through that is still open (each ``_reservation``). The kernel writes their files
+        without asking, so this, at the open, is what bounds them: a writer passed through
+        may write past its reservation, and the cache then holds more than its size until
+        the file is closed and persisted (docs/semantics.md). Elsewhere writers take the
+        daemon's path, where a full cache makes them wait or write through."""
+        want = sum(map(self._reservation, self.passthrough_writers)) + self._reservation(node)
         with self.lock:
             try:
-                self._reserve(int(self.store.limit * HEADROOM))
+                self._reserve(want)
             except CacheFull:
                 return False
         return True
+
+    def _reservation(self, node: Node) -> int:
+        held = self.store.nbytes(node.content) if node.content is not None else 0
+        return max(0, max(PASS_WRITER_RESERVE, node.size) - held)
 
     def shared_in_kernel(self, node: Node) -> bool:
         """A memory file the kernel passes opens through to, that a snapshot or record
@@ -889,8 +904,15 @@ class Cache:
     # -- the ordered stream of mutations --------------------------------------------------
     def snapshot(self, node: Node) -> None:
         """Queue the current content of ``node`` for persistence (its last close)."""
+        self.sync_content(node)
         with self.lock:
-            snap = Snapshot(node, None if node.content is None else self.store.share(node.content))
+            if node.content is None:
+                content = None
+            elif node in self.passthrough_writers:   # the kernel may write it on: a copy
+                content = self.store.copy(node.content, node.size)
+            else:
+                content = self.store.share(node.content)
+            snap = Snapshot(node, content)
             if node.staged is not None:
                 node.staged.queued = True   # the op owns it now; reads still use it
             # the acknowledgement stays in ``acked`` until the op that covers it is queued

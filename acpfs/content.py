@@ -63,7 +63,10 @@ class Store(Protocol):
     def backing(self, c: Content, register: Any) -> int:
         """The kernel's id for ``c`` (passthrough), registered with ``register(fd)`` once."""
     def share(self, c: Content) -> Content:
-        """Another reference to the bytes as they are now."""
+        """Another reference to the bytes as they are now (no writer changes them later,
+        but one the kernel is passing through: ``copy`` for that)."""
+    def copy(self, c: Content, size: int) -> Content:
+        """The first ``size`` bytes of ``c`` as they are now, whatever writes them next."""
     def drop(self, c: Content) -> None: ...
     def nbytes(self, c: Content) -> int:
         """Bytes of the store that ``c`` holds."""

@@ -64,6 +64,8 @@ class MountInfo:
     peers: Any = None              # global order (peers.Peers); None when off
     # the kernel's passthrough state (passthrough.Kernel.state), None where not asked for
     passthrough: Callable[[], dict] | None = None
+    # READ and WRITE requests the daemon served (Core): what passthrough did not take
+    served: dict[str, int] = dataclasses.field(default_factory=lambda: {"reads": 0, "writes": 0})
     pid: int = dataclasses.field(default_factory=os.getpid)
     owner: int = dataclasses.field(default_factory=os.getuid)   # the mount's owner
     started: float = dataclasses.field(default_factory=time.time)
@@ -229,6 +231,7 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         "fast_write": fastwrite.state(),
         "passthrough": info.passthrough() if info.passthrough is not None else
         {"on": False, "why_not": "not asked for"},
+        "daemon_io": dict(info.served),
     }
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn, Protocol, TypeVar
 import trio
 
 from . import control
+from .config import format_size
 from .backing import is_internal_name
 from .cache import Cache, Relisting
 from .content import CacheFull
@@ -49,6 +50,7 @@ COHERENCE_WAIT = 0.5
 
 PRIV_BITS = statmod.S_ISUID | statmod.S_ISGID
 NAME_MAX = 255   # bytes in one name, as every filesystem the backing may be on
+PASSTHROUGH_LOOK = 0.5   # s between looks at the files writers passed through have written
 UNSHARED_POLL = 0.005   # s between looks at a memory file an upload still holds (Core._unshared)
 LATE_ACK = 0.5   # s: content acknowledged by a close() whose RELEASE has not come is queued
 
@@ -63,13 +65,14 @@ class Caller(Protocol):
 class Handle:
     """An open file."""
     __slots__ = ("node", "writable", "append", "backing_fd", "backing_version", "kill_priv",
-                 "passthrough")
+                 "passthrough", "opened_seq")
 
     def __init__(self, node: Node, writable: bool, append: bool = False,
                  kill_priv: bool = False, passthrough: bool = False) -> None:
         self.node = node
         self.writable = writable
         self.passthrough = passthrough   # the kernel reads and writes its memory file itself
+        self.opened_seq = 0              # Cache.seq at the open
         self.append = append         # opened with O_APPEND
         self.kill_priv = kill_priv   # opened by a user other than root: its writes clear setuid
         self.backing_fd = -1         # the backing copy, for files not in the cache
@@ -107,6 +110,8 @@ class Core:
         self.nursery = self.wt.nursery = nursery
         nursery.start_soon(self.wt.persist_open_files)
         nursery.start_soon(self._queue_late_acks)
+        if self.kernel is not None:
+            nursery.start_soon(self._count_passthrough_writes)
 
     # -- resolving ids ---------------------------------------------------------------------
     def node(self, ino: int) -> Node:
@@ -543,15 +548,19 @@ class Core:
                                             or self.kernel is not None)
         h = Handle(node, writable, append, kill_priv=writable and uid != 0,
                    passthrough=bool(backing_id))
+        h.opened_seq = self.cache.seq
         if not writable and node.content is None and node.staged is None and node.is_reg:
             # Open the backing copy now, so that the reader keeps the version it opened
             # even if the file is renamed over, deleted or republished meanwhile.
             await self._open_backing(h, verify=True)
         self.cache.open(node, writable, trunc, append and writable, passthrough=h.passthrough)
+        if h.kill_priv and node.mode & PRIV_BITS and (trunc or h.passthrough):
+            # O_TRUNC by a user other than root clears them (the kernel leaves that to the
+            # daemon with FUSE_HANDLE_KILLPRIV_V2), and so would a write passed through,
+            # which never comes here: cleared at the open
+            self.kill_priv(node)
         if h.passthrough and writable:
-            if h.kill_priv and node.mode & PRIV_BITS:
-                self.kill_priv(node)   # its writes never come here: cleared at the open
-            self.cache.note_change(node)   # nor does its first write: dirty from the open
+            self.cache.note_change(node)   # its first write never comes here: dirty from the open
         fh = self._new_fh()
         self.handles[fh] = h
         return fh, direct and not backing_id, backing_id
@@ -611,6 +620,7 @@ class Core:
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         h = self.handle(fh)
+        self.info.served["reads"] += 1
         node = h.node
         if node.staged is not None:
             data = await self.wt.read_staged(node, off, size)
@@ -638,6 +648,7 @@ class Core:
         """A WRITE straight from libfuse's buffer: bytes written, or None to take the async
         path (``write``). ``data`` is valid only during this call: it is copied into the cache."""
         h = self.handle(fh)
+        self.info.served["writes"] += 1
         self._clear_priv(h)
         # O_APPEND: at the end of the file as this mount has it, whatever offset the kernel
         # computed (from a size it may hold from before another node's longer version)
@@ -668,6 +679,7 @@ class Core:
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self.handle(fh)
+        self.info.served["writes"] += 1   # also one the fast path passed on (write_now)
         self._clear_priv(h)
         return await self.wt.write(h.node, h.node.size if h.append else off, buf)
 
@@ -705,6 +717,26 @@ class Core:
         self.cache.sync_content(h.node)
         self.cache.record_close(h.node)
         self.cache.note_ack(h.node)
+
+    async def _count_passthrough_writes(self) -> None:
+        """What writers the kernel passes through have written is counted every
+        PASSTHROUGH_LOOK seconds (``Cache.sync_content``), so that the cache's use in
+        ``status`` and the admission of the next writers (``Cache.headroom``) are current;
+        a cache pushed past its size by them is said once, in the log."""
+        cache = self.cache
+        over = False
+        while True:
+            await trio.sleep(PASSTHROUGH_LOOK)
+            for node in list(cache.passthrough_writers):
+                cache.sync_content(node)
+            now_over = cache.store.used > cache.store.limit
+            if now_over and not over:
+                log.warning("cache over its size: %s held, %s allowed; %d files open for writing "
+                            "with passthrough wrote past what was kept free for them (new writers "
+                            "take the daemon's path until it is persisted)",
+                            format_size(cache.store.used), format_size(cache.store.limit),
+                            len(cache.passthrough_writers))
+            over = now_over
 
     async def _queue_late_acks(self) -> None:
         """Global order: content that a close() acknowledged is part of this node's
@@ -764,9 +796,15 @@ class Core:
             raise err(errno.EBADF, f"file handle {fh} is not open")
         if h.writable:
             await self.wt.settle(h.node)
-        self.cache.sync_content(h.node)
+        node = h.node
+        self.cache.sync_content(node)
+        if h.passthrough and h.writable and node.writers == 1 and not node.dirty and node.nlink \
+                and node.last_seq > h.opened_seq:
+            # queued while open (a close() whose RELEASE did not follow: a mapping or a forked
+            # process kept the file): what they wrote since never came here
+            self.cache.note_change(node)
         try:
-            self.cache.release(h.node, h.writable, h.append and h.writable, h.passthrough)
+            self.cache.release(node, h.writable, h.append and h.writable, h.passthrough)
         finally:
             if h.backing_fd >= 0:
                 self.backing.close_fd(h.backing_fd)

@@ -165,6 +165,12 @@ class MemFiles:
         """A handle nobody else holds with the same bytes: ``mf`` itself, or a copy."""
         if mf.refs == 1:
             return mf
+        new = self.copy(mf, size)
+        self.drop(mf)
+        return new
+
+    def copy(self, mf: MemFile, size: int) -> MemFile:
+        """A new memory file with the first ``size`` bytes of ``mf``."""
         new = self._new()
         try:
             with self._opened(mf) as src:
@@ -174,7 +180,6 @@ class MemFiles:
             self._free(new)
             raise
         self._charge(new, _pages(size))
-        self.drop(mf)
         return new
 
     # -- the store interface (content.Store) ------------------------------------------------

@@ -60,6 +60,15 @@ class Mount:
         self.pid = self.status()["pid"]
         return self
 
+    def store_bytes(self) -> int:
+        """Bytes of RAM the content store holds in the cache directory: the pool file's size,
+        or what the memory files hold (passthrough)."""
+        pool = self.cache_dir / "pool"
+        if pool.exists():
+            return pool.stat().st_size
+        files = self.cache_dir / "files"
+        return sum((files / n).stat().st_blocks * 512 for n in os.listdir(files))
+
     def status(self) -> dict:
         return json.loads(os.getxattr(self.mnt, "user.acpfs.status"))
 

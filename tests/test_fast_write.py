@@ -1,6 +1,7 @@
 """The fast WRITE path (acpfs/_fastwrite.c + fastwrite.py) and the daemon's copy settings.
 
-Every other test writes through the fast path too; these check what is particular to it:
+Every other test on the daemon's path (no kernel passthrough) writes through the fast path
+too; these check what is particular to it, on that path:
 that it is really taken, that it writes exactly what pyfuse3's path writes (same random
 pwrite sequence through both), that requests it cannot serve (full cache, write-through)
 are passed on, and that it can be switched off. See docs/design.md, "What limits writes".
@@ -40,7 +41,11 @@ def random_pwrites(path, seed: int, size: int = 24 << 20, count: int = 300) -> b
     return bytes(model)
 
 
-def test_fast_path_is_taken_and_exact(mnt):
+DAEMON_PATH = {"ACPFS_NO_PASSTHROUGH": "1"}   # the fast path is the daemon's: no passthrough
+
+
+def test_fast_path_is_taken_and_exact(make_mount):
+    mnt = make_mount("fw", env=DAEMON_PATH)
     want = random_pwrites(mnt.mnt / "f", seed=1)
     assert (mnt.mnt / "f").read_bytes() == want
     st = mnt.status()["fast_write"]
@@ -67,7 +72,7 @@ def test_switched_off_writes_the_same(make_mount):
 def test_full_cache_is_passed_on(make_mount):
     """A 96 MiB file through a 32 MiB cache: the writes that find the cache full, or the file
     being written through, go to pyfuse3's async path, which waits for space or spills."""
-    m = make_mount("full", cache_size="32M")
+    m = make_mount("full", cache_size="32M", env=DAEMON_PATH)
     src = m.root / "src"
     src.write_bytes(random.Random(2).randbytes(96 << 20))
     subprocess.run(["dd", f"if={src}", f"of={m.mnt / 'big'}", "bs=1M"], check=True, capture_output=True)

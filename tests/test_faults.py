@@ -494,7 +494,7 @@ def test_ten_parallel_writers_larger_than_the_cache(make_mount):
     st = m.status()
     assert st["errors"] == []
     assert limit // 2 < st["cache"]["peak_used_bytes"] <= limit
-    assert os.stat(m.cache_dir / "pool").st_size == limit
+    assert m.store_bytes() <= limit
     for name, digest in digests.items():
         with open(m.back / name, "rb") as f:
             assert hashlib.file_digest(f, "sha256").hexdigest() == digest, name

@@ -30,11 +30,12 @@ WORKER = str(REPO / "tools" / "bench_worker.py")
 GiB = 1 << 30
 MiB = 1 << 20
 
-TARGETS = ["shm", "disk", "acpfs", "rclone"]
+TARGETS = ["shm", "disk", "acpfs", "acpfs-daemon", "rclone"]
 TARGET_LABEL = {
     "shm": "/dev/shm",
     "disk": "disk+fsync",
     "acpfs": "acpfs",
+    "acpfs-daemon": "acpfs, daemon path",   # ACPFS_NO_PASSTHROUGH=1: the pool, no passthrough
     "rclone": "rclone",
 }
 WORKLOADS = ["torch", "safetensors", "dcp", "dd", "writers", "small", "close_flush"]
@@ -166,13 +167,16 @@ class Acpfs(Target):
     name = "acpfs"
 
     def __init__(self, root: str, backing: str, cache_dir: str, cache_size: int, log_file: str,
-                 extra: list[str] | None = None) -> None:
+                 extra: list[str] | None = None, name: str = "acpfs",
+                 env: dict[str, str] | None = None) -> None:
         super().__init__(root)
+        self.name = name
         self.backing, self.cache_dir, self.cache_size = backing, cache_dir, cache_size
         self.log_file, self.extra = log_file, extra or []
+        self.env = {**os.environ, **env} if env else None
 
     def acpfs(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
-        return run([PY, "-m", "acpfs", *args], cwd=str(REPO), timeout=timeout)
+        return run([PY, "-m", "acpfs", *args], cwd=str(REPO), timeout=timeout, env=self.env)
 
     def start(self) -> None:
         for d in (self.root, self.backing):
@@ -398,11 +402,13 @@ class Bench:
                 self.targets[name] = Shm(os.path.join(self.shm, "shm"))
             elif name == "disk":
                 self.targets[name] = Disk(os.path.join(self.bdir, "disk"))
-            elif name == "acpfs":
-                self.targets[name] = Acpfs(os.path.join(self.tmp, "mnt-acpfs"),
-                                           os.path.join(self.bdir, "acpfs-backing"),
-                                           os.path.join(self.shm, "acpfs-cache"), a.cache_size,
-                                           os.path.join(self.tmp, "acpfs.log"))
+            elif name in ("acpfs", "acpfs-daemon"):
+                self.targets[name] = Acpfs(os.path.join(self.tmp, f"mnt-{name}"),
+                                           os.path.join(self.bdir, f"{name}-backing"),
+                                           os.path.join(self.shm, f"{name}-cache"), a.cache_size,
+                                           os.path.join(self.tmp, f"{name}.log"), name=name,
+                                           env={"ACPFS_NO_PASSTHROUGH": "1"}
+                                           if name == "acpfs-daemon" else None)
             elif name == "rclone":
                 if not shutil.which("rclone"):
                     self.note("rclone is not installed: the rclone target is skipped "
@@ -561,8 +567,9 @@ class Bench:
     def wl_close_flush(self, t: Target, rep: int) -> None:
         d = self.fresh(t, "close", rep)
         p = os.path.join(d, "big.bin")
-        poll = t.name if t.name in ("acpfs", "rclone") else None
-        sync_cmd = [PY, "-m", "acpfs", "sync", t.root] if t.name == "acpfs" else None
+        poll = ("acpfs" if t.name.startswith("acpfs") else t.name) \
+            if t.name.startswith("acpfs") or t.name == "rclone" else None
+        sync_cmd = [PY, "-m", "acpfs", "sync", t.root] if t.name.startswith("acpfs") else None
         with self.profiled(t, f"close_flush-r{rep}"):
             r = self.w.call("write_close", path=p, size=self.w.size, fsync=t.fsync, poll=poll,
                             backing_path=t.backing_of(p), sync_cmd=sync_cmd)
@@ -780,7 +787,8 @@ class Bench:
                  f"{self.meta['machine']['mem_total_gib']} GiB RAM, kernel {self.meta['machine']['kernel']}, "
                  f"backing {a.backing_dir} on {self.meta['machine']['backing_fs']}; "
                  f"acpfs {self.meta.get('acpfs_commit', '?')}", ""]
-        hdr = ["metric", "unit"] + [TARGET_LABEL[n] for n in names] + ["acpfs/shm", "acpfs/disk", "acpfs/rclone", "target"]
+        hdr = ["metric", "unit"] + [TARGET_LABEL[n] for n in names] + \
+            ["acpfs/shm", "acpfs/disk", "acpfs/rclone", "daemon path/shm", "target"]
         lines.append("| " + " | ".join(hdr) + " |")
         lines.append("|" + "|".join("---" for _ in hdr) + "|")
         for metric, (_wl, unit, higher, _desc) in METRICS.items():
@@ -790,8 +798,9 @@ class Bench:
             for n in names:
                 v = med.get((metric, n))
                 row.append(fmt(v["median"]) if v else "-")
-            for other in ("shm", "disk", "rclone"):
-                x, y = med.get((metric, "acpfs")), med.get((metric, other))
+            for mine, other in (("acpfs", "shm"), ("acpfs", "disk"), ("acpfs", "rclone"),
+                                ("acpfs-daemon", "shm")):
+                x, y = med.get((metric, mine)), med.get((metric, other))
                 row.append(f"{x['median'] / y['median']:.2f}" if x and y and y["median"] else "-")
             row.append("; ".join(f"{c['goal']}: {c['shown']} {c['result']}" for c in by_metric.get(metric, [])))
             lines.append("| " + " | ".join(row) + " |")
@@ -826,7 +835,8 @@ class Bench:
         cols = 4
         rows = (len(metrics) + cols - 1) // cols
         fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
-        colors = {"shm": "#888888", "disk": "#d62728", "acpfs": "#1f77b4", "rclone": "#ff7f0e"}
+        colors = {"shm": "#888888", "disk": "#d62728", "acpfs": "#1f77b4", "acpfs-daemon": "#9ecae1",
+                  "rclone": "#ff7f0e"}
         for ax, metric in zip(axes.flat, metrics):
             unit, higher = METRICS[metric][1], METRICS[metric][2]
             xs, ys, lo, hi, cs = [], [], [], [], []

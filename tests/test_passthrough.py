@@ -1,0 +1,210 @@
+"""Kernel passthrough (passthrough.py, memfiles.py): cached files read, written and mapped
+by the kernel itself, and what the daemon still answers for them.
+
+These run on the data path a mount chooses: where passthrough is refused (not root, a
+kernel before 6.9, or ACPFS_NO_PASSTHROUGH=1 as in CI's second run) the tests that need it
+skip, and the rest check the daemon's path gives the same answers.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import subprocess
+import time
+
+import pytest
+
+from conftest import wait_for
+
+
+def passthrough_on(m) -> bool:
+    return m.status()["passthrough"]["on"]
+
+
+def need_passthrough(m) -> None:
+    if not passthrough_on(m):
+        pytest.skip(f"passthrough not in use here: {m.status()['passthrough']['why_not']}")
+
+
+def test_reads_writes_and_mappings_never_reach_the_daemon(mnt):
+    need_passthrough(mnt)
+    before = mnt.status()
+    data = random.Random(1).randbytes(24 << 20)
+    (mnt.mnt / "f").write_bytes(data)
+    assert (mnt.mnt / "f").read_bytes() == data
+    with open(mnt.mnt / "f", "r+b") as f:
+        with mmap.mmap(f.fileno(), 0) as mm:
+            assert mm[5 << 20:(5 << 20) + 10] == data[5 << 20:(5 << 20) + 10]
+            mm[0:4] = b"MMAP"
+    subprocess.run(["dd", f"if={mnt.mnt / 'f'}", "of=/dev/null", "bs=1M", "status=none"], check=True)
+    after = mnt.status()
+    assert after["daemon_io"] == before["daemon_io"], "a READ or WRITE reached the daemon"
+    assert after["passthrough"]["opens"] >= before["passthrough"]["opens"] + 4
+    assert after["cache"]["store"] == "memory files"
+    mnt.sync()
+    assert (mnt.back / "f").read_bytes() == b"MMAP" + data[4:]
+
+
+def test_stat_size_and_times_follow_writes_the_daemon_did_not_see(mnt):
+    """The kernel writes the memory file: a stat right after a write (the file still open)
+    shows the new size, and truncate, fallocate and utimens still apply."""
+    path = mnt.mnt / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        t0 = os.fstat(fd).st_mtime_ns
+        time.sleep(0.01)
+        os.pwrite(fd, b"x" * 5000, 0)
+        assert os.fstat(fd).st_size == 5000
+        assert os.stat(path).st_size == 5000
+        assert os.stat(path).st_mtime_ns > t0
+        os.pwrite(fd, b"y", (3 << 20) - 1)
+        assert os.stat(path).st_size == 3 << 20
+        os.ftruncate(fd, 100)
+        assert os.fstat(fd).st_size == 100
+        os.posix_fallocate(fd, 0, 1 << 20)
+        assert os.stat(path).st_size == 1 << 20
+        os.utime(fd, ns=(10**18, 10**18))
+        assert os.stat(path).st_mtime_ns == 10**18   # kept: no write since
+        os.pwrite(fd, b"z", 0)
+        assert os.fstat(fd).st_mtime_ns != 10**18
+    finally:
+        os.close(fd)
+    want = b"z" + b"x" * 99 + bytes((1 << 20) - 100)
+    assert path.read_bytes() == want
+    mnt.sync()
+    assert (mnt.back / "f").read_bytes() == want
+
+
+def test_every_open_of_a_file_open_with_passthrough_works(mnt):
+    """The kernel fails an open with EIO when an inode has opens of both kinds: readers,
+    writers, appenders and mappings of one file, in any order, all work."""
+    path = mnt.mnt / "f"
+    path.write_bytes(b"a" * 8192)
+    r = open(path, "rb")
+    w = open(path, "r+b")
+    a = open(path, "ab")
+    try:
+        w.write(b"W")
+        w.flush()
+        a.write(b"tail")
+        a.flush()
+        assert r.read(1) == b"W"
+        with mmap.mmap(r.fileno(), 0, prot=mmap.PROT_READ) as mm:
+            assert mm[-4:] == b"tail"
+        r2 = open(path, "rb")
+        assert r2.read() == b"W" + b"a" * 8191 + b"tail"
+        r2.close()
+    finally:
+        for f in (r, w, a):
+            f.close()
+    mnt.sync()
+    assert (mnt.back / "f").read_bytes() == b"W" + b"a" * 8191 + b"tail"
+
+
+def test_a_file_read_from_the_backing_and_then_written_works(mnt):
+    """An uncached file is read through the daemon (from the backing); a writer that opens
+    it meanwhile takes the daemon's path too, not EIO."""
+    (mnt.back / "old").write_bytes(b"backing content\n")
+    r = open(mnt.mnt / "old", "rb")
+    try:
+        assert r.read(7) == b"backing"
+        with open(mnt.mnt / "old", "r+b") as w:
+            w.write(b"BACKING")
+        assert open(mnt.mnt / "old", "rb").read() == b"BACKING content\n"
+    finally:
+        r.close()
+    # with every open closed, the next opens are passed through again
+    with open(mnt.mnt / "old", "ab") as w:
+        w.write(b"more\n")
+    mnt.sync()
+    assert (mnt.back / "old").read_bytes() == b"BACKING content\nmore\n"
+
+
+def test_a_reopen_for_writing_while_the_last_close_uploads_keeps_that_version_whole(faults, make_mount, tmp_path):
+    """The upload of a file's last close must not see the bytes of the next writer: the
+    writer gets its own copy of the memory file (beside a reader the kernel passes through,
+    it waits for the upload instead). Held in the middle of writing v1's temporary file
+    while v2 is written, the upload still lands v1 whole; then v2 lands."""
+    m = make_mount("m", mount=False)
+    src = tmp_path / "src"
+    shim = faults.shim(src, m.back)
+    faults.mount(m)
+    v1 = random.Random(2).randbytes(8 << 20)
+    v2 = random.Random(3).randbytes(8 << 20)
+    shim.set("hang write")                           # v1's upload stops at its first write
+    (m.mnt / "f").write_bytes(v1)
+    wait_for(lambda: m.status()["flushing"]["in_flight"] == 1, what="v1's upload under way")
+    fd = os.open(m.mnt / "f", os.O_RDWR)             # no O_TRUNC: v1's bytes, rewritten
+    try:
+        os.pwrite(fd, v2, 0)
+        assert os.pread(fd, 16, 0) == v2[:16]
+    finally:
+        os.close(fd)
+    shim.set("hang rename")                          # v1's temporary file completes, no more
+    temp = []
+    wait_for(lambda: temp.extend(p for p in src.glob(".acpfs-tmp-*") if p.is_file()
+                                 and p.stat().st_size == len(v1)) or temp,
+             what="v1's temporary file written")
+    assert temp[0].read_bytes() == v1
+    shim.set("ok")
+    m.sync(timeout=120)
+    assert (src / "f").read_bytes() == v2
+    assert (m.mnt / "f").read_bytes() == v2
+
+
+def test_status_and_log_say_which_path_serves(make_mount):
+    on = make_mount("on")
+    st = on.status()["passthrough"]
+    if st["on"]:
+        assert on.status()["cache"]["store"] == "memory files"
+        assert not (on.cache_dir / "pool").exists()
+        assert "kernel passthrough into memory files" in subprocess.run(
+            ["acpfs", "status", str(on.mnt)], capture_output=True, text=True, check=True).stdout
+    off = make_mount("off", env={"ACPFS_NO_PASSTHROUGH": "1"})
+    st = off.status()
+    assert st["passthrough"] == {"on": False, "why_not": "disabled by ACPFS_NO_PASSTHROUGH=1"}
+    assert st["cache"]["store"] == "pool"
+    assert "kernel passthrough off: disabled by ACPFS_NO_PASSTHROUGH=1" in off.log.read_text()
+    out = subprocess.run(["acpfs", "status", str(off.mnt)], capture_output=True, text=True,
+                         check=True).stdout
+    assert "through the daemon, pool (disabled by ACPFS_NO_PASSTHROUGH=1)" in out
+    (off.mnt / "f").write_bytes(b"served by the daemon")
+    assert (off.mnt / "f").read_bytes() == b"served by the daemon"
+    assert off.status()["daemon_io"]["writes"] >= 1
+
+
+def test_memory_files_are_private_and_go_with_their_files(mnt):
+    need_passthrough(mnt)
+    files = mnt.cache_dir / "files"
+    assert os.stat(files).st_mode & 0o777 == 0o700
+    (mnt.mnt / "a").write_bytes(b"1" * 100_000)
+    (mnt.mnt / "b").write_bytes(b"2" * 100_000)
+    assert len(os.listdir(files)) == 2
+    assert all(os.stat(files / n).st_mode & 0o777 == 0o600 for n in os.listdir(files))
+    mnt.sync()
+    os.unlink(mnt.mnt / "a")
+    wait_for(lambda: len(os.listdir(files)) == 1, what="the memory file of a deleted file removed")
+
+
+def test_a_mapping_that_writes_after_close_is_persisted_when_it_goes(make_mount):
+    """close() with a shared writable mapping still alive keeps the file open (no RELEASE).
+    What it held was persisted meanwhile (here by fsync with --fsync backing), and what the
+    mapping writes afterwards lands when it is unmapped (the kernel's RELEASE), on either
+    path: the daemon never saw those writes on the passthrough path."""
+    mnt = make_mount(extra=("--fsync", "backing"))
+    path = mnt.mnt / "f"
+    path.write_bytes(b"a" * 65536)
+    fd = os.open(path, os.O_RDWR)
+    mm = mmap.mmap(fd, 65536)
+    mm[0:6] = b"BEFORE"
+    mm.flush()
+    os.fsync(fd)                                   # queued and persisted while open
+    assert (mnt.back / "f").read_bytes()[:6] == b"BEFORE"
+    os.close(fd)                                   # FLUSH; no RELEASE while mapped
+    mm[0:5] = b"AFTER"
+    mm.close()                                     # the last reference: RELEASE
+    mnt.sync()
+    assert (mnt.back / "f").read_bytes() == b"AFTER" + b"E" + b"a" * (65536 - 6)
+    assert path.read_bytes() == (mnt.back / "f").read_bytes()

@@ -692,20 +692,39 @@ class Cache:
             node.ctime = max(node.ctime, st.st_ctime_ns)
 
     def headroom(self, node: Node) -> bool:
-        """Whether a writer of ``node`` may be passed through: after evicting persisted
-        files, the free space holds a reservation for it and for every writer passed
+        """Whether a writer of ``node`` may be passed through: the free space, with what
+        persisted files hold, has room for a reservation for it and for every writer passed
         through that is still open (each ``_reservation``). The kernel writes their files
         without asking, so this, at the open, is what bounds them: a writer passed through
         may write past its reservation, and the cache then holds more than its size until
         the file is closed and persisted (docs/semantics.md). Elsewhere writers take the
         daemon's path, where a full cache makes them wait or write through."""
         want = sum(map(self._reservation, self.passthrough_writers)) + self._reservation(node)
+        store = self.store
         with self.lock:
-            try:
-                self._reserve(want)
-            except CacheFull:
-                return False
-        return True
+            self.lru.pop(node.ino, None)   # not counted for itself (Cache.open takes a
+            room = store.free_bytes()      # writer's file out of the LRU anyway)
+            if room >= want:
+                return True
+            # persisted files count as room, evicted only once written bytes need it (trim):
+            # a reservation is a guess, and evicting for it would send readers to the backing
+            for victim in self.lru.values():
+                if self._evictable(victim):
+                    room += store.nbytes(victim.content)
+                    if room >= want:
+                        return True
+        return False
+
+    def trim(self) -> None:
+        """Evict persisted files while the cache holds more than its size (writers passed
+        through wrote into the room ``headroom`` counted on)."""
+        store = self.store
+        with self.lock:
+            while store.used > store.limit and self.lru:
+                _, victim = self.lru.popitem(last=False)
+                if victim.content is not None and self._evictable(victim):
+                    store.drop(victim.content)
+                    victim.content = None
 
     def _reservation(self, node: Node) -> int:
         held = self.store.nbytes(node.content) if node.content is not None else 0

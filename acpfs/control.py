@@ -23,6 +23,7 @@ renamed or removed. Users other than root and the mount's owner get no file name
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import json
@@ -64,8 +65,8 @@ class MountInfo:
     peers: Any = None              # global order (peers.Peers); None when off
     # the kernel's passthrough state (passthrough.Kernel.state), None where not asked for
     passthrough: Callable[[], dict] | None = None
-    # READ and WRITE requests the daemon served (Core): what passthrough did not take
-    served: dict[str, int] = dataclasses.field(default_factory=lambda: {"reads": 0, "writes": 0})
+    # FUSE requests the daemon handled, by kind (fs.py): what passthrough leaves to it
+    requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     pid: int = dataclasses.field(default_factory=os.getpid)
     owner: int = dataclasses.field(default_factory=os.getuid)   # the mount's owner
     started: float = dataclasses.field(default_factory=time.time)
@@ -231,7 +232,7 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         "fast_write": fastwrite.state(),
         "passthrough": info.passthrough() if info.passthrough is not None else
         {"on": False, "why_not": "not asked for"},
-        "daemon_io": dict(info.served),
+        "requests": dict(sorted(info.requests.items())),
     }
 
 

@@ -372,6 +372,11 @@ class Core:
 
     # -- the namespace ---------------------------------------------------------------------
     async def lookup(self, parent_ino: int, name: bytes) -> Node:
+        node = await self._lookup(parent_ino, name)
+        self.cache.sync_content(node)   # the reply's size must not undo a write passed through
+        return node
+
+    async def _lookup(self, parent_ino: int, name: bytes) -> Node:
         if len(name) > NAME_MAX:
             raise err(errno.ENAMETOOLONG, "name longer than 255 bytes")
         # another node may have made or removed it since this directory was last looked at
@@ -486,7 +491,8 @@ class Core:
                 raise err(errno.EINVAL, "not a regular file")
             await self.xattrs_loaded(node)
             self.cache.sync_content(node)
-            await self._unshared(node, size == 0)
+            while not await self._unshared(node, size == 0):
+                pass
             await self.wt.truncate(node, size)
         if (mode, uid, gid, atime, mtime) != (None,) * 5:
             self.cache.setattr(node, mode=mode, uid=uid, gid=gid, atime=atime, mtime=mtime)
@@ -533,8 +539,10 @@ class Core:
         await self.wt.settle(node)
         if writable:
             await self.xattrs_loaded(node)
-            await self.wt.open_for_writing(node, trunc)
-            await self._unshared(node, trunc)
+            while True:   # until the content is cached or staged, and private, at once
+                await self.wt.open_for_writing(node, trunc)
+                if await self._unshared(node, trunc):
+                    break
         # direct_io only where shared mmap survives it (the kernel granted it in INIT:
         # Linux 6.9+ with the fast write extension; elsewhere a shared writable mapping of a
         # direct_io file fails with ENODEV, which breaks SQLite's WAL and np.memmap).
@@ -588,21 +596,34 @@ class Core:
             log.warning("%s: cannot pass it through (%s); served by the daemon", cache.path(node), e)
             return 0
 
-    async def _unshared(self, node: Node, trunc: bool) -> None:
+    async def _unshared(self, node: Node, trunc: bool) -> bool:
         """Before an open for writing: content a snapshot or journal record still holds is
         copied, so that the kernel writes a memory file nobody else reads. Not while the
         file is open with passthrough: the kernel holds that memory file, so the writer
-        waits until the upload that holds it lands."""
-        cache = self.cache
-        while True:
-            with cache.lock:
-                if node.content is None or not cache.store.shared(node.content):
-                    return
-                if not node.passthrough_opens:   # O_TRUNC: nothing worth copying
-                    node.content = cache.store.private(node.content, 0 if trunc else node.size)
-                    return
+        waits until the upload that holds it lands. Returns True when nothing was waited
+        for; after a wait everything the caller checked may have changed (look again)."""
+        cache, store = self.cache, self.cache.store
+        content = node.content
+        if content is None or not store.shared(content):
+            return True
+        if node.ino in self.wt.slots:
+            await self.wt.settle(node)
+        elif node.passthrough_opens:
             await self.wt.wait_seq(node.last_seq)
             await trio.sleep(UNSHARED_POLL)   # the upload's reference goes just after its seq
+        else:
+            # copied in a worker thread with the slot held: no open passes through to the
+            # old memory file meanwhile (Core.open settles first)
+            size = 0 if trunc else node.size     # O_TRUNC: nothing worth copying
+            async with self.wt.hold(node, "copy for a writer"):
+                copy = await trio.to_thread.run_sync(store.copy, content, size)
+                with cache.lock:
+                    if node.content is content:
+                        node.content = copy
+                        store.drop(content)
+                    else:
+                        store.drop(copy)         # replaced meanwhile
+        return False
 
     async def create(self, parent_ino: int, name: bytes, mode: int, flags: int,
                      caller: Caller) -> tuple[int, Node, int]:
@@ -620,7 +641,6 @@ class Core:
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         h = self.handle(fh)
-        self.info.served["reads"] += 1
         node = h.node
         if node.staged is not None:
             data = await self.wt.read_staged(node, off, size)
@@ -648,7 +668,6 @@ class Core:
         """A WRITE straight from libfuse's buffer: bytes written, or None to take the async
         path (``write``). ``data`` is valid only during this call: it is copied into the cache."""
         h = self.handle(fh)
-        self.info.served["writes"] += 1
         self._clear_priv(h)
         # O_APPEND: at the end of the file as this mount has it, whatever offset the kernel
         # computed (from a size it may hold from before another node's longer version)
@@ -679,7 +698,6 @@ class Core:
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self.handle(fh)
-        self.info.served["writes"] += 1   # also one the fast path passed on (write_now)
         self._clear_priv(h)
         return await self.wt.write(h.node, h.node.size if h.append else off, buf)
 
@@ -729,11 +747,12 @@ class Core:
             await trio.sleep(PASSTHROUGH_LOOK)
             for node in list(cache.passthrough_writers):
                 cache.sync_content(node)
+            cache.trim()
             now_over = cache.store.used > cache.store.limit
             if now_over and not over:
-                log.warning("cache over its size: %s held, %s allowed; %d files open for writing "
-                            "with passthrough wrote past what was kept free for them (new writers "
-                            "take the daemon's path until it is persisted)",
+                log.warning("cache over its size: %s held, %s allowed: files written with "
+                            "passthrough grew past what was kept free for them (%d still open); "
+                            "new writers take the daemon's path until enough is persisted",
                             format_size(cache.store.used), format_size(cache.store.limit),
                             len(cache.passthrough_writers))
             over = now_over

@@ -177,12 +177,15 @@ class Daemon:
                 cache_size, block_size = left.pool_size, left.block_size
             journal.start_recovery(opts.cache_dir)
             self.notify(f"progress recovering {len(self.replay)} changes left by a dead daemon")
+        # a recovery keeps the store the dead daemon's journal names
+        files = (left.block_size == 0) if recovering else bool(depth)
+        if depth and not files:
+            depth, why_not = 0, "recovering a journal of the pool (passthrough from the next mount)"
         ext = fastwrite.extension()
         self.kernel = passthrough.Kernel(ext, why_not) if ext is not None and depth else None
         if depth:
             fastwrite.ask_passthrough(depth)
-        # a recovery keeps the store the dead daemon's journal names
-        if (left.block_size == 0) if recovering else bool(depth):
+        if files:
             remove_leftover(os.path.join(opts.cache_dir, "pool"))
             self.store = MemFiles(opts.cache_dir, cache_size,
                                   unregister=self.kernel.unregister if self.kernel else None)

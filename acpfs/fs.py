@@ -50,8 +50,11 @@ def errno_of(exc: BaseException, where: str) -> int:
 
 def replies(fn: Callable) -> Callable:
     """A handler whose errors become FUSE errors (``errno_of``)."""
+    name = fn.__name__
+
     @functools.wraps(fn)
     async def wrapper(*args: Any) -> Any:
+        args[0].core.info.requests[name] += 1
         try:
             return await fn(*args)
         except Exception as e:
@@ -202,6 +205,7 @@ class Operations(pyfuse3.Operations):
         entries = self.core.dir_entries(fh)
         for i in range(start_id, len(entries)):
             name, node = entries[i]
+            self.core.cache.sync_content(node)
             if not pyfuse3.readdir_reply(token, name, attrs(node), i + 1):
                 break
             node.lookups += 1
@@ -231,6 +235,7 @@ class Operations(pyfuse3.Operations):
         return reply
 
     async def read(self, fh, off, size):
+        self.core.info.requests["read"] += 1
         try:
             return await self.core.read(fh, off, size)
         except Exception as e:
@@ -239,6 +244,7 @@ class Operations(pyfuse3.Operations):
     def write_now(self, fh: int, off: int, data: memoryview) -> int | None:
         """WRITE straight from libfuse's buffer (acpfs/_fastwrite.c): bytes written, -errno,
         or None to take the async path (``write``)."""
+        self.core.info.requests["write"] += 1
         try:
             return self.core.write_now(fh, off, data)
         except Exception as e:

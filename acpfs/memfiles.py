@@ -95,14 +95,20 @@ class MemFiles:
                 self.peak = self._used
 
     # -- files -------------------------------------------------------------------------
-    def _new(self) -> MemFile:
+    def _new(self, keep_fd: bool = True) -> MemFile:
+        """A new empty memory file; its descriptor kept for the FUSE thread, or (any other
+        thread: ``keep_fd`` False) closed at once."""
         with self._lock:
             id = self._next_id
             self._next_id += 1
         fd = os.open(str(id), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600, dir_fd=self.dir_fd)
         mf = MemFile(id, fd)
-        self._keep_fd(mf)
+        if keep_fd:
+            self._keep_fd(mf)
+        else:
+            os.close(fd)
+            mf.fd = -1
         return mf
 
     def _open_by_name(self, mf: MemFile) -> int:
@@ -170,12 +176,12 @@ class MemFiles:
         return new
 
     def copy(self, mf: MemFile, size: int) -> MemFile:
-        """A new memory file with the first ``size`` bytes of ``mf``."""
-        new = self._new()
+        """Any thread: a new memory file with the first ``size`` bytes of ``mf``."""
+        new = self._new(keep_fd=False)
         try:
-            with self._opened(mf) as src:
-                copy_fd(src, self._fd(new), size)
-            os.ftruncate(self._fd(new), size)
+            with self._opened(mf) as src, self._opened(new) as dst:
+                copy_fd(src, dst, size)
+                os.ftruncate(dst, size)
         except BaseException:
             self._free(new)
             raise

@@ -43,7 +43,12 @@ def test_1gib_through_a_64mib_cache(make_mount):
     assert st["cache"]["limit_bytes"] == limit
     assert st["cache"]["peak_used_bytes"] <= limit
     assert peak_seen[0] <= limit
-    assert st["cache"]["peak_used_bytes"] > limit // 2   # the cache was really used up
+    if st["cache"]["store"] == "pool":
+        assert st["cache"]["peak_used_bytes"] > limit // 2   # the cache was really used up
+    else:
+        # with passthrough a writer is admitted only with 64 MiB free (semantics, section 6):
+        # here one file at a time is written by the kernel, the rest through the daemon
+        assert st["cache"]["peak_used_bytes"] >= 16 << 20
     # the content store never holds more than the limit
     assert m.store_bytes() <= limit
     for name, digest in digests.items():

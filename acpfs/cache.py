@@ -691,6 +691,14 @@ class Cache:
             node.mtime = st.st_mtime_ns
             node.ctime = max(node.ctime, st.st_ctime_ns)
 
+    def unchanged_since_snapshot(self, node: Node) -> bool:
+        """A file open for writing with passthrough whose memory file has not changed since
+        its last snapshot (it stays dirty after one: ``snapshot``)."""
+        if node not in self.passthrough_writers:
+            return False
+        self.sync_content(node)
+        return node.content.snapped is not None and node.content.snapped == node.content.seen
+
     def headroom(self, node: Node) -> bool:
         """Whether a writer of ``node`` may be passed through: the free space, with what
         persisted files hold, has room for a reservation for it and for every writer passed
@@ -944,6 +952,11 @@ class Cache:
             self._journal_state(node, JournalState.NONE, record=False)   # the publish record says it
         self._enqueue(OpKind.PUBLISH, node, parent=node.parent, name=node.name, snap=snap,
                       stamp=(stamp, floor), links=list(node.links) if node.links else None)
+        if node in self.passthrough_writers:
+            # the kernel may write on without telling: dirty again, and what was queued is
+            # remembered so that an unchanged file is not queued again (unchanged_since_snapshot)
+            node.content.snapped = node.content.seen
+            self._mark_dirty(node)
 
     def snapshot_open_files(self) -> int:
         """At shutdown: queue every file with unsaved changes, open or not. Returns the count."""
@@ -1094,11 +1107,13 @@ class Cache:
 
     # -- state, for xattrs and status ----------------------------------------------------
     def state_of(self, node: Node) -> str:
+        # a file the kernel writes is dirty again after each snapshot: unchanged, it is not
+        unchanged = self.unchanged_since_snapshot(node)
         with self.lock:
             for op in node.publish_ops:
                 if op.error:
                     return f"error: {op.error}"
-            if node.dirty:
+            if node.dirty and not unchanged:
                 return "dirty"
             if node.publish_ops:
                 return "flushing"

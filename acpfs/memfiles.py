@@ -43,7 +43,7 @@ OPEN_FDS = 256   # descriptors of memory files kept open for the FUSE thread (``
 
 class MemFile:
     """One memory file: who holds it, and its descriptor while one is open (``MemFiles._fd``)."""
-    __slots__ = ("id", "fd", "refs", "charged", "backing_id", "seen")
+    __slots__ = ("id", "fd", "refs", "charged", "backing_id", "seen", "snapped")
 
     def __init__(self, id: int, fd: int) -> None:
         self.id = id
@@ -53,6 +53,8 @@ class MemFile:
         self.backing_id = 0    # the kernel's id for it (FUSE_DEV_IOC_BACKING_OPEN); 0: none
         self.seen: tuple[int, int, int] | None = None   # (size, mtime, ctime) at the last look
                                                          # (Cache.sync_content)
+        self.snapped: tuple[int, int, int] | None = None   # seen, at the last snapshot of
+                                                           # its file while open (Cache.snapshot)
 
 
 def _pages(n: int) -> int:

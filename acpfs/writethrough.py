@@ -490,7 +490,8 @@ class WriteThrough:
                         self.nursery.start_soon(self._sync_staged, sp)
                 elif node.appended_only and node.ino not in self.slots:
                     await self.settle(node)
-                    if node.dirty and node.writers and node.staged is None:
+                    if node.dirty and node.writers and node.staged is None \
+                            and not self.cache.unchanged_since_snapshot(node):
                         log.info("%s has been open with unsaved appends for %.0fs: persisting "
                                  "what it holds so far", self.cache.path(node), now - node.dirty_since)
                         self.cache.snapshot(node)

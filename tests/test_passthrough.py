@@ -1,9 +1,9 @@
 """Kernel passthrough (passthrough.py, memfiles.py): cached files read, written and mapped
 by the kernel itself, and what the daemon still answers for them.
 
-These run on the data path a mount chooses: where passthrough is refused (not root, a
-kernel before 6.9, or ACPFS_NO_PASSTHROUGH=1 as in CI's second run) the tests that need it
-skip, and the rest check the daemon's path gives the same answers.
+These run on the data path a mount chooses: with ACPFS_PASSTHROUGH=1 (./tools/test-passthrough,
+as CI runs it) as root on Linux 6.9+ they check passthrough; elsewhere the tests that need
+it skip, and the rest check the daemon's path gives the same answers.
 """
 
 from __future__ import annotations

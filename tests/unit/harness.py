@@ -17,9 +17,10 @@ BS = 4096
 
 
 def memory_files() -> bool:
-    """The content store the unit tier runs on: memory files (as the passthrough path), or
-    the pool with ACPFS_NO_PASSTHROUGH=1 (as the path every request takes)."""
-    return os.environ.get("ACPFS_NO_PASSTHROUGH", "") in ("", "0")
+    """The content store the unit tier runs on: the pool (the daemon's path), or memory
+    files with ACPFS_PASSTHROUGH=1 (the passthrough path: ./tools/test-passthrough)."""
+    return os.environ.get("ACPFS_PASSTHROUGH", "") not in ("", "0") \
+        and os.environ.get("ACPFS_NO_PASSTHROUGH", "") in ("", "0")
 
 
 def make_store(cache_dir: Path, size: int, block_size: int = BS, unit: int | None = None):

@@ -827,6 +827,8 @@ class Core:
         finally:
             if h.backing_fd >= 0:
                 self.backing.close_fd(h.backing_fd)
+        if h.writable and not node.writers and node.open_copy is not None:
+            await self.wt.closed(node)
 
     async def fsync(self, fh: int) -> None:
         if self.info.fsync_backing:

@@ -83,7 +83,7 @@ class Node:
                  "children", "target", "content", "backing_parent", "backing_name",
                  "writers", "appenders", "opens", "nlink", "lookups", "dirty", "dirty_since",
                  "publish_ops", "last_seq", "xattrs", "staged", "versions", "journal_state",
-                 "journal_content", "passthrough_opens", "truncated", "listed_at", "listed_version", "backing_version", "checked_at", "rdev",
+                 "journal_content", "passthrough_opens", "open_copy", "truncated", "listed_at", "listed_version", "backing_version", "checked_at", "rdev",
                  "links", "backing_links")
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, parent: Node | None, name: bytes) -> None:
@@ -115,6 +115,9 @@ class Node:
         self.last_seq = 0                                # seq of the last op that involved it
         self.xattrs: dict[bytes, bytes] | None = None    # None: not read from the backing yet
         self.staged: Staged | None = None                # content written through to the backing
+        # a writer passed through, open long: (name of the staged copy of its memory file in
+        # the backing, the memory file's (size, mtime, ctime) copied); WriteThrough owns it
+        self.open_copy: tuple[bytes, Any] | None = None
         self.versions = 0                                # versions published (readers' backing fds)
         self.journal_state = JournalState.NONE           # (lock) its last journal record
         self.journal_content: Any = None                 # (lock) content held for a FLUSHED record

@@ -69,6 +69,7 @@ class WriteThrough:
         self.failed: dict[int, float] = {}    # ino -> when writing it through last failed
         self._full_since = 0.0
         self._copy_locks: dict[int, trio.Lock] = {}
+        self._copying: set[int] = set()       # ino: a staged copy of it is being made (_copy_open)
         self.nursery: trio.Nursery | None = None   # for background work; set by the daemon
 
     # -- the staging slot ----------------------------------------------------------------
@@ -495,11 +496,77 @@ class WriteThrough:
                         log.info("%s has been open with unsaved appends for %.0fs: persisting "
                                  "what it holds so far", self.cache.path(node), now - node.dirty_since)
                         self.cache.snapshot(node)
+                elif node in self.cache.passthrough_writers:
+                    # the kernel writes its memory file: a copy of it is staged (the crash
+                    # insurance that writing through gives elsewhere), again every period
+                    if node.ino not in self._copying and now - synced.get(node.ino, 0.0) >= age:
+                        synced[node.ino] = now
+                        self._copying.add(node.ino)
+                        assert self.nursery is not None
+                        self.nursery.start_soon(self._copy_open, node)
                 elif self.may_write_through(node):
                     log.info("%s has been open with unsaved changes for %.0fs: staging its "
                              "content in the backing (published at its last close)",
                              self.cache.path(node), now - node.dirty_since)
                     self._start_write_through(node)
+
+    async def _copy_open(self, node: Node) -> None:
+        """Stage a copy of the memory file of a writer passed through (``Node.open_copy``):
+        complete and fsynced under a fresh name, then renamed over the last copy
+        (``Backing.restage``), so a crash finds one whole copy, which recovery keeps aside
+        like a staged file. The kernel may write meanwhile: the copy is of the moment it was
+        read, as any reader's. Removed at the last writer's close (``closed``)."""
+        cache, backing = self.cache, self.backing
+        try:
+            cache.sync_content(node)
+            if node.content is None or node not in cache.passthrough_writers:
+                return
+            seen = node.content.seen
+            name = node.open_copy[0] if node.open_copy is not None else backing.staged_name(node.ino)
+            if node.open_copy is not None and node.open_copy[1] == seen:
+                return   # unchanged since the last copy
+            if node.open_copy is None:
+                log.info("%s has been open with unsaved changes for %.0fs: staging a copy of "
+                         "its content in the backing (again while it changes; the file is "
+                         "published at its last close)", cache.path(node), time.time() - node.dirty_since)
+            with cache.lock:
+                content = cache.store.share(node.content)
+            size = node.size
+
+            def run() -> None:
+                with cache.store.source(content, size) as (src_fd, _):
+                    dfd, fd = backing.restage(src_fd, name, size)
+                backing.close_fd(fd)
+                backing.close_fd(dfd)
+
+            try:
+                await trio.to_thread.run_sync(run)
+            except OSError as e:
+                log.warning("cannot stage a copy of %s, open for writing (%s): a crash now "
+                            "would lose its changes since it was opened", cache.path(node), e)
+                return
+            finally:
+                cache.release_content(content)
+            node.open_copy = (name, seen)
+        finally:
+            self._copying.discard(node.ino)
+        if not node.writers:   # closed while the copy was made
+            await self.closed(node)
+
+    async def closed(self, node: Node) -> None:
+        """The last writer of ``node`` closed it: its staged copy (``_copy_open``) goes (a
+        copy being made goes when it is done)."""
+        if node.open_copy is None or node.ino in self._copying or node.writers:
+            return
+        name, node.open_copy = node.open_copy[0], None
+        try:
+            await trio.to_thread.run_sync(self._remove_copy, name)
+        except OSError as e:
+            log.warning("cannot remove the staged copy %r of %s: %s", name, self.cache.path(node), e)
+
+    def _remove_copy(self, name: bytes) -> None:
+        self.backing.remove_staged(name)
+        self.backing.remove_staging_dir(name)
 
     async def _sync_staged(self, sp: Staged) -> None:
         try:

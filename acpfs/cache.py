@@ -47,7 +47,7 @@ from .backing import Backing, check_name, is_internal_name
 from .journal import CLEAN, DIRTY, FLUSHED, Journal, Record
 from .peers import stamp_after
 from .content import CacheFull, Content, Store
-from .types import JournalState, Node, Op, OpKind, OpSink, OpState, Snapshot, err, now_ns
+from .types import Children, JournalState, Node, Op, OpKind, OpSink, OpState, Snapshot, err, now_ns
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class Cache:
     def attach_listing(self, node: Node, listing: tuple[list, tuple[int, int, int] | None]) -> None:
         if node.children is not None:
             return
-        node.children = {}
+        node.children = Children()
         entries, node.listed_version = listing
         for name, st, target in entries:
             self._attach(node, name, st, target)
@@ -419,7 +419,7 @@ class Cache:
                 continue
             if n.children:
                 stack.extend((n, k, c) for k, c in n.children.items())
-                n.children = {}
+                n.children = Children()
             n.parent = None
             n.nlink = 0
             n.set_positions([])
@@ -477,7 +477,7 @@ class Cache:
     def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
         kids = self._free_name(parent, name)
         node = self._new_node(statmod.S_IFDIR | statmod.S_IMODE(mode), uid, gid, parent, name)
-        node.children = {}
+        node.children = Children()
         node.xattrs = {}
         node.nlink = 2
         node.listed_at = time.monotonic()

@@ -78,12 +78,10 @@ def acknowledges(fn: Callable) -> Callable:
 
 def dir_links(node: Node) -> int:
     """A directory's link count, as on a local filesystem: 2 and one per subdirectory (its
-    ".."); 2 while its entries are not loaded (find and ls only use it as a hint then).
-    Counted at each stat: a directory's attributes are asked for far less than its files'."""
-    kids = node.children
+    ".."); 2 while its entries are not loaded (find and ls only use it as a hint then)."""
     if not node.nlink:
         return 0
-    return 2 + (sum(1 for c in kids.values() if c.is_dir) if kids else 0)
+    return 2 + (node.children.dirs if node.children is not None else 0)
 
 
 def attrs(node: Node) -> pyfuse3.EntryAttributes:

@@ -72,6 +72,32 @@ class JournalState(enum.IntEnum):
     FLUSHED = 2   # its last writer closed it; at a crash this content is published
 
 
+class Children(dict):
+    """A loaded directory's entries, name -> Node, counting the directories among them
+    (``dirs``: a directory's link count is 2 plus that, asked for at every GETATTR of it).
+    Invariant: ``dirs`` is the number of values that are directories; entries change only
+    by ``d[name] = node`` and ``del d[name]`` (a node's kind never changes)."""
+    __slots__ = ("dirs",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dirs = 0
+
+    def __setitem__(self, name: bytes, node: "Node") -> None:
+        old = self.get(name)
+        if old is not None:
+            self.dirs -= old.is_dir
+        super().__setitem__(name, node)
+        self.dirs += node.is_dir
+
+    def __delitem__(self, name: bytes) -> None:
+        self.dirs -= self[name].is_dir
+        super().__delitem__(name)
+
+    def pop(self, *a):   # not used: would bypass the count
+        raise NotImplementedError("Children.pop: use del")
+
+
 class Node:
     """One file, directory or symlink of the mount's view.
 
@@ -96,7 +122,7 @@ class Node:
         self.atime = self.mtime = self.ctime = t
         self.parent = parent                          # place in the mount; None once deleted
         self.name = name
-        self.children: dict[bytes, Node] | None = None   # directories: None until loaded
+        self.children: Children | None = None   # directories: None until loaded
         self.target = b""                                # symlinks
         self.rdev = 0                                    # device nodes: the device number
         self.content: Any = None                         # (lock) files: the store's handle

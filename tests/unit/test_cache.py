@@ -167,3 +167,42 @@ def _relist(cache, d):
         return cache.relist_backing(d)
     finally:
         cache.position_lock = lock
+
+
+def test_directory_link_counts_follow_random_namespace_changes(core):
+    """A directory's link count (2 + its subdirectories, kept by ``Children.dirs`` rather
+    than counted at each GETATTR) equals a count of its entries after every change, over
+    random mkdir, create, rename (over files and empty directories), unlink and rmdir."""
+    import random
+    from acpfs.fs import dir_links
+    cache, flusher, back = core
+    rng = random.Random(7)
+    dirs = [cache.root]
+    for _ in range(600):
+        d = rng.choice(dirs)
+        if d.parent is None and d is not cache.root:
+            dirs.remove(d)
+            continue
+        name = b"n%d" % rng.randrange(12)
+        op = rng.choice(("mkdir", "create", "rename", "remove"))
+        try:
+            if op == "mkdir":
+                dirs.append(cache.mkdir(d, name, 0o755, 0, 0))
+            elif op == "create":
+                cache.create(d, name, 0o644, 0, 0)
+            elif op == "rename":
+                node, to = cache.lookup(d, name), rng.choice(dirs)
+                up = to
+                while up is not None and up is not node:   # the kernel refuses a directory
+                    up = up.parent                         # into itself (EINVAL)
+                if up is None:
+                    cache.rename(d, name, to, b"n%d" % rng.randrange(12))
+            else:
+                node = cache.lookup(d, name)
+                (cache.rmdir if node.is_dir else cache.unlink)(d, name)
+        except OSError:
+            pass    # EEXIST, ENOENT, ENOTEMPTY, EISDIR, ENOTDIR, EINVAL: nothing changed
+        for x in dirs:
+            if x.children is not None and (x.parent is not None or x is cache.root):
+                assert dir_links(x) == 2 + sum(c.is_dir for c in x.children.values())
+    assert any(dir_links(x) > 2 for x in dirs)

@@ -32,6 +32,8 @@ import time
 import urllib.parse
 from typing import Iterable, Iterator
 
+from .content import copy_fd
+
 log = logging.getLogger(__name__)
 
 TEMP_PREFIX = b".acpfs-tmp-"
@@ -749,18 +751,7 @@ class Backing:
 
     def copy_file(self, src_fd: int, dst_fd: int, size: int) -> None:
         """Copy a backing file into a temporary one (server-side where the filesystem can)."""
-        done = 0
-        while done < size:
-            try:
-                n = os.copy_file_range(src_fd, dst_fd, size - done, done, done)
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                os.lseek(dst_fd, done, os.SEEK_SET)
-                n = os.sendfile(dst_fd, src_fd, done, size - done)
-            if n == 0:
-                break
-            done += n
+        copy_fd(src_fd, dst_fd, size)
 
     def finish_temp(self, fd: int, size: int, mode: int, uid: int, gid: int, times: tuple[int, int],
                     xattrs: dict[bytes, bytes]) -> None:

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from . import __version__, client, private
+from . import __version__, client, passthrough, private
 from .client import FSTYPE, Failure
 from .config import (UsageError, default_cache_dir, default_cache_size, default_log_file, env,
                      env_flag, format_size, key_of, parse_size)
@@ -154,6 +154,9 @@ def cmd_mount(a: argparse.Namespace) -> int:
     if block_size < 4096 or block_size & (block_size - 1) or block_size > (16 << 20):
         raise UsageError("--block-size must be a power of two between 4K and 16M")
     foreground = a.foreground or env_flag("foreground")
+    pt_mode = (a.passthrough or env("passthrough") or "auto").lower()
+    if pt_mode not in passthrough.MODES:
+        raise UsageError(f"invalid --passthrough {pt_mode!r}: use auto, on or off")
 
     lock = open_lock(f"mount-{key_of(mountpoint)}.lock")
     fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent 'acpfs mount' calls: one at a time
@@ -178,6 +181,12 @@ def cmd_mount(a: argparse.Namespace) -> int:
         cache_size = parse_size(cache_size_text, "cache size") if cache_size_text \
             else default_cache_size(os.path.dirname(cache_dir))
         check_cache_fits(cache_size, os.path.dirname(cache_dir), cache_dir)
+        if pt_mode == "on":
+            from . import fastwrite
+            why_not = passthrough.plan("on", cache_dir, fastwrite.extension())[1]
+            if why_not:
+                raise UsageError(f"--passthrough on: kernel passthrough is not possible here: "
+                                 f"{why_not} (--passthrough auto mounts without it)")
         if cache_size < block_size * 16:
             raise UsageError(f"cache size {cache_size_text} is too small: at least {format_size(block_size * 16)}")
         log_file = a.log_file or env("log_file") or default_log_file(mountpoint)
@@ -188,7 +197,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
                        cache_full_timeout=full_timeout, block_size=block_size,
                        persist_open_after=persist_open, coherence_timeout=coherence,
                        global_order=order == "on", max_clock_skew=skew, peer_heartbeat=beat,
-                       peer_lease=lease,
+                       peer_lease=lease, passthrough=pt_mode,
                        mlock=a.mlock or env_flag("mlock"), foreground=foreground)
         if foreground:
             return run_foreground(opts, lock)
@@ -793,7 +802,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--peer-lease", type=seconds, metavar="S",
                    help="a node that has not renewed its record for S seconds (dead, hung, cut "
                    "off from the backing) holds nobody back any more (default 30)")
-    m.add_argument("--block-size", help="cache block size, a power of two (default 64K)")
+    m.add_argument("--passthrough", choices=passthrough.MODES,
+                   help="kernel passthrough: the kernel reads, writes and maps cached files "
+                   "itself, at memory speed (Linux 6.9+, root). 'auto' (default): where "
+                   "possible; 'on': fail the mount where not; 'off': every request goes "
+                   "through the daemon")
+    m.add_argument("--block-size", help="cache block size, a power of two (default 64K; the "
+                   "daemon's path only)")
     m.add_argument("--mlock", action="store_true", help="lock the cache pool in RAM")
     m.add_argument("--log-level", help="debug, info (default), warning or error")
     m.add_argument("--log-file", help="daemon log ('-' for stderr; default /var/log/acpfs/<mount>.log "

@@ -22,6 +22,7 @@ Every call that takes or frees space, or changes a reference count, is made with
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any, ContextManager, Iterator, Protocol
 
@@ -84,12 +85,15 @@ class Store(Protocol):
 
 def copy_fd(src: int, dst: int, size: int) -> None:
     """Copy the first ``size`` bytes of ``src`` to the same offsets of ``dst``, in the
-    kernel (copy_file_range, else sendfile)."""
+    kernel: copy_file_range (server-side where the filesystem can), else sendfile. Stops
+    early at the end of ``src``."""
     done = 0
     while done < size:
         try:
             n = os.copy_file_range(src, dst, size - done, done, done)
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
             os.lseek(dst, done, os.SEEK_SET)
             n = os.sendfile(dst, src, done, size - done)
         if n == 0:

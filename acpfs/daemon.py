@@ -53,6 +53,7 @@ class Options:
     max_clock_skew: float = 0.01
     peer_heartbeat: float = 1.0
     peer_lease: float = 30.0
+    passthrough: str = "auto"   # passthrough.MODES
 
 
 def setup_logging(opts: Options) -> None:
@@ -158,7 +159,7 @@ class Daemon:
         front = self._find_peers(instance, left.instance if left else None) \
             if opts.global_order else None
         cache_size, block_size = opts.cache_size, opts.block_size
-        depth, why_not = passthrough.plan(opts.cache_dir, fastwrite.extension())
+        depth, why_not = passthrough.plan(opts.passthrough, opts.cache_dir, fastwrite.extension())
         recovering = bool(self.replay or self.dirty)
         if recovering:
             assert left is not None

@@ -8,9 +8,11 @@ session's descriptor, and puts the backing id into the OPEN or CREATE reply that
 chose it for (``reply``).
 
 The choice is made once, before the mount (``plan``), because it decides the content
-store (for now only with ACPFS_PASSTHROUGH=1): memory files where passthrough may be granted, the pool everywhere else. Where the
-kernel then does not grant it at INIT (a kernel built without it), memory files are served
-through the daemon, correct and slower; ``status`` and the log say so.
+store: memory files where passthrough may be granted, the pool everywhere else
+(``acpfs mount --passthrough auto``, the default; ``on`` makes a mount that cannot have it
+fail, ``off`` keeps every request on the daemon's path). Where the kernel then does not
+grant it at INIT (a kernel built without it), memory files are served through the daemon,
+correct and slower; ``status`` and the log say so.
 """
 
 from __future__ import annotations
@@ -25,10 +27,7 @@ PROC_USER_INIT_INO = 0xEFFFFFFD     # the initial user namespace's inode (includ
 CAP_SYS_ADMIN = 21
 OVERLAYFS_MAGIC = 0x794C7630
 FUSE_SUPER_MAGIC = 0x65735546
-ENV_OFF = "ACPFS_NO_PASSTHROUGH"
-# Opt-in while the whole suite does not yet pass on this path (docs/design.md lists what
-# remains); ENV_OFF keeps it off even then.
-ENV_ON = "ACPFS_PASSTHROUGH"
+MODES = ("auto", "on", "off")   # acpfs mount --passthrough (ACPFS_PASSTHROUGH)
 
 
 def _fs_type(path: str) -> int | None:
@@ -60,15 +59,13 @@ def _admin_in_initial_namespace() -> bool:
     return False
 
 
-def plan(cache_dir: str, ext: ModuleType | None) -> tuple[int, str]:
+def plan(mode: str, cache_dir: str, ext: ModuleType | None) -> tuple[int, str]:
     """(max_stack_depth to ask for, why not): depth 0 means no passthrough, for the reason
     given; 1 for a cache directory on an ordinary filesystem, 2 on overlayfs (a container's
-    root), whose files are themselves stacked."""
-    off = os.environ.get(ENV_OFF, "")
-    if off not in ("", "0"):
-        return 0, f"disabled by {ENV_OFF}={off}"
-    if os.environ.get(ENV_ON, "") in ("", "0"):
-        return 0, f"not turned on ({ENV_ON}=1 in the mount's environment turns it on)"
+    root), whose files are themselves stacked. ``mode`` is one of MODES; with "on", the
+    caller refuses the mount where the depth is 0."""
+    if mode == "off":
+        return 0, "turned off (--passthrough off)"
     if ext is None:
         return 0, "the C extension acpfs._fastwrite is not loaded"
     if not _kernel_at_least(6, 9):

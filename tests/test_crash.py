@@ -223,7 +223,7 @@ def test_a_journal_that_cannot_be_written_is_reported_and_changes_still_persist(
     try:
         # the pool (4M of the 5M) leaves about 1 MB for the journal; memory files would
         # leave it all, so this runs on the daemon's path
-        m = make_mount(cache_size="4M", mount=False, env={"ACPFS_NO_PASSTHROUGH": "1"})
+        m = make_mount(cache_size="4M", mount=False, env={"ACPFS_PASSTHROUGH": "off"})
         shutil.rmtree(m.cache_dir.parent)   # the cache goes on the small tmpfs instead
         m.cache_dir = cache_fs / "cache"
         subprocess.run(["mount", "--bind", str(m.back), str(m.back)], check=True)

@@ -41,7 +41,7 @@ def random_pwrites(path, seed: int, size: int = 24 << 20, count: int = 300) -> b
     return bytes(model)
 
 
-DAEMON_PATH = {"ACPFS_NO_PASSTHROUGH": "1"}   # the fast path is the daemon's: no passthrough
+DAEMON_PATH = {"ACPFS_PASSTHROUGH": "off"}   # the fast path is the daemon's: no passthrough
 
 
 def test_fast_path_is_taken_and_exact(make_mount):

@@ -32,7 +32,7 @@ CACHES = pytest.mark.parametrize("cache_size", ["1G", "96M"], ids=["ram", "spill
 def path_for(cache_size: str) -> dict[str, str] | None:
     """Spilling (write-through) is the daemon's path: a writer the kernel passes through
     writes its memory file whatever the cache holds (semantics, section 6)."""
-    return {"ACPFS_NO_PASSTHROUGH": "1"} if cache_size == "96M" else None
+    return {"ACPFS_PASSTHROUGH": "off"} if cache_size == "96M" else None
 
 
 def digest(data: bytes) -> str:

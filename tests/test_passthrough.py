@@ -1,9 +1,10 @@
 """Kernel passthrough (passthrough.py, memfiles.py): cached files read, written and mapped
 by the kernel itself, and what the daemon still answers for them.
 
-These run on the data path a mount chooses: with ACPFS_PASSTHROUGH=1 (./tools/test-passthrough,
-as CI runs it) as root on Linux 6.9+ they check passthrough; elsewhere the tests that need
-it skip, and the rest check the daemon's path gives the same answers.
+These run on the data path a mount chooses: as root on Linux 6.9+ (as CI runs them, with
+ACPFS_PASSTHROUGH=on so that no mount quietly does without) they check passthrough; on the
+daemon's path (./tools/test-daemon-path, or elsewhere) the tests that need it skip, and the
+rest check that path gives the same answers.
 """
 
 from __future__ import annotations
@@ -164,14 +165,14 @@ def test_status_and_log_say_which_path_serves(make_mount):
         assert not (on.cache_dir / "pool").exists()
         assert "kernel passthrough into memory files" in subprocess.run(
             ["acpfs", "status", str(on.mnt)], capture_output=True, text=True, check=True).stdout
-    off = make_mount("off", env={"ACPFS_NO_PASSTHROUGH": "1"})
+    off = make_mount("off", extra=("--passthrough", "off"))
     st = off.status()
-    assert st["passthrough"] == {"on": False, "why_not": "disabled by ACPFS_NO_PASSTHROUGH=1"}
+    assert st["passthrough"] == {"on": False, "why_not": "turned off (--passthrough off)"}
     assert st["cache"]["store"] == "pool"
-    assert "kernel passthrough off: disabled by ACPFS_NO_PASSTHROUGH=1" in off.log.read_text()
+    assert "kernel passthrough off: turned off (--passthrough off)" in off.log.read_text()
     out = subprocess.run(["acpfs", "status", str(off.mnt)], capture_output=True, text=True,
                          check=True).stdout
-    assert "through the daemon, pool (disabled by ACPFS_NO_PASSTHROUGH=1)" in out
+    assert "through the daemon, pool (turned off (--passthrough off))" in out
     (off.mnt / "f").write_bytes(b"served by the daemon")
     assert (off.mnt / "f").read_bytes() == b"served by the daemon"
     assert off.status()["requests"]["write"] >= 1 and off.status()["requests"]["read"] >= 1
@@ -210,3 +211,26 @@ def test_a_mapping_that_writes_after_close_is_persisted_when_it_goes(make_mount)
     mnt.sync()
     assert (mnt.back / "f").read_bytes() == b"AFTER" + b"E" + b"a" * (65536 - 6)
     assert path.read_bytes() == (mnt.back / "f").read_bytes()
+
+
+def test_passthrough_on_refuses_a_mount_that_cannot_have_it(tmp_path):
+    """--passthrough on: where the kernel cannot pass files through (here: a daemon that is
+    root only in a user namespace of its own, not in the initial one), the mount fails with
+    one line instead of quietly taking the daemon's path; auto mounts on that path."""
+    from conftest import ACPFS, is_mounted
+    mnt, back, cache = tmp_path / "mnt", tmp_path / "back", tmp_path / "cache"
+    mnt.mkdir()
+    back.mkdir()
+    r = subprocess.run(["unshare", "--user", "--map-root-user", *ACPFS, "mount", str(mnt),
+                        "--backing", str(back), "--cache-dir", str(cache), "--cache-size", "16M",
+                        "--passthrough", "on"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("acpfs: --passthrough on: ") \
+        and "lacks CAP_SYS_ADMIN in the initial user namespace" in r.stderr, r.stderr
+    assert not is_mounted(mnt)
+    bad = subprocess.run([*ACPFS, "mount", str(mnt), "--backing", str(back), "--cache-dir",
+                          str(cache)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "ACPFS_PASSTHROUGH": "sometimes"})
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 \
+        and "invalid --passthrough 'sometimes': use auto, on or off" in bad.stderr, bad.stderr
+    assert not is_mounted(mnt)

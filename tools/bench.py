@@ -35,11 +35,11 @@ TARGET_LABEL = {
     "shm": "/dev/shm",
     "disk": "disk+fsync",
     "acpfs": "acpfs",
-    "acpfs-daemon": "acpfs, daemon path",   # ACPFS_NO_PASSTHROUGH=1: the pool, no passthrough
+    "acpfs-daemon": "acpfs, daemon path",   # --passthrough off: the pool, every request through the daemon
     "rclone": "rclone",
 }
 WORKLOADS = ["torch", "safetensors", "dcp", "dd", "writers", "small", "close_flush"]
-WRITERS = (1, 2, 4, 8)   # the scaling line of the writers workload (--writers picks)
+WRITERS = (1, 2, 4, 8, 16)   # the scaling line of the writers workload (--writers picks)
 
 # metric -> (workload, unit, higher_is_better, description)
 METRICS = {
@@ -407,7 +407,7 @@ class Bench:
                                            os.path.join(self.bdir, f"{name}-backing"),
                                            os.path.join(self.shm, f"{name}-cache"), a.cache_size,
                                            os.path.join(self.tmp, f"{name}.log"), name=name,
-                                           env={"ACPFS_NO_PASSTHROUGH": "1"}
+                                           env={"ACPFS_PASSTHROUGH": "off"}
                                            if name == "acpfs-daemon" else None)
             elif name == "rclone":
                 if not shutil.which("rclone"):
@@ -877,7 +877,7 @@ def main() -> int:
     ap.add_argument("--small-files", type=int, help="small-file count (default 10000, 2000 with --quick)")
     ap.add_argument("--small-size", type=int, default=4096, help="bytes per small file")
     ap.add_argument("--writers", default="1,2,4,8",
-                    help="process counts of the writers workload (a subset of 1,2,4,8)")
+                    help="process counts of the writers workload (a subset of 1,2,4,8,16)")
     ap.add_argument("--rss-files", type=int, default=100_000, help="cached files for the rss100k workload")
     ap.add_argument("--reps", type=int, default=3, help="measured repetitions (after one warm-up)")
     ap.add_argument("--backing-dir", default="/var/tmp", help="a directory on the real disk for backings")

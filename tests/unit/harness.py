@@ -17,10 +17,10 @@ BS = 4096
 
 
 def memory_files() -> bool:
-    """The content store the unit tier runs on: the pool (the daemon's path), or memory
-    files with ACPFS_PASSTHROUGH=1 (the passthrough path: ./tools/test-passthrough)."""
-    return os.environ.get("ACPFS_PASSTHROUGH", "") not in ("", "0") \
-        and os.environ.get("ACPFS_NO_PASSTHROUGH", "") in ("", "0")
+    """The content store the unit tier runs on, as a mount would choose it: memory files
+    (the passthrough path), or the pool with ACPFS_PASSTHROUGH=off (the daemon's path:
+    ./tools/test-daemon-path)."""
+    return os.environ.get("ACPFS_PASSTHROUGH", "auto").lower() != "off"
 
 
 def make_store(cache_dir: Path, size: int, block_size: int = BS, unit: int | None = None):

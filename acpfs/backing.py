@@ -472,10 +472,12 @@ class Backing:
             os.close(dfd)
 
     # -- namespace operations (each followed by an fsync of the directories it changed) ---
-    def mkdir(self, comps: Comps, name: bytes, mode: int, uid: int, gid: int) -> None:
+    def mkdir(self, comps: Comps, name: bytes, mode: int, uid: int, gid: int) -> bool:
         """Make a directory with its owner and mode at once: made private under a temporary
         name, given its owner and mode, renamed into place (nobody sees it with another
-        mode or owner). An existing directory of that name gets the owner and mode."""
+        mode or owner). An existing directory of that name gets the owner and mode.
+        Returns whether this call made it (False: it was there, or another writer made it
+        meanwhile)."""
         check_name(name)
         dfd = self.open_dir(comps)
         try:
@@ -488,9 +490,10 @@ class Backing:
             if st is not None:
                 self._share_dir(dfd, name, mode, uid, gid)
                 os.fsync(dfd)
-                return
+                return False
             tmp = self.temp_name()
             os.mkdir(tmp, 0o700, dir_fd=dfd)
+            made = True
             try:
                 self._set_dir_owner_mode(dfd, tmp, mode, uid, gid)
                 os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
@@ -499,11 +502,13 @@ class Backing:
                 if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
                 # another node made it meanwhile, and put something in it: share it
+                made = False
                 self._share_dir(dfd, name, mode, uid, gid)
             except BaseException:
                 self._rmdir_quietly(dfd, tmp)
                 raise
             os.fsync(dfd)
+            return made
         finally:
             os.close(dfd)
 

@@ -425,7 +425,8 @@ class Flusher:
                 path = os.fsdecode(b"/".join(comps[:i + 1]))
                 if i == exc.depth and exc.blocked:   # another kind of entry stands there
                     self._make_way_for_dir(path, comps[:i], comps[i])
-                self.backing.mkdir(comps[:i], comps[i], d.mode, d.uid, d.gid)
+                if not self.backing.mkdir(comps[:i], comps[i], d.mode, d.uid, d.gid):
+                    continue   # another upload into it made it again first: one conflict
                 self.conflicts.note("dir_recreated", path, "writes into this directory",
                                     "nothing there (removed or moved by another writer)",
                                     "made again from this node's view")

@@ -496,7 +496,10 @@ class Core:
             await self.wt.truncate(node, size)
         if (mode, uid, gid, atime, mtime) != (None,) * 5:
             self.cache.setattr(node, mode=mode, uid=uid, gid=gid, atime=atime, mtime=mtime)
-        if mode is None and node.is_reg and node.mode & PRIV_BITS and (
+        # with FUSE_HANDLE_KILLPRIV_V2 the kernel leaves this to us: a truncate by a user
+        # other than root, and a change of owner of anything but a directory (a fifo or a
+        # device too, as chown(2) on Linux)
+        if mode is None and not node.is_dir and node.mode & PRIV_BITS and (
                 (size is not None and caller_uid != 0) or uid is not None or gid is not None):
             self.kill_priv(node, chown=True)     # the reply carries the new mode
         return node

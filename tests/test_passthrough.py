@@ -234,3 +234,18 @@ def test_passthrough_on_refuses_a_mount_that_cannot_have_it(tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 \
         and "invalid --passthrough 'sometimes': use auto, on or off" in bad.stderr, bad.stderr
     assert not is_mounted(mnt)
+
+
+def test_a_change_of_owner_clears_setuid_and_setgid_of_anything_but_a_directory(mnt):
+    """With FUSE_HANDLE_KILLPRIV_V2 (granted with passthrough) the kernel leaves clearing
+    setuid/setgid at chown(2) to the daemon: for a regular file, a fifo or a device alike,
+    as on a local filesystem; a directory keeps them."""
+    made = {"file": lambda p: p.write_bytes(b"x"), "fifo": os.mkfifo,
+            "dir": lambda p: p.mkdir()}
+    for kind, make in made.items():
+        p = mnt.mnt / kind
+        make(p)
+        os.chmod(p, 0o6755)
+        os.chown(p, 65534, 65533)
+        expect = 0o6755 if kind == "dir" else 0o755
+        assert os.stat(p).st_mode & 0o7777 == expect, (kind, oct(os.stat(p).st_mode))

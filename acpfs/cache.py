@@ -241,6 +241,20 @@ class Cache:
         mine = list((node.children or {}).values()) + queued
         return {name for n in mine for d, name in n.positions() if d is node}, applied
 
+    def _name_known(self, node: Node, name: bytes) -> bool:
+        """``name in self._known_names(node)[0]`` without walking the directory (hold
+        position_lock): a node whose backing position is not its name in the view has an
+        op queued (a rename, link or removal not yet applied; ops leave the queue once
+        applied), so only the child of that name and the queued ops' nodes can hold it."""
+        fl = self.flusher
+        assert fl is not None
+        with self.lock:                  # lock order: position_lock, then lock
+            mine = [op.node for op in fl.queue] + [op.replaced for op in fl.queue if op.replaced]
+        child = node.children.get(name) if node.children else None
+        if child is not None:
+            mine.append(child)
+        return any(d is node and nm == name for n in mine for d, nm in n.positions())
+
     def stat_name(self, parent: Node, name: bytes) -> tuple[os.stat_result, bytes | None] | None:
         """Worker thread: the backing's entry ``name`` of a loaded directory (lstat, and a
         symlink's target), or None when it is not there or this mount has a change of its own
@@ -248,7 +262,7 @@ class Cache:
         with self.position_lock:
             comps = self.backing_path(parent)
             st = self.backing.stat_entry(comps, name)
-            if st is None or name in self._known_names(parent)[0]:
+            if st is None or self._name_known(parent, name):
                 return None
             target = self.backing.read_link(comps, name) if statmod.S_ISLNK(st.st_mode) else None
             if statmod.S_ISLNK(st.st_mode) and target is None:

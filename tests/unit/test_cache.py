@@ -206,3 +206,54 @@ def test_directory_link_counts_follow_random_namespace_changes(core):
             if x.children is not None and (x.parent is not None or x is cache.root):
                 assert dir_links(x) == 2 + sum(c.is_dir for c in x.children.values())
     assert any(dir_links(x) > 2 for x in dirs)
+
+
+def test_a_name_is_known_exactly_when_the_directory_walk_says_so(core):
+    """``Cache._name_known`` (one name, without walking the directory) agrees with
+    ``_known_names`` (every name of the directory) at random points of random renames,
+    links, removals and creates, while the flusher is held part of the time, so that ops
+    are queued, in flight and applied."""
+    import random
+    cache, flusher, back = core
+    rng = random.Random(11)
+    backing = cache.backing
+    held = None
+    d1 = cache.mkdir(cache.root, b"d1", 0o755, 0, 0)
+    d2 = cache.mkdir(cache.root, b"d2", 0o755, 0, 0)
+    dirs = [cache.root, d1, d2]
+    names = [b"n%d" % i for i in range(6)]
+    most = 0
+    try:
+        for step in range(400):
+            if step % 50 == 0:
+                if held is None:
+                    held = backing.inject("write_temp", hang=True)   # uploads wait: ops queue
+                else:
+                    held.release()
+                    backing.clear()
+                    held = None
+            d, name = rng.choice(dirs), rng.choice(names)
+            try:
+                op = rng.choice(("create", "rename", "link", "unlink"))
+                if op == "create":     # written and closed: its upload is held
+                    node = write_file(cache, name, b"x" * rng.randrange(1, 5000), parent=d)
+                    cache.release(node, True)
+                elif op == "rename":
+                    cache.rename(d, name, rng.choice(dirs), rng.choice(names))
+                elif op == "link":
+                    cache.link(cache.lookup(d, name), rng.choice(dirs), rng.choice(names))
+                elif not cache.lookup(d, name).is_dir:
+                    cache.unlink(d, name)
+            except OSError:
+                pass
+            most = max(most, len(flusher.queue))
+            with cache.position_lock:
+                for x in dirs:
+                    known = cache._known_names(x)[0]
+                    for n in names:
+                        assert cache._name_known(x, n) == (n in known), (x.name, n)
+        assert most >= 20, most    # ops were queued behind held uploads
+    finally:
+        if held is not None:
+            held.release()
+            backing.clear()

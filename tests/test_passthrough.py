@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import wait_for
+from conftest import ACPFS, is_mounted, wait_for
 
 
 def passthrough_on(m) -> bool:
@@ -217,7 +217,6 @@ def test_passthrough_on_refuses_a_mount_that_cannot_have_it(tmp_path):
     """--passthrough on: where the kernel cannot pass files through (here: a daemon that is
     root only in a user namespace of its own, not in the initial one), the mount fails with
     one line instead of quietly taking the daemon's path; auto mounts on that path."""
-    from conftest import ACPFS, is_mounted
     mnt, back, cache = tmp_path / "mnt", tmp_path / "back", tmp_path / "cache"
     mnt.mkdir()
     back.mkdir()

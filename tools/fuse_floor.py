@@ -1,0 +1,152 @@
+"""tools/fuse_floor.py: the fastest a pyfuse3 + trio daemon can answer small-file requests.
+
+Mounts a filesystem that keeps nothing but names and sizes in a dict and answers every
+request at once (no cache, no journal, no backing), then creates, writes 4 KiB into and
+closes N files, stats them and removes them, as ``tools/bench --workloads small`` does, and
+prints the rates beside a /dev/shm directory's. It is the ceiling acpfs's small-file figures
+can reach while each request is answered in Python (docs/benchmarks.md).
+
+    .venv/bin/python tools/fuse_floor.py [N]     # as root; N files (default 2000)
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pyfuse3
+import trio
+
+ROOT = pyfuse3.ROOT_INODE
+
+
+class Floor(pyfuse3.Operations):
+    enable_writeback_cache = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: dict[bytes, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.next = ROOT + 1
+
+    def _attr(self, ino: int) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = ino
+        a.st_mode = (stat.S_IFDIR | 0o755) if ino == ROOT else (stat.S_IFREG | 0o644)
+        a.st_nlink = 2 if ino == ROOT else 1
+        a.st_size = self.sizes.get(ino, 0)
+        a.entry_timeout = a.attr_timeout = 1.0
+        a.st_blksize = 4096
+        return a
+
+    async def getattr(self, inode, ctx=None):
+        return self._attr(inode)
+
+    async def lookup(self, parent_inode, name, ctx=None):
+        ino = self.names.get(name)
+        if ino is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attr(ino)
+
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        ino = self.next
+        self.next += 1
+        self.names[name] = ino
+        self.sizes[ino] = 0
+        return pyfuse3.FileInfo(fh=ino), self._attr(ino)
+
+    async def open(self, inode, flags, ctx):
+        return pyfuse3.FileInfo(fh=inode)
+
+    async def write(self, fh, off, buf):
+        self.sizes[fh] = max(self.sizes[fh], off + len(buf))
+        return len(buf)
+
+    async def flush(self, fh):
+        pass
+
+    async def release(self, fh):
+        pass
+
+    async def getxattr(self, inode, name, ctx):
+        raise pyfuse3.FUSEError(errno.ENODATA)
+
+    async def unlink(self, parent_inode, name, ctx):
+        ino = self.names.pop(name)
+        self.sizes.pop(ino, None)
+
+    async def opendir(self, inode, ctx):
+        return inode
+
+    async def releasedir(self, fh):
+        pass
+
+
+def workload(path: str, n: int) -> tuple[float, float, float]:
+    data = b"x" * 4096
+    names = [os.path.join(path, f"f{i:06d}") for i in range(n)]
+    t0 = time.perf_counter()
+    for p in names:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, data)
+        os.close(fd)
+    t1 = time.perf_counter()
+    for p in names:
+        os.stat(p)
+    t2 = time.perf_counter()
+    for p in names:
+        os.unlink(p)
+    t3 = time.perf_counter()
+    return n / (t1 - t0), n / (t2 - t1), n / (t3 - t2)
+
+
+def main() -> int:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    if os.geteuid() != 0:
+        print("fuse_floor: run as root (it mounts a filesystem)", file=sys.stderr)
+        return 2
+    mnt = tempfile.mkdtemp(prefix="fuse-floor-")
+    shm = tempfile.mkdtemp(prefix="fuse-floor-", dir="/dev/shm")
+    ops = Floor()
+    pyfuse3.init(ops, mnt, {"fsname=floor", "default_permissions"})
+    done = threading.Event()
+    out: dict[str, tuple[float, float, float]] = {}
+
+    def run() -> None:
+        try:
+            out["shm"] = workload(shm, n)
+            out["floor"] = workload(mnt, n)
+        finally:
+            done.set()
+            subprocess.run(["fusermount3", "-u", "-z", mnt], check=False)
+
+    async def serve() -> None:
+        threading.Thread(target=run, daemon=True).start()
+        await pyfuse3.main()
+
+    try:
+        trio.run(serve)
+    finally:
+        pyfuse3.close(unmount=False)
+        shutil.rmtree(shm, ignore_errors=True)
+        os.rmdir(mnt)
+    done.wait()
+    print(f"{n} files of 4 KiB, create+write+close / stat / unlink, files/s:")
+    for label in ("shm", "floor"):
+        c, s, u = out[label]
+        print(f"  {label:6s} {c:10.0f} {s:10.0f} {u:10.0f}")
+    c0, s0, u0 = out["shm"]
+    c1, s1, u1 = out["floor"]
+    print(f"  floor/shm {c1 / c0:7.3f}x {s1 / s0:9.3f}x {u1 / u0:9.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

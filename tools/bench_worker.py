@@ -82,6 +82,38 @@ def same(a, b) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+def small_files(path: str, n: int, data: bytes, fsync: bool = False, unlink: bool = True,
+                per_dir: int = 0) -> dict:
+    """Create, write ``data`` into and close ``n`` files under ``path`` (``per_dir`` a
+    directory, 0: all in ``path``), then stat and unlink them: seconds of each phase."""
+    names = []
+    dirs = set()
+    for i in range(n):
+        d = os.path.join(path, f"d{i // per_dir:04d}") if per_dir else path
+        names.append(os.path.join(d, f"f{i:06d}"))
+        dirs.add(d)
+    for d in sorted(dirs):
+        os.makedirs(d, exist_ok=True)
+    t0 = time.perf_counter()
+    for p in names:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, data)
+        if fsync:
+            os.fsync(fd)
+        os.close(fd)
+    t1 = time.perf_counter()
+    out = {"create_s": t1 - t0}
+    if unlink:
+        for p in names:
+            os.stat(p)
+        t2 = time.perf_counter()
+        for p in names:
+            os.unlink(p)
+        t3 = time.perf_counter()
+        out.update(stat_s=t2 - t1, unlink_s=t3 - t2)
+    return out
+
+
 class Worker:
     def __init__(self, size: int) -> None:
         import torch  # noqa: F401  (import cost paid once, before any measurement)
@@ -242,33 +274,7 @@ class Worker:
     # -- many small files -----------------------------------------------------------------
     def small(self, path: str, n: int, size: int, fsync: bool, unlink: bool = True,
               per_dir: int = 0) -> dict:
-        data = self.buf[:size]
-        names = []
-        dirs = set()
-        for i in range(n):
-            d = os.path.join(path, f"d{i // per_dir:04d}") if per_dir else path
-            names.append(os.path.join(d, f"f{i:06d}"))
-            dirs.add(d)
-        for d in sorted(dirs):
-            os.makedirs(d, exist_ok=True)
-        t0 = time.perf_counter()
-        for p in names:
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.write(fd, data)
-            if fsync:
-                os.fsync(fd)
-            os.close(fd)
-        t1 = time.perf_counter()
-        out = {"create_s": t1 - t0}
-        if unlink:
-            for p in names:
-                os.stat(p)
-            t2 = time.perf_counter()
-            for p in names:
-                os.unlink(p)
-            t3 = time.perf_counter()
-            out.update(stat_s=t2 - t1, unlink_s=t3 - t2)
-        return out
+        return small_files(path, n, self.buf[:size], fsync, unlink, per_dir)
 
     def ping(self) -> dict:
         return {"pid": os.getpid(), "size": self.size}

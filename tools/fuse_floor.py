@@ -19,10 +19,11 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import pyfuse3
 import trio
+
+from bench_worker import small_files   # tools/ is this script's directory
 
 ROOT = pyfuse3.ROOT_INODE
 
@@ -90,21 +91,9 @@ class Floor(pyfuse3.Operations):
 
 
 def workload(path: str, n: int) -> tuple[float, float, float]:
-    data = b"x" * 4096
-    names = [os.path.join(path, f"f{i:06d}") for i in range(n)]
-    t0 = time.perf_counter()
-    for p in names:
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.write(fd, data)
-        os.close(fd)
-    t1 = time.perf_counter()
-    for p in names:
-        os.stat(p)
-    t2 = time.perf_counter()
-    for p in names:
-        os.unlink(p)
-    t3 = time.perf_counter()
-    return n / (t1 - t0), n / (t2 - t1), n / (t3 - t2)
+    """Files/s of create+write+close, stat and unlink (tools/bench's small-file workload)."""
+    t = small_files(path, n, b"x" * 4096)
+    return n / t["create_s"], n / t["stat_s"], n / t["unlink_s"]
 
 
 def main() -> int:

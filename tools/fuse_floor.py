@@ -1,10 +1,13 @@
-"""tools/fuse_floor.py: the fastest a pyfuse3 + trio daemon can answer small-file requests.
+"""tools/fuse_floor.py: the fastest a FUSE daemon can answer small-file requests here.
 
-Mounts a filesystem that keeps nothing but names and sizes in a dict and answers every
-request at once (no cache, no journal, no backing), then creates, writes 4 KiB into and
-closes N files, stats them and removes them, as ``tools/bench --workloads small`` does, and
-prints the rates beside a /dev/shm directory's. It is the ceiling acpfs's small-file figures
-can reach while each request is answered in Python (docs/benchmarks.md).
+Mounts two filesystems that keep nothing but names and sizes and answer every request at
+once (no cache, no journal, no backing): one in pyfuse3 + trio (``Floor`` below) and its
+twin in C on libfuse's low-level API (tools/fuse_floor.c, built here with cc). On each and
+on a /dev/shm directory it creates, writes 4 KiB into and closes N files, stats them and
+removes them, as ``tools/bench --workloads small`` does, and prints the rates side by side.
+The Python floor is the ceiling of acpfs's small-file figures while requests are answered
+in Python; the C floor is the ceiling of any FUSE daemon on this kernel and machine, since
+it pays only the kernel's round trips (docs/benchmarks.md).
 
     .venv/bin/python tools/fuse_floor.py [N]     # as root; N files (default 2000)
 """
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import pyfuse3
 import trio
@@ -96,6 +100,28 @@ def workload(path: str, n: int) -> tuple[float, float, float]:
     return n / t["create_s"], n / t["stat_s"], n / t["unlink_s"]
 
 
+def c_floor(n: int, tmp: str) -> tuple[float, float, float]:
+    """Build tools/fuse_floor.c, mount it under ``tmp``, run the workload on it."""
+    exe = os.path.join(tmp, "fuse-floor-c")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fuse_floor.c")
+    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    subprocess.run(["cc", "-O2", "-o", exe, src, *flags], check=True)
+    mnt = os.path.join(tmp, "mnt")
+    os.mkdir(mnt)
+    proc = subprocess.Popen([exe, mnt])
+    try:
+        deadline = time.monotonic() + 10
+        while not os.path.ismount(mnt):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("fuse_floor: the C floor did not mount")
+            time.sleep(0.01)
+        return workload(mnt, n)
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", mnt], check=False)
+        proc.wait(timeout=10)
+
+
 def main() -> int:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
     if os.geteuid() != 0:
@@ -127,13 +153,19 @@ def main() -> int:
         shutil.rmtree(shm, ignore_errors=True)
         os.rmdir(mnt)
     done.wait()
-    print(f"{n} files of 4 KiB, create+write+close / stat / unlink, files/s:")
-    for label in ("shm", "floor"):
+    tmp = tempfile.mkdtemp(prefix="fuse-floor-c-")
+    try:
+        out["c floor"] = c_floor(n, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"{n} files of 4 KiB, files/s    create+write+close       stat     unlink")
+    for label in ("shm", "floor", "c floor"):
         c, s, u = out[label]
-        print(f"  {label:6s} {c:10.0f} {s:10.0f} {u:10.0f}")
+        print(f"  {label:29s} {c:10.0f} {s:10.0f} {u:10.0f}")
     c0, s0, u0 = out["shm"]
-    c1, s1, u1 = out["floor"]
-    print(f"  floor/shm {c1 / c0:7.3f}x {s1 / s0:9.3f}x {u1 / u0:9.3f}x")
+    for label in ("floor", "c floor"):
+        c1, s1, u1 = out[label]
+        print(f"  {label + '/shm':29s} {c1 / c0:9.3f}x {s1 / s0:9.3f}x {u1 / u0:9.3f}x")
     return 0
 
 

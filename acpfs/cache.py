@@ -2,18 +2,19 @@
 
 Owns the tree of ``Node`` objects (the mount's view: the backing tree, loaded one directory
 at a time on first use, overlaid with every change made through the mount), the content
-of cached files as handles of the content store (``content.Store``), eviction, and the ordered stream of
-mutations handed to the flusher (an ``OpSink``), with their journal records. It does no
-I/O on the backing but listing and reading through ``Backing``, and knows nothing of FUSE
-or trio: ``core`` and ``writethrough`` call it, the unit tests drive it directly.
+of cached files as handles of the content store (``content.Store``) and eviction. Every
+change it makes is queued on the op log (``oplog.OpLog``), which journals it and hands it
+to the flusher. It does no I/O on the backing but listing and reading through
+``Backing``, and knows nothing of FUSE or trio: ``core`` and ``writethrough`` call it, the
+unit tests drive it directly.
 
 Threads: every method here runs on the FUSE (trio) thread, except what the flusher calls,
-and that goes through ``lock``, the one lock the cache and the flusher share (a
-``threading.Condition``: the sequencer waits on it). ``lock`` guards the content store's
-space and reference counts, ``Node.publish_ops``, ``Op.state``, ``lru``, journal appends and the
-counters; ``position_lock`` guards the backing positions (``Node.backing_parent``/
-``backing_name``) and is held while a path in the backing is computed and used, so that
-the flusher never moves a directory under a reader's feet. docs/concurrency.md has the
+and that goes through the op log's ``lock`` (a ``threading.Condition``: the sequencer waits
+on it). Here it guards the content store's space and reference counts, ``Op.state``,
+``lru`` and the counters; ``position_lock`` guards the backing positions
+(``Node.backing_parent``/``backing_name``) and is held while a path in the backing is
+computed and used, so that the flusher never moves a directory under a reader's feet.
+Lock order: ``position_lock``, then the op log's ``lock``. docs/concurrency.md has the
 whole picture.
 
 States of a regular file (``state_of``):
@@ -41,17 +42,16 @@ import os
 import stat as statmod
 import threading
 import time
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from .backing import Backing, check_name, is_internal_name
-from .journal import CLEAN, DIRTY, FLUSHED, Journal, Record
-from .peers import stamp_after
 from .content import CacheFull, Content, Store
-from .types import Children, JournalState, Node, Op, OpKind, OpSink, OpState, Snapshot, err, now_ns
+from .oplog import OpLog
+from .types import ROOT_INODE, Children, JournalState, KernelNotices, Node, OpKind, Snapshot, \
+    err, mount_path, name_path, now_ns
 
 log = logging.getLogger(__name__)
 
-ROOT_INODE = 1
 PASS_WRITER_RESERVE = 64 << 20   # bytes kept free for each writer the kernel writes for
 
 
@@ -70,10 +70,12 @@ class Relisting(NamedTuple):
 
 
 class Cache:
-    def __init__(self, backing: Backing, store: Store) -> None:
+    def __init__(self, oplog: OpLog, backing: Backing, store: Store,
+                 kernel: KernelNotices = KernelNotices()) -> None:
+        self.oplog = oplog        # where every change is queued; its lock guards (lock) fields
         self.backing = backing
         self.store = store
-        self.lock = threading.Condition()
+        self.kernel = kernel      # tells the kernel to forget what another node changed
         self.position_lock = threading.Lock()
         st = backing.stat_root()
         root = Node(ROOT_INODE, st.st_mode, st.st_uid, st.st_gid, None, b"")
@@ -83,42 +85,13 @@ class Cache:
         self.root = root
         self.nodes: dict[int, Node] = {ROOT_INODE: root}
         self._next_ino = ROOT_INODE + 1
-        self.seq = 0
         self.dirty_nodes: set[Node] = set()
         self.lru: collections.OrderedDict[int, Node] = collections.OrderedDict()
-        self.flusher: OpSink | None = None    # attached by the daemon
-        self.journal: Journal | None = None   # attached by the daemon; None in unit tests
-        self.journaled: set[Node] = set()     # nodes whose journal_state is not NONE
-        # tells the kernel to forget a name another node removed (set by fs; None in tests)
-        self.forget_entry: Callable[[int, bytes], None] | None = None
-        self.forget_attrs: Callable[[int], None] | None = None    # the kernel's, of an inode
-        # Global order (peers.py). Stamps: this node's clock when a change was acknowledged,
-        # never going back (next_stamp). ``acked``: files whose close() acknowledged content
-        # that RELEASE has not queued yet, ino -> (first, last) stamp. While a recovery
-        # replays a dead daemon's changes, they carry ``recovery_stamp`` (its frontier).
-        self.last_stamp = 0.0                       # (lock)
-        self.acked: dict[int, tuple[float, float]] = {}   # (lock)
-        self.recovery_stamp: float | None = None
         # files found in the backing with more than one name, by backing inode: a second
         # name listed later is the same node (hard links, ``_attach``)
         self.linked: dict[int, Node] = {}
         # files open for writing that the kernel writes itself (passthrough: Core.open)
         self.passthrough_writers: set[Node] = set()
-
-    # -- stamps (global order) -------------------------------------------------------------
-    def next_stamp(self) -> float:
-        """A stamp later than every one given before (hold self.lock)."""
-        if self.recovery_stamp is not None:
-            return self.recovery_stamp
-        s = self.last_stamp = stamp_after(time.time(), self.last_stamp)
-        return s
-
-    def note_ack(self, node: Node) -> None:
-        """close() acknowledges the content of ``node``: stamp it now; RELEASE queues it."""
-        with self.lock:
-            s = self.next_stamp()
-            first = self.acked.get(node.ino, (s, s))[0]
-            self.acked[node.ino] = (first, s)
 
     # -- positions -----------------------------------------------------------------------
     def present(self, node: Node) -> bool:
@@ -134,32 +107,6 @@ class Cache:
             node = node.backing_parent
         comps.reverse()
         return comps
-
-    def mount_path(self, node: Node) -> bytes | None:
-        """The node's path relative to the mount root (b"" for the root); None once deleted."""
-        parts = []
-        while node.parent is not None:
-            parts.append(node.name)
-            node = node.parent
-        if node is not self.root:
-            return None
-        parts.reverse()
-        return b"/".join(parts)
-
-    def name_path(self, parent: Node, name: bytes) -> bytes | None:
-        """The mount path of the name ``name`` in ``parent`` (one of a file's hard links)."""
-        d = self.mount_path(parent)
-        return None if d is None else (d + b"/" + name if d else name)
-
-    def path(self, node: Node) -> str:
-        """The node's path relative to the mount root, for humans."""
-        parts = []
-        while node.parent is not None:
-            parts.append(node.name)
-            node = node.parent
-        if node is not self.root:
-            parts.append(b"(deleted)")
-        return os.fsdecode(b"/".join(reversed(parts))) or "."
 
     # -- loading from the backing ---------------------------------------------------------
     def list_backing(self, node: Node) -> tuple[list, tuple[int, int, int] | None]:
@@ -188,13 +135,12 @@ class Cache:
             same = self.linked.get(st.st_ino)
             if same is not None and same.nlink and same.backing_version == version \
                     and same.backing_parent is not None \
-                    and (self.flusher is None or self.quiescent(same)):
+                    and self.quiescent(same):
                 same.add_name(node, name)     # counted already, as a rule: nlink is the backing's
                 same.set_positions(same.positions() + [(node, name)])
                 same.nlink = max(same.nlink, st.st_nlink, len(same.names()))
                 node.children[name] = same  # type: ignore[index]
-                if self.forget_attrs is not None:
-                    self.forget_attrs(same.ino)
+                self.kernel.forget_attrs(same.ino)
                 return same
         child = self._new_node(st.st_mode, st.st_uid, st.st_gid, node, name)
         child.size = st.st_size
@@ -233,11 +179,10 @@ class Cache:
         """The names in directory ``node`` of the backing that belong to nodes this mount
         knows (its own, a removal or rename of theirs still queued), and the seq applied,
         at one moment (hold position_lock)."""
-        fl = self.flusher
-        assert fl is not None
-        with self.lock:                  # lock order: position_lock, then lock
-            queued = [op.node for op in fl.queue] + [op.replaced for op in fl.queue if op.replaced]
-            applied = fl.applied_seq
+        log_ = self.oplog
+        with log_.lock:                  # lock order: position_lock, then lock
+            queued = [op.node for op in log_.queue] + [op.replaced for op in log_.queue if op.replaced]
+            applied = log_.applied_seq
         mine = list((node.children or {}).values()) + queued
         return {name for n in mine for d, name in n.positions() if d is node}, applied
 
@@ -246,10 +191,9 @@ class Cache:
         position_lock): a node whose backing position is not its name in the view has an
         op queued (a rename, link or removal not yet applied; ops leave the queue once
         applied), so only the child of that name and the queued ops' nodes can hold it."""
-        fl = self.flusher
-        assert fl is not None
-        with self.lock:                  # lock order: position_lock, then lock
-            mine = [op.node for op in fl.queue] + [op.replaced for op in fl.queue if op.replaced]
+        log_ = self.oplog
+        with log_.lock:                  # lock order: position_lock, then lock
+            mine = [op.node for op in log_.queue] + [op.replaced for op in log_.queue if op.replaced]
         child = node.children.get(name) if node.children else None
         if child is not None:
             mine.append(child)
@@ -308,8 +252,7 @@ class Cache:
                         child.checked_at = now
                     if st.st_nlink > child.nlink:   # linked elsewhere since it was listed
                         child.nlink = st.st_nlink
-                        if self.forget_attrs is not None:
-                            self.forget_attrs(child.ino)
+                        self.kernel.forget_attrs(child.ino)
                     if same is not child:
                         self._meet(child, st)
                 elif same is not None or (child.links and st.st_nlink < len(child.names())):
@@ -336,8 +279,7 @@ class Cache:
         """Nothing of this mount is pending on the node (as of op ``applied``, by default the
         flusher's last): its content is the backing copy's."""
         if applied is None:
-            assert self.flusher is not None
-            applied = self.flusher.applied_seq
+            applied = self.oplog.applied_seq
         return (not node.dirty and not node.writers and not node.publish_ops and node.staged is None
                 and node.last_seq <= applied)
 
@@ -350,10 +292,8 @@ class Cache:
         first one first; None where it is gone), with the seq applied at that moment (under
         position_lock, so that no op of this mount lands in between: a stat older than this
         node's own last change must not replace it)."""
-        fl = self.flusher
-        assert fl is not None
         with self.position_lock:
-            applied = fl.applied_seq
+            applied = self.oplog.applied_seq
             return [(pos, self.backing.stat_entry(self.backing_path(pos[0]), pos[1]))
                     for pos in node.positions()], applied
 
@@ -365,7 +305,7 @@ class Cache:
         if node.opens > 0:
             return    # its readers keep the version they opened; looked at again later
         if node.content is not None:
-            with self.lock:
+            with self.oplog.lock:
                 self.store.drop(node.content)
                 node.content = None
                 self.lru.pop(node.ino, None)
@@ -375,8 +315,7 @@ class Cache:
         node.backing_version = (st.st_ino, st.st_size, st.st_mtime_ns)
         node.versions += 1    # readers that open it again read the new version
         self._meet(node, st)
-        if self.forget_attrs is not None:
-            self.forget_attrs(node.ino)
+        self.kernel.forget_attrs(node.ino)
 
     def _meet(self, node: Node, st: os.stat_result) -> None:
         """``node`` holds backing inode ``st`` (a file with several names there): names of
@@ -395,8 +334,7 @@ class Cache:
         for d, name in other.names():
             d.children[name] = node  # type: ignore[index]
             node.add_name(d, name)
-            if self.forget_entry is not None:
-                self.forget_entry(d.ino, name)
+            self.kernel.forget_entry(d.ino, name)
         node.set_positions(node.positions() + [p for p in other.positions()
                                                if node.position_at(*p) is None])
         node.nlink = max(node.nlink, other.nlink, st.st_nlink, len(node.names()))
@@ -404,8 +342,7 @@ class Cache:
         other.set_positions([])
         other.nlink = 0
         self.drop(other)
-        if self.forget_attrs is not None:
-            self.forget_attrs(node.ino)
+        self.kernel.forget_attrs(node.ino)
 
     def split(self, parent: Node, name: bytes, node: Node, st: os.stat_result) -> None:
         """Another writer put another file under ``name``, one of the names of a file with
@@ -419,8 +356,7 @@ class Cache:
         """Another writer removed ``node`` (with all below it) from the backing: it leaves
         this mount's view (a file with other names keeps those)."""
         del parent.children[name]  # type: ignore[union-attr]
-        if self.forget_entry is not None:
-            self.forget_entry(parent.ino, name)
+        self.kernel.forget_entry(parent.ino, name)
         stack = [(parent, name, node)]
         while stack:
             d, name, n = stack.pop()
@@ -428,8 +364,7 @@ class Cache:
                 n.rename_name((d, name), None)
                 n.move_position((d, name), None)
                 self._one_name_less(n)
-                if self.forget_attrs is not None:
-                    self.forget_attrs(n.ino)
+                self.kernel.forget_attrs(n.ino)
                 continue
             if n.children:
                 stack.extend((n, k, c) for k, c in n.children.items())
@@ -480,7 +415,7 @@ class Cache:
     def create(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
         kids = self._free_name(parent, name)
         node = self._new_node(statmod.S_IFREG | statmod.S_IMODE(mode), uid, gid, parent, name)
-        with self.lock:
+        with self.oplog.lock:
             node.content = self.store.empty()
         node.xattrs = {}
         kids[name] = node
@@ -498,7 +433,7 @@ class Cache:
         kids[name] = node
         parent.mtime = parent.ctime = node.mtime
         # the mode and owner it was made with: a later chmod is an op of its own, after it
-        self._enqueue(OpKind.MKDIR, node, parent=parent, name=name, attrs=(node.mode, uid, gid))
+        self.oplog.push(OpKind.MKDIR, node, parent=parent, name=name, attrs=(node.mode, uid, gid))
         return node
 
     def symlink(self, parent: Node, name: bytes, target: bytes, uid: int, gid: int) -> Node:
@@ -509,7 +444,7 @@ class Cache:
         node.xattrs = {}
         kids[name] = node
         parent.mtime = parent.ctime = node.mtime
-        self._enqueue(OpKind.SYMLINK, node, parent=parent, name=name, attrs=(node.mode, uid, gid))
+        self.oplog.push(OpKind.SYMLINK, node, parent=parent, name=name, attrs=(node.mode, uid, gid))
         return node
 
     def mknod(self, parent: Node, name: bytes, mode: int, rdev: int, uid: int, gid: int) -> Node:
@@ -520,16 +455,16 @@ class Cache:
         node.xattrs = {}
         kids[name] = node
         parent.mtime = parent.ctime = node.mtime
-        self._enqueue(OpKind.MKNOD, node, parent=parent, name=name, attrs=(node.mode, uid, gid))
+        self.oplog.push(OpKind.MKNOD, node, parent=parent, name=name, attrs=(node.mode, uid, gid))
         return node
 
     def unlink(self, parent: Node, name: bytes) -> None:
         node = self.lookup(parent, name)
         if node.is_dir:
             raise err(errno.EISDIR)
-        path = self.name_path(parent, name)
+        path = name_path(parent, name)
         self._remove(parent, name, node)
-        self._enqueue(OpKind.UNLINK, node, parent=parent, name=name, old_path=path,
+        self.oplog.push(OpKind.UNLINK, node, parent=parent, name=name, old_path=path,
                       links=node.names() or None)
 
     def rmdir(self, parent: Node, name: bytes) -> None:
@@ -539,9 +474,9 @@ class Cache:
         assert node.children is not None, "directory not loaded"
         if node.children:
             raise err(errno.ENOTEMPTY)
-        path = self.mount_path(node)
+        path = mount_path(node)
         self._remove(parent, name, node)
-        self._enqueue(OpKind.RMDIR, node, parent=parent, name=name, old_path=path)
+        self.oplog.push(OpKind.RMDIR, node, parent=parent, name=name, old_path=path)
 
     def _remove(self, parent: Node, name: bytes, node: Node) -> None:
         del parent.children[name]  # type: ignore[union-attr]
@@ -562,7 +497,7 @@ class Cache:
         Invariant: its link count never falls below the names the mount has (it may count
         more: names in the backing in directories not listed yet)."""
         node.nlink = max(node.nlink - 1, len(node.names()))
-        self._rejournal(node)   # its record may give the name it lost
+        self.oplog.rejournal(node)   # its record may give the name it lost
 
     def rename(self, p1: Node, n1: bytes, p2: Node, n2: bytes, noreplace: bool = False) -> None:
         node = self.lookup(p1, n1)
@@ -588,13 +523,13 @@ class Cache:
                 if target.children:
                     raise err(errno.ENOTEMPTY)
             self._remove(p2, n2, target)
-        src_path = self.name_path(p1, n1)
+        src_path = name_path(p1, n1)
         del p1.children[n1]  # type: ignore[union-attr]
         kids2[n2] = node
         node.rename_name((p1, n1), (p2, n2))
         t = now_ns()
         p1.mtime = p1.ctime = p2.mtime = p2.ctime = node.ctime = t
-        self._enqueue(OpKind.RENAME, node, parent=p2, name=n2, replaced=target, src=p1,
+        self.oplog.push(OpKind.RENAME, node, parent=p2, name=n2, replaced=target, src=p1,
                       src_name=n1, src_path=src_path)
 
     def link(self, node: Node, parent: Node, name: bytes) -> None:
@@ -605,13 +540,13 @@ class Cache:
         if not node.nlink:
             raise err(errno.ENOENT)
         kids = self._free_name(parent, name)
-        src_path = self.mount_path(node)
+        src_path = mount_path(node)
         kids[name] = node
         node.add_name(parent, name)
         node.nlink += 1
         parent.mtime = parent.ctime = node.ctime = now_ns()
-        self._enqueue(OpKind.LINK, node, parent=parent, name=name, src_path=src_path)
-        self._rejournal(node)   # a "flushed" record names every name of the file
+        self.oplog.push(OpKind.LINK, node, parent=parent, name=name, src_path=src_path)
+        self.oplog.rejournal(node)   # a "flushed" record names every name of the file
 
     def setattr(self, node: Node, mode: int | None = None, uid: int | None = None,
                 gid: int | None = None, atime: int | None = None, mtime: int | None = None) -> None:
@@ -630,7 +565,7 @@ class Cache:
         if node.is_reg and node.dirty:
             return  # the coming snapshot carries the new attributes
         times = (node.atime, node.mtime) if (atime is not None or mtime is not None) else None
-        self._enqueue(OpKind.SETATTR, node, attrs=(None if mode is None else node.mode, uid, gid, times))
+        self.oplog.push(OpKind.SETATTR, node, attrs=(None if mode is None else node.mode, uid, gid, times))
 
     def set_xattr(self, node: Node, key: bytes, value: bytes | None) -> None:
         assert node.xattrs is not None, "xattrs not loaded"
@@ -643,7 +578,7 @@ class Cache:
         node.ctime = now_ns()
         if node.is_link or (node.is_reg and node.dirty):
             return
-        self._enqueue(OpKind.XATTR, node, attrs=(key, value))
+        self.oplog.push(OpKind.XATTR, node, attrs=(key, value))
 
     # -- file content --------------------------------------------------------------------
     def open(self, node: Node, writable: bool, trunc: bool, append: bool = False,
@@ -662,7 +597,7 @@ class Cache:
             if trunc and node.staged is None and (node.size or node.content is None):
                 self.truncate(node, 0)
             assert node.content is not None or node.staged is not None
-            with self.lock:
+            with self.oplog.lock:
                 self.lru.pop(node.ino, None)
 
     def release(self, node: Node, writable: bool, append: bool = False,
@@ -678,14 +613,13 @@ class Cache:
                 if node.dirty and node.nlink:
                     self.snapshot(node)
                 else:
-                    if self.acked:
-                        with self.lock:
-                            self.acked.pop(node.ino, None)
+                    if self.oplog.acked:
+                        with self.oplog.lock:
+                            self.oplog.acked.pop(node.ino, None)
                     sp = node.staged
                     if sp is not None and not sp.queued:   # opened for writing, never written
                         node.staged = None
-                        assert self.flusher is not None
-                        self.flusher.discard_staged(sp)
+                        self.oplog.discard(sp)
                     self.maybe_evictable(node)
         if node.opens == 0 and node.nlink == 0:
             self.drop(node)
@@ -723,7 +657,7 @@ class Cache:
         daemon's path, where a full cache makes them wait or write through."""
         want = sum(map(self._reservation, self.passthrough_writers)) + self._reservation(node)
         store = self.store
-        with self.lock:
+        with self.oplog.lock:
             self.lru.pop(node.ino, None)   # not counted for itself (Cache.open takes a
             room = store.free_bytes()      # writer's file out of the LRU anyway)
             if room >= want:
@@ -741,7 +675,7 @@ class Cache:
         """Evict persisted files while the cache holds more than its size (writers passed
         through wrote into the room ``headroom`` counted on)."""
         store = self.store
-        with self.lock:
+        with self.oplog.lock:
             while store.used > store.limit and self.lru:
                 _, victim = self.lru.popitem(last=False)
                 if victim.content is not None and self._evictable(victim):
@@ -759,7 +693,7 @@ class Cache:
 
     def copy_up(self, node: Node) -> Content:
         """Reserve room for the backing content of ``node`` (raises CacheFull)."""
-        with self.lock:
+        with self.oplog.lock:
             self._reserve(node.size)
             return self.store.alloc(node.size)
 
@@ -782,14 +716,14 @@ class Cache:
             self.backing.close_fd(fd)
 
     def attach_content(self, node: Node, content: Content) -> None:
-        with self.lock:
+        with self.oplog.lock:
             if node.content is not None:
                 self.store.drop(content)
                 return
             node.content = content
 
     def release_content(self, content: Content) -> None:
-        with self.lock:
+        with self.oplog.lock:
             self.store.drop(content)
 
     def read(self, node: Node, off: int, size: int):
@@ -804,7 +738,7 @@ class Cache:
 
     def touch(self, node: Node) -> None:
         if node.ino in self.lru:
-            with self.lock:
+            with self.oplog.lock:
                 if node.ino in self.lru:
                     self.lru.move_to_end(node.ino)
 
@@ -815,7 +749,7 @@ class Cache:
             return 0
         assert node.content is not None, "write to an uncached file"
         store = self.store
-        with self.lock:
+        with self.oplog.lock:
             need = store.need(node.content, off, off + n)
             if need:
                 self._reserve(need)   # CacheFull leaves the file as it was
@@ -831,7 +765,7 @@ class Cache:
     def truncate(self, node: Node, size: int) -> None:
         """Set the size of a cached file (or of any file, to zero); raises CacheFull."""
         store = self.store
-        with self.lock:
+        with self.oplog.lock:
             if node.content is None:
                 assert size == 0, "truncate of an uncached file"
                 node.content = store.empty()
@@ -857,7 +791,7 @@ class Cache:
             self.snapshot(node)
         return node.last_seq
 
-    # -- space and eviction (hold self.lock) ------------------------------------------------
+    # -- space and eviction (hold self.oplog.lock) ------------------------------------------------
     def _reserve(self, need: int) -> None:
         """Make ``need`` bytes free, evicting persisted files least recently used first."""
         store = self.store
@@ -876,7 +810,7 @@ class Cache:
                 and node.passthrough_opens == 0)
 
     def maybe_evictable(self, node: Node) -> None:
-        with self.lock:
+        with self.oplog.lock:
             self.note_persisted(node)
 
     def note_persisted(self, node: Node) -> None:
@@ -910,10 +844,10 @@ class Cache:
             node.dirty = True
             node.dirty_since = time.time()
             self.dirty_nodes.add(node)
-        if node.journal_state != JournalState.DIRTY and self.journal is not None and node.nlink:
-            self._journal_state(node, JournalState.DIRTY)
+        if node.journal_state != JournalState.DIRTY and self.oplog.journal is not None and node.nlink:
+            self.oplog.journal_state(node, JournalState.DIRTY)
         if node.ino in self.lru:
-            with self.lock:
+            with self.oplog.lock:
                 self.lru.pop(node.ino, None)
 
     def drop(self, node: Node) -> None:
@@ -921,9 +855,9 @@ class Cache:
         sp = node.staged
         if sp is not None:
             node.staged = None
-            if not sp.queued and self.flusher is not None:
-                self.flusher.discard_staged(sp)
-        with self.lock:
+            if not sp.queued:
+                self.oplog.discard(sp)
+        with self.oplog.lock:
             if node.content is not None:
                 self.store.drop(node.content)
             node.content = None
@@ -931,7 +865,7 @@ class Cache:
         node.dirty = False
         self.dirty_nodes.discard(node)
         if node.journal_state != JournalState.NONE:
-            self._journal_state(node, JournalState.NONE)
+            self.oplog.journal_state(node, JournalState.NONE)
         if node.backing_version is not None and self.linked.get(node.backing_version[0]) is node:
             del self.linked[node.backing_version[0]]
         if node.lookups <= 0:
@@ -946,7 +880,7 @@ class Cache:
     def snapshot(self, node: Node) -> None:
         """Queue the current content of ``node`` for persistence (its last close)."""
         self.sync_content(node)
-        with self.lock:
+        with self.oplog.lock:
             if node.content is None:
                 content = None
             elif node in self.passthrough_writers:   # the kernel may write it on: a copy
@@ -958,13 +892,13 @@ class Cache:
                 node.staged.queued = True   # the op owns it now; reads still use it
             # the acknowledgement stays in ``acked`` until the op that covers it is queued
             # (Flusher.submit): this node's frontier must not pass it in between
-            floor, stamp = self.acked.get(node.ino, (0.0, 0.0))   # 0: stamped when queued
+            floor, stamp = self.oplog.acked.get(node.ino, (0.0, 0.0))   # 0: stamped when queued
         node.dirty = False
         node.truncated = False
         self.dirty_nodes.discard(node)
         if node.journal_state != JournalState.NONE:
-            self._journal_state(node, JournalState.NONE, record=False)   # the publish record says it
-        self._enqueue(OpKind.PUBLISH, node, parent=node.parent, name=node.name, snap=snap,
+            self.oplog.journal_state(node, JournalState.NONE, record=False)   # the publish record says it
+        self.oplog.push(OpKind.PUBLISH, node, parent=node.parent, name=node.name, snap=snap,
                       stamp=(stamp, floor), links=list(node.links) if node.links else None)
         if node in self.passthrough_writers:
             # the kernel may write on without telling: dirty again, and what was queued is
@@ -990,15 +924,11 @@ class Cache:
         order: skipping it would show those ops without the file they followed (a
         ``latest`` naming a checkpoint whose model file never landed).
         """
-        if node.publish_ops:
-            last = node.publish_ops[-1]
-            with self.lock:
-                if last.seq == self.seq and last.state in (OpState.QUEUED, OpState.UPLOADING):
-                    last.state = OpState.VOID
+        self.oplog.void_last(node)
         node.dirty = False
         self.dirty_nodes.discard(node)
         if node.journal_state != JournalState.NONE:
-            self._journal_state(node, JournalState.NONE)
+            self.oplog.journal_state(node, JournalState.NONE)
 
     # -- the journal (see journal.py) ----------------------------------------------------
     def record_close(self, node: Node) -> None:
@@ -1008,47 +938,12 @@ class Cache:
         waiting, so a daemon killed in between must still find the content that close()
         acknowledged. The content is held (shared) until the snapshot or the next change.
         """
-        if self.journal is None or not node.dirty or not node.nlink or not node.is_reg \
+        if self.oplog.journal is None or not node.dirty or not node.nlink or not node.is_reg \
                 or node.journal_state == JournalState.FLUSHED:
             return
-        with self.lock:
+        with self.oplog.lock:
             content = None if node.content is None else self.store.share(node.content)
-        self._journal_state(node, JournalState.FLUSHED, content=content)
-
-    def _journal_state(self, node: Node, state: JournalState, content: Content = None,
-                       record: bool = True) -> None:
-        """Move ``node`` to journal state ``state``, writing the record that says so."""
-        with self.lock:
-            if node.journal_state == JournalState.FLUSHED and node.journal_content is not None:
-                self.store.drop(node.journal_content)
-            node.journal_content = None
-            node.journal_state = state
-            if state == JournalState.FLUSHED:
-                node.journal_content = content
-            if state == JournalState.NONE:
-                self.journaled.discard(node)
-            else:
-                self.journaled.add(node)
-            if record and self.journal is not None:
-                self.journal.append(self._state_record(node))
-
-    def _state_record(self, node: Node) -> Record:
-        if node.journal_state == JournalState.DIRTY:
-            return Record(0, DIRTY, node.ino, self.mount_path(node))
-        if node.journal_state == JournalState.FLUSHED:
-            return self._content_record(0, FLUSHED, node, node.journal_content,
-                                        (node.atime, node.mtime), dict(node.xattrs or {}))
-        return Record(0, CLEAN, node.ino)
-
-    def _rejournal(self, node: Node) -> None:
-        """A journaled file lost the name its record gives: say it again under its first name."""
-        if node.journal_state != JournalState.NONE and self.journal is not None:
-            with self.lock:
-                self.journal.append(self._state_record(node))
-
-    def live_file_records(self) -> list[Record]:
-        """The records a cut-back journal must hold again (FUSE thread, under lock)."""
-        return [self._state_record(n) for n in self.journaled]
+        self.oplog.journal_state(node, JournalState.FLUSHED, content=content)
 
     def note_change(self, node: Node) -> None:
         """Before bytes of a written-through file change: a "flushed" record naming its
@@ -1056,74 +951,11 @@ class Cache:
         if node.journal_state != JournalState.DIRTY:
             self._mark_dirty(node)
 
-    def _content_record(self, seq: int, kind: str, node: Node, content: Content,
-                        times: tuple[int, int], xattrs: dict[bytes, bytes],
-                        what: Node | Snapshot | None = None) -> Record:
-        """A record of a file's content: of the node itself, or of ``what`` (a snapshot)."""
-        src = what or node
-        sp = src.staged
-        links = [p for p in (self.name_path(d, n) for d, n in node.links or ()) if p is not None]
-        return Record(seq, kind, node.ino, self.mount_path(node), size=src.size, mode=src.mode,
-                      uid=src.uid, gid=src.gid, times=times, xattrs=xattrs,
-                      blocks=[] if content is None else self.store.ref(content),
-                      staged_name=sp.name if sp is not None else b"", links=links)
-
-    def _record(self, op: Op, old_path: bytes | None, src_path: bytes | None) -> Record:
-        node, kind = op.node, op.kind
-        if kind == OpKind.PUBLISH:
-            snap = op.snap
-            assert snap is not None
-            return self._content_record(op.seq, kind, node, snap.content, snap.times, snap.xattrs, snap)
-        if kind == OpKind.MKDIR:
-            return Record(op.seq, kind, node.ino, self.mount_path(node), mode=node.mode,
-                          uid=node.uid, gid=node.gid)
-        if kind == OpKind.SYMLINK:
-            return Record(op.seq, kind, node.ino, self.mount_path(node), target=node.target,
-                          uid=node.uid, gid=node.gid)
-        if kind == OpKind.MKNOD:
-            return Record(op.seq, kind, node.ino, self.mount_path(node), mode=node.mode,
-                          uid=node.uid, gid=node.gid, size=node.rdev)
-        if kind in (OpKind.UNLINK, OpKind.RMDIR):
-            return Record(op.seq, kind, node.ino, old_path)
-        if kind in (OpKind.RENAME, OpKind.LINK):
-            return Record(op.seq, kind, node.ino, self.name_path(op.parent, op.name),  # type: ignore[arg-type]
-                          src_path=src_path)
-        if kind == OpKind.SETATTR:
-            mode, uid, gid, times = op.attrs
-            return Record(op.seq, kind, node.ino, self.mount_path(node), mode=mode, uid=uid,
-                          gid=gid, times=times)
-        if kind == OpKind.XATTR:
-            key, value = op.attrs
-            return Record(op.seq, kind, node.ino, self.mount_path(node), key=key, value=value)
-        raise AssertionError(f"unknown op {kind}")
-
-    def _enqueue(self, kind: OpKind, node: Node, old_path: bytes | None = None,
-                 src_path: bytes | None = None, stamp: tuple[float, float] = (0.0, 0.0),
-                 **kw) -> None:
-        """Queue one mutation for the flusher, journaled first (``old_path``: where an unlinked
-        node was; ``src_path``: where a renamed one came from; ``stamp``: (stamp, floor) of a
-        change close() acknowledged earlier, else it is stamped when queued)."""
-        self.seq += 1
-        where = old_path if kind in (OpKind.UNLINK, OpKind.RMDIR) else \
-            self.name_path(kw["parent"], kw["name"]) if kind in (OpKind.RENAME, OpKind.LINK) \
-            else self.mount_path(node)
-        op = Op(self.seq, kind, node, path=os.fsdecode(where) if where else self.path(node), **kw)
-        op.stamp, op.floor = stamp
-        node.last_seq = self.seq
-        # the replaced node too: a file with other names stays in the mount, and the rename
-        # still moves one of its positions (it is not quiescent until then)
-        for d in (kw.get("parent"), kw.get("src"), kw.get("replaced")):
-            if d is not None:
-                d.last_seq = self.seq
-        assert self.flusher is not None
-        rec = self._record(op, old_path, src_path) if self.journal is not None else None
-        self.flusher.submit(op, rec)
-
     # -- state, for xattrs and status ----------------------------------------------------
     def state_of(self, node: Node) -> str:
         # a file the kernel writes is dirty again after each snapshot: unchanged, it is not
         unchanged = self.unchanged_since_snapshot(node)
-        with self.lock:
+        with self.oplog.lock:
             for op in node.publish_ops:
                 if op.error:
                     return f"error: {op.error}"
@@ -1131,13 +963,9 @@ class Cache:
                 return "dirty"
             if node.publish_ops:
                 return "flushing"
-        assert self.flusher is not None
-        fl = self.flusher
-        if node.last_seq > fl.applied_seq:
-            failing = fl.failing_op()
-            if failing is not None and failing.node is node:
-                return f"error: {failing.error}"
-            return "flushing"
+        if node.last_seq > self.oplog.applied_seq:
+            error = self.oplog.head_error(node)
+            return f"error: {error}" if error else "flushing"
         return "persisted"
 
     def subtree_seq(self, node: Node) -> tuple[int, int]:

@@ -33,10 +33,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from .types import OpKind, OpState
+from .types import OpKind, OpState, node_path
 
 if TYPE_CHECKING:
-    from .cache import Cache, Node
+    from .cache import Cache
+    from .flusher import Flusher
+    from .types import Node
 
 PREFIX = b"user.acpfs."
 STATE = b"user.acpfs.state"
@@ -72,10 +74,11 @@ class MountInfo:
     started: float = dataclasses.field(default_factory=time.time)
 
 
-def get(cache: Cache, info: MountInfo, node: Node, name: bytes, trusted: bool = True) -> bytes:
+def get(flusher: Flusher, info: MountInfo, node: Node, name: bytes, trusted: bool = True) -> bytes:
     """The value of control attribute ``name`` of ``node``. ``trusted``: the caller is root or
     the mount's owner; others get no file names (the pending list is refused, the status
     document has its paths left out: ``hide_names``)."""
+    cache = flusher.cache
     if name == STATE:
         return cache.state_of(node).encode()
     if name == SEQ:
@@ -83,7 +86,7 @@ def get(cache: Cache, info: MountInfo, node: Node, name: bytes, trusted: bool = 
         return json.dumps({"seq": seq, "open_dirty": open_dirty}).encode()
     if node is cache.root:
         if name == STATUS:
-            doc = status(cache, info)
+            doc = status(flusher, info)
             return json.dumps(doc if trusted else hide_names(doc), separators=(",", ":")).encode()
         if name == FILES or name.startswith(FILES + b"."):
             if not trusted:
@@ -170,18 +173,17 @@ def hide_names(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
+def status(fl: Flusher, info: MountInfo) -> dict[str, Any]:
     from . import fastwrite   # here: importing control (acpfs.client does) must not load the C extension
-    fl = cache.flusher
-    assert fl is not None
+    cache, oplog = fl.cache, fl.oplog
     now = time.time()
     store = cache.store
     dirty_bytes = sum(n.size for n in cache.dirty_nodes)
-    with cache.lock:
-        queue = list(fl.queue)
-        applied = fl.applied_seq
+    with oplog.lock:
+        queue = list(oplog.queue)
+        applied = oplog.applied_seq
         flushing_files = len({op.node.ino for op in queue if op.kind == OpKind.PUBLISH and op.state != OpState.VOID})
-        queued_bytes = fl.queued_bytes
+        queued_bytes = oplog.queued_bytes
         in_flight = fl.uploading
         persisted_files, persisted_bytes = fl.persisted_files, fl.persisted_bytes
         used, peak = store.used, store.peak
@@ -219,7 +221,7 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
                   "block_size": store.unit, "cached_files": cached_files, "store": store.kind},
         "dirty": {"files": len(cache.dirty_nodes), "bytes": dirty_bytes},
         "flushing": {"files": flushing_files, "bytes": queued_bytes, "in_flight": in_flight},
-        "queue": {"pending_ops": len(queue), "applied_seq": applied, "last_seq": cache.seq},
+        "queue": {"pending_ops": len(queue), "applied_seq": applied, "last_seq": oplog.seq},
         "persisted_since_mount": {"files": persisted_files, "bytes": persisted_bytes},
         "flush_rate_bytes_per_s": round(fl.rate()),
         "oldest_dirty_age_s": None if oldest is None else round(now - oldest, 1),
@@ -227,7 +229,7 @@ def status(cache: Cache, info: MountInfo) -> dict[str, Any]:
         "conflicts": fl.conflicts.status(),
         "peers": peers,
         "flusher_alive": fl.thread.is_alive(),
-        "journal_error": cache.journal.error if cache.journal is not None else None,
+        "journal_error": oplog.journal.error if oplog.journal is not None else None,
         "recovery": recovery,
         "fast_write": fastwrite.state(),
         "passthrough": info.passthrough() if info.passthrough is not None else
@@ -243,14 +245,12 @@ def pending_files(cache: Cache) -> list[dict[str, Any]]:
     for node in list(cache.dirty_nodes):
         seen.add(node.ino)
         out.append(node)
-    fl = cache.flusher
-    assert fl is not None
-    with cache.lock:
-        queue = list(fl.queue)
+    with cache.oplog.lock:
+        queue = list(cache.oplog.queue)
     for op in queue:
         if op.kind == OpKind.PUBLISH and op.node.ino not in seen and op.state != OpState.VOID:
             seen.add(op.node.ino)
             out.append(op.node)
-    files = [{"path": cache.path(n), "state": cache.state_of(n), "size": n.size} for n in out]
+    files = [{"path": node_path(n), "state": cache.state_of(n), "size": n.size} for n in out]
     files.sort(key=lambda f: f["path"])
     return files

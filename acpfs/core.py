@@ -28,13 +28,14 @@ import trio
 from . import control
 from .config import format_size
 from .backing import is_internal_name
-from .cache import Cache, Relisting
+from .cache import Relisting
 from .content import CacheFull
 from .peers import UNIT
-from .types import Node, err
-from .writethrough import WriteThrough
+from .types import Node, err, node_path
+from .writethrough import Background, WriteThrough
 
 if TYPE_CHECKING:
+    from .flusher import Flusher
     from .passthrough import Kernel
     from .peers import Peers
 
@@ -72,7 +73,7 @@ class Handle:
         self.node = node
         self.writable = writable
         self.passthrough = passthrough   # the kernel reads and writes its memory file itself
-        self.opened_seq = 0              # Cache.seq at the open
+        self.opened_seq = 0              # OpLog.seq at the open
         self.append = append         # opened with O_APPEND
         self.kill_priv = kill_priv   # opened by a user other than root: its writes clear setuid
         self.backing_fd = -1         # the backing copy, for files not in the cache
@@ -80,15 +81,20 @@ class Handle:
 
 
 class Core:
-    def __init__(self, cache: Cache, info: control.MountInfo,
+    def __init__(self, flusher: Flusher, info: control.MountInfo, *,
+                 peers: Peers | None = None, kernel: Kernel | None = None,
                  direct_io_mmap: Callable[[], bool] = lambda: False,
-                 invalidate_attrs: Callable[[int], None] = lambda ino: None,
-                 kernel: Kernel | None = None) -> None:
-        self.cache = cache
+                 invalidate_attrs: Callable[[int], None] = lambda ino: None) -> None:
+        self.flusher = flusher   # status and the control attributes
+        self.cache = cache = flusher.cache
+        self.oplog = cache.oplog
+        self.peers = peers     # global order (peers.py); None: off
         self.kernel = kernel   # passthrough (passthrough.py); None: every request comes here
         self.backing = cache.backing
         self.info = info
-        self.wt = WriteThrough(cache, info.cache_full_timeout, info.persist_open_after)
+        self.background = Background()
+        self.wt = WriteThrough(cache, self.background, info.cache_full_timeout,
+                               info.persist_open_after)
         self.direct_io_mmap = direct_io_mmap   # asked at each open: the INIT reply decides
         # the kernel forgets an inode's attributes before this returns (only ever called for
         # the inode of the request being answered: the kernel holds it, never evicting it)
@@ -101,13 +107,11 @@ class Core:
         self.check_threads = trio.CapacityLimiter(8)   # checks stuck on a hung backing stop here
         self._statfs: os.statvfs_result | None = self.backing.statvfs()   # answers at mount
         self._statfs_call: trio.Event | None = None
-        self.nursery: trio.Nursery | None = None
-        self.peers: Peers | None = None    # global order (peers.py); set by the daemon
 
     def start(self, nursery: trio.Nursery) -> None:
         """Background work: write-through in a full cache, files open for a long time,
         acknowledged content whose RELEASE does not come."""
-        self.nursery = self.wt.nursery = nursery
+        nursery.start_soon(self.background.run, nursery)
         nursery.start_soon(self.wt.persist_open_files)
         nursery.start_soon(self._queue_late_acks)
         if self.kernel is not None:
@@ -191,7 +195,7 @@ class Core:
                     with trio.move_on_after(COHERENCE_WAIT):
                         got = await self._check(node.ino, relist)
                 except OSError as e:   # a failing backing: what this mount knows stands
-                    log.debug("relisting %s: %s", cache.path(node), e)
+                    log.debug("relisting %s: %s", node_path(node), e)
                 if got is False:       # failing or not answering: look again after the timeout
                     if stale:
                         node.listed_at = time.monotonic()
@@ -246,7 +250,7 @@ class Core:
             with trio.move_on_after(COHERENCE_WAIT):
                 got = await self._check(node.ino, functools.partial(cache.stat_backing, node))
         except OSError as e:
-            log.debug("revalidating %s: %s", cache.path(node), e)
+            log.debug("revalidating %s: %s", node_path(node), e)
             return node
         stats, applied = got if got is not None else ([], 0)
         if not stats or not cache.quiescent(node, applied) or node.backing_version is None:
@@ -316,7 +320,7 @@ class Core:
             with trio.move_on_after(COHERENCE_WAIT):
                 got = await self._check(node.ino, functools.partial(cache.stat_backing, node))
         except OSError as e:
-            log.debug("looking at %s: %s", cache.path(node), e)
+            log.debug("looking at %s: %s", node_path(node), e)
         if got is None or not got[0]:
             return
         (pos, st), applied = got[0][0], got[1]
@@ -522,7 +526,7 @@ class Core:
 
     async def fsyncdir(self) -> None:
         if self.info.fsync_backing:
-            await self.wt.wait_seq(self.cache.seq)
+            await self.wt.wait_seq(self.cache.oplog.seq)
 
     # -- files -----------------------------------------------------------------------------
     async def open(self, ino: int, flags: int, uid: int = 0) -> tuple[int, bool, int]:
@@ -559,7 +563,7 @@ class Core:
                                             or self.kernel is not None)
         h = Handle(node, writable, append, kill_priv=writable and uid != 0,
                    passthrough=bool(backing_id))
-        h.opened_seq = self.cache.seq
+        h.opened_seq = self.cache.oplog.seq
         if not writable and node.content is None and node.staged is None and node.is_reg:
             # Open the backing copy now, so that the reader keeps the version it opened
             # even if the file is renamed over, deleted or republished meanwhile.
@@ -596,7 +600,7 @@ class Core:
         try:
             return cache.store.backing(node.content, kernel.register)
         except OSError as e:
-            log.warning("%s: cannot pass it through (%s); served by the daemon", cache.path(node), e)
+            log.warning("%s: cannot pass it through (%s); served by the daemon", node_path(node), e)
             return 0
 
     async def _unshared(self, node: Node, trunc: bool) -> bool:
@@ -620,7 +624,7 @@ class Core:
             size = 0 if trunc else node.size     # O_TRUNC: nothing worth copying
             async with self.wt.hold(node, "copy for a writer"):
                 copy = await trio.to_thread.run_sync(store.copy, content, size)
-                with cache.lock:
+                with cache.oplog.lock:
                     if node.content is content:
                         node.content = copy
                         store.drop(content)
@@ -727,7 +731,7 @@ class Core:
 
         close() returns when FLUSH is answered; RELEASE, which queues the file, follows
         without being waited for. So the content close() acknowledges is journaled here
-        (Cache.record_close) and stamped for global order (Cache.note_ack). No waiting for
+        (Cache.record_close) and stamped for global order (OpLog.note_ack). No waiting for
         a staged file being built: the cached content stays valid until it is complete, and the
         record holds them. A FLUSH whose RELEASE does not follow (the close of a copy of
         the descriptor in a forked process) is queued by ``_queue_late_acks``.
@@ -737,7 +741,7 @@ class Core:
             return
         self.cache.sync_content(h.node)
         self.cache.record_close(h.node)
-        self.cache.note_ack(h.node)
+        self.cache.oplog.note_ack(h.node)
 
     async def _count_passthrough_writes(self) -> None:
         """What writers the kernel passes through have written is counted every
@@ -769,22 +773,22 @@ class Core:
         while True:
             await trio.sleep(LATE_ACK / 2)
             peers, cache = self.peers, self.cache
-            if peers is None or not cache.acked:
+            if peers is None or not cache.oplog.acked:
                 continue
-            with cache.lock:
+            with cache.oplog.lock:
                 live = bool(peers.live())
-                late = [ino for ino, (first, _) in cache.acked.items()
+                late = [ino for ino, (first, _) in cache.oplog.acked.items()
                         if time.time() - first > LATE_ACK]
             for ino in late if live else ():
                 node = cache.nodes.get(ino)
                 if node is None or not node.nlink or not node.dirty:
-                    with cache.lock:          # gone, or queued meanwhile
-                        cache.acked.pop(ino, None)
+                    with cache.oplog.lock:          # gone, or queued meanwhile
+                        cache.oplog.acked.pop(ino, None)
                     continue
                 if self.wt.busy(node):        # being written through: queued when settled
                     continue
                 log.info("%s: closed by one process, still open in another: queued now",
-                         cache.path(node))
+                         node_path(node))
                 cache.snapshot(node)
 
     async def acknowledged(self) -> None:
@@ -797,8 +801,8 @@ class Core:
         peers = self.peers
         if peers is None:
             return
-        with self.cache.lock:
-            stamp = self.cache.last_stamp
+        with self.cache.oplog.lock:
+            stamp = self.cache.oplog.last_stamp
             until = peers.commit_until(stamp)
             promised = peers.promised
         if promised > stamp:
@@ -874,8 +878,7 @@ class Core:
         'acpfs status' tells a live mount from a stale one, so it must not hang)."""
         if self._statfs_call is None:
             self._statfs_call = trio.Event()
-            assert self.nursery is not None
-            self.nursery.start_soon(self._refresh_statfs, self._statfs_call)
+            self.background.start_soon(self._refresh_statfs, self._statfs_call)
         with trio.move_on_after(STATFS_WAIT):
             await self._statfs_call.wait()
         if self._statfs is None:
@@ -899,7 +902,7 @@ class Core:
         if name.startswith(control.PREFIX):
             # file names are for root and the mount's owner (with --allow-other, other users
             # could otherwise read names inside directories they may not list)
-            return control.get(self.cache, self.info, node, name,
+            return control.get(self.flusher, self.info, node, name,
                                trusted=uid in (0, self.info.owner))
         if not name.startswith(b"user."):
             raise err(errno.ENODATA)

@@ -26,6 +26,7 @@ from .retry import describe
 
 if TYPE_CHECKING:
     from .flusher import Flusher
+    from .peers import Peers
 
 log = logging.getLogger("acpfs")
 T = TypeVar("T")
@@ -130,6 +131,9 @@ class Daemon:
         from .core import Core
         from .flusher import Flusher
         from . import fastwrite, memfiles, passthrough
+        from .fs import KernelCacheNotices, invalidate_attrs_now
+        from .oplog import OpLog
+        from .peers import Peers
         from .memfiles import MemFiles
         from .pool import Pool
 
@@ -154,10 +158,7 @@ class Daemon:
         left = self.left = journal.read_leftover(opts.cache_dir)
         self.replay, self.dirty = recovery.plan(left) if left else ([], [])
         instance = new_instance()
-        self.peers = None
-        self.join_wait = 0.0
-        front = self._find_peers(instance, left.instance if left else None) \
-            if opts.global_order else None
+        predecessor = left.instance if left else None
         cache_size, block_size = opts.cache_size, opts.block_size
         depth, why_not = passthrough.plan(opts.passthrough, opts.cache_dir, fastwrite.extension())
         recovering = bool(self.replay or self.dirty)
@@ -198,62 +199,56 @@ class Daemon:
                               progress=self._allocating, mlock=opts.mlock)
         self.store.claim_refs(recovery.claimed_content(self.replay))
         # a new identity for this daemon's temporary files; the dead one's leftovers are ours
-        self.backing = Backing(opts.backing, instance, left.instance if left else None)
+        self.backing = Backing(opts.backing, instance, predecessor)
         log.info("temporary files of this daemon: %s*", os.fsdecode(self.backing.mine))
-        cache = self.cache = Cache(self.backing, self.store)
-        self.flusher = Flusher(cache, self.backing, opts.flush_workers)
-        cache.flusher = self.flusher
         self.base_seq = left.last_seq if left else 0
-        cache.seq = self.flusher.applied_seq = self.base_seq
         # the dead daemon's applied counter stays until its journal is replayed (a crash during
         # the replay must find both as they were)
-        cache.journal = journal.Journal(opts.cache_dir, self.store.unit, self.store.limit,
-                                        cache.live_file_records, self.backing.instance)
+        self.journal = journal.Journal(opts.cache_dir, self.store.unit, self.store.limit,
+                                       self.backing.instance)
+        self.oplog = OpLog(self.store, self.journal, applied_seq=self.base_seq)
+        self.join_wait = 0.0
+        self.peers = Peers(opts.backing, instance, opts.mountpoint, skew=opts.max_clock_skew,
+                           heartbeat=opts.peer_heartbeat, lease=opts.peer_lease,
+                           lock=self.oplog.lock, frontier=self.oplog.frontier) \
+            if opts.global_order else None
+        # the frontier of the dead daemon this one recovers, if it left a record
+        front = self._records(self.peers, lambda: self.peers.find_predecessor(predecessor)) \
+            if self.peers is not None else None
+        cache = self.cache = Cache(self.oplog, self.backing, self.store, KernelCacheNotices())
+        self.flusher = Flusher(self.oplog, cache, self.backing, self.peers, opts.flush_workers)
         self.info = MountInfo(opts.mountpoint, opts.backing, opts.cache_dir, opts.log_file,
                               opts.fsync_backing, opts.flush_workers, opts.cache_full_timeout,
                               opts.persist_open_after, coherence_timeout=opts.coherence_timeout,
                               passthrough=self.kernel.state if self.kernel is not None else
-                              (lambda: {"on": False, "why_not": why_not}))
-        self.core = Core(cache, self.info, kernel=self.kernel)
+                              (lambda: {"on": False, "why_not": why_not}), peers=self.peers)
+        self.core = Core(self.flusher, self.info, peers=self.peers, kernel=self.kernel,
+                         direct_io_mmap=fastwrite.direct_io_mmap,
+                         invalidate_attrs=invalidate_attrs_now)
         if self.peers is not None:
-            self._join(front, left.instance if left else None)
+            self._join(self.peers, front, predecessor)
 
-    def _find_peers(self, instance: str, predecessor: str | None) -> float | None:
-        """Global order (peers.py): the records directory, and the frontier of
-        ``predecessor`` (the dead daemon this one recovers) if it left a record."""
-        from .peers import Peers
-        opts = self.opts
-        self.peers = Peers(opts.backing, instance, opts.mountpoint, skew=opts.max_clock_skew,
-                           heartbeat=opts.peer_heartbeat, lease=opts.peer_lease)
-        return self._records(lambda: self.peers.find_predecessor(predecessor))
-
-    def _join(self, front: float | None, predecessor: str | None) -> None:
-        """Write this node's record among the other nodes' (after ``_find_peers``)."""
-        peers = self.peers
-        assert peers is not None
-        peers.attach(self.cache.lock, self.flusher.frontier)
+    def _join(self, peers: Peers, front: float | None, predecessor: str | None) -> None:
+        """Write this node's record among the other nodes' (global order, peers.py)."""
         if self.replay or self.dirty:
             # what the dead daemon acknowledged is older than anything: its frontier (or,
             # without its record, the oldest stamp) holds the other nodes back until the
             # replayed changes are in the backing
-            self.cache.recovery_stamp = front if front is not None else 1e-6
+            self.oplog.recovery_stamp = front if front is not None else 1e-6
 
         def enter() -> float:
             wait = peers.enter()
             if predecessor is not None:
                 peers.forget_predecessor(predecessor)   # this node's record now covers it
             return wait
-        self.join_wait = self._records(enter) or 0.0
-        self.flusher.peers = self.core.peers = self.info.peers = peers
+        self.join_wait = self._records(peers, enter) or 0.0
 
-    def _records(self, fn: Callable[[], T]) -> T | None:
+    def _records(self, peers: Peers, fn: Callable[[], T]) -> T | None:
         """``fn()``, the records' I/O at mount. A backing that refuses the records (read-only,
         a file in the way) or does not answer within RECORDS_AT_MOUNT seconds does not stop
         the mount: changes stay pending as for any failing backing, and the records thread
         keeps trying (status.peers.error); until this node's record is written, the other
         nodes do not know to wait for it."""
-        peers = self.peers
-        assert peers is not None
         out: list = []
 
         def run() -> None:
@@ -296,10 +291,10 @@ class Daemon:
                         report.skipped, len(report.lost_open_files), len(report.kept_aside),
                         opts.backing)
         journal.finish_recovery(opts.cache_dir)        # the new journal holds all that is pending
-        with self.cache.lock:
-            self.cache.journal.applied(self.base_seq)  # type: ignore[union-attr]
+        with self.oplog.lock:
+            self.journal.applied(self.base_seq)
         journal.forget_direct_writes(opts.cache_dir)   # replayed around, or nothing to replay
-        self.cache.recovery_stamp = None               # the replayed ops carry it in the queue
+        self.oplog.recovery_stamp = None               # the replayed ops carry it in the queue
         self.flusher.start()
         if self.peers is not None:
             self.peers.start()
@@ -365,7 +360,7 @@ class Daemon:
     def close(self, drained: bool) -> int:
         """Release everything; the cache directory goes only when everything is persisted."""
         opts = self.opts
-        self.cache.journal.close()  # type: ignore[union-attr]
+        self.journal.close()
         self.store.close()
         if self.peers is not None:
             self.peers.leave(drained)
@@ -469,21 +464,21 @@ def drain(flusher: Flusher) -> bool:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    pending = len(flusher.queue)
+    pending = len(flusher.oplog.queue)
     if pending:
-        log.info("draining: %d operations (%s) to persist", pending, format_size(flusher.queued_bytes))
+        log.info("draining: %d operations (%s) to persist", pending, format_size(flusher.oplog.queued_bytes))
     last = time.monotonic()
     while not stop.is_set():
         if flusher.stop(drain=True, timeout=0.2):
             return True
         if not flusher.thread.is_alive():
-            log.error("the flusher died with %d operations left", len(flusher.queue))
+            log.error("the flusher died with %d operations left", len(flusher.oplog.queue))
             return False
         if time.monotonic() - last > 5:
             last = time.monotonic()
             failing = flusher.failing_op()
-            log.info("draining: %d operations (%s) left%s", len(flusher.queue),
-                     format_size(flusher.queued_bytes),
+            log.info("draining: %d operations (%s) left%s", len(flusher.oplog.queue),
+                     format_size(flusher.oplog.queued_bytes),
                      f"; failing: {failing.path}: {failing.error}" if failing else "")
     flusher.stop(drain=False, timeout=10)
     return False

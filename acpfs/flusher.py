@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import errno
-import heapq
 import itertools
 import logging
 import os
@@ -36,8 +35,8 @@ from typing import Callable, TypeVar
 
 from .backing import STALE, Backing, Comps, MissingDir, NotEmpty, flat_name
 from .cache import Cache
+from .oplog import OpLog
 from .conflicts import Conflicts, describe_entry
-from .journal import Record
 from .peers import UP, Peers
 from .retry import describe, retry
 from .types import Node, Op, OpKind, OpState, Staged
@@ -56,51 +55,32 @@ def _always(exc: BaseException) -> bool:
 
 
 class Flusher:
-    def __init__(self, cache: Cache, backing: Backing, workers: int = 4) -> None:
+    """Applies the op log's queue to the backing; owns the sequencer, the upload threads and
+    the counters of what was persisted."""
+
+    def __init__(self, oplog: OpLog, cache: Cache, backing: Backing, peers: Peers | None,
+                 workers: int = 4) -> None:
+        self.oplog = oplog
         self.cache = cache
         self.backing = backing
+        self.peers = peers   # global order (peers.py); None: off, this node orders its own
         self.workers = max(1, workers)
-        self.window = 4 * self.workers
-        self.lock = cache.lock   # the one lock of the cache and the flusher (a Condition)
-        self.queue: collections.deque[Op] = collections.deque()
-        self.applied_seq = 0
+        self.window = 4 * self.workers   # queued ops whose uploads may run ahead of the head
+        self.lock = oplog.lock
         self.abort = threading.Event()
         self._stopping = False
-        self.pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="acpfs-upload")
+        self.uploads = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="acpfs-upload")
         self.thread = threading.Thread(target=self._run, name="acpfs-sequencer", daemon=True)
         # counters for status (guarded by lock)
-        self.queued_bytes = 0
         self.persisted_files = 0
         self.persisted_bytes = 0
         self.uploading = 0
         self.conflicts = Conflicts(backing.instance)
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
-        # global order (peers.py); None: off, this node orders only its own changes
-        self.peers: Peers | None = None
-        self._floors: list[tuple[float, int]] = []   # (lock) heap of (floor, seq) of queued ops
         self.held: dict | None = None   # (lock) the op waiting for other nodes, for status
 
     def start(self) -> None:
         self.thread.start()
-
-    # -- called from the FUSE thread ----------------------------------------------------
-    def submit(self, op: Op, record: Record | None = None) -> None:
-        """Queue ``op`` after journaling ``record`` (the journal holds records in seq order)."""
-        with self.lock:
-            if record is not None and self.cache.journal is not None:
-                self.cache.journal.append(record)
-            if not op.stamp:
-                op.stamp = op.floor = self.cache.next_stamp()
-            heapq.heappush(self._floors, (op.floor or op.stamp, op.seq))
-            self.queue.append(op)
-            if op.kind == OpKind.PUBLISH:
-                self.cache.acked.pop(op.node.ino, None)   # what close() acknowledged: in op now
-                op.node.publish_ops.append(op)
-                self.queued_bytes += op.nbytes
-                sp = op.snap.staged  # type: ignore[union-attr]
-                if sp is not None:
-                    op.dir_fd, op.temp_name = sp.dir_fd, sp.name
-            self.lock.notify_all()
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> bool:
         """Stop the sequencer; with ``drain``, after the queue is empty. True if drained."""
@@ -112,32 +92,11 @@ class Flusher:
         self.thread.join(timeout)
         if self.thread.is_alive():
             return False
-        self.pool.shutdown(wait=not self.abort.is_set(), cancel_futures=True)
-        return not self.queue
-
-    def frontier(self) -> tuple[float, bool]:
-        """This node's frontier (hold lock): the stamp of its oldest acknowledged change not in
-        the backing yet, and True; or, with nothing pending, a stamp later than every change
-        acknowledged so far (its clock), and False."""
-        floors = self._floors
-        while floors and floors[0][1] <= self.applied_seq:
-            heapq.heappop(floors)
-        cache = self.cache
-        lows = [floors[0][0]] if floors else []
-        if cache.acked:
-            lows.append(min(first for first, _ in cache.acked.values()))
-        if cache.recovery_stamp is not None:
-            lows.append(cache.recovery_stamp)
-        if lows:
-            return min(lows), True
-        return cache.next_stamp(), False
+        self.uploads.shutdown(wait=not self.abort.is_set(), cancel_futures=True)
+        return not self.oplog.queue
 
     def failing_op(self) -> Op | None:
-        with self.lock:
-            for op in itertools.islice(self.queue, 0, self.window):
-                if op.error:
-                    return op
-        return None
+        return self.oplog.failing_op(self.window)
 
     def rate(self) -> float:
         """Bytes per second persisted over the last 10 seconds."""
@@ -149,36 +108,29 @@ class Flusher:
 
     # -- the sequencer thread -----------------------------------------------------------
     def _run(self) -> None:
+        queue = self.oplog.queue
         try:
             while True:
                 with self.lock:
-                    while not self.queue and not self._stopping:
+                    while True:
+                        self._launch()   # and the discards
+                        if queue or self._stopping:
+                            break
                         self.lock.wait()
-                    if not self.queue or self.abort.is_set():
+                    if not queue or self.abort.is_set():
                         return
-                    self._launch()
-                    op = self.queue[0]
+                    op = queue[0]
                     if self.peers is not None and op.state != OpState.VOID:
                         self._hold(op)
                 self._apply(op)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("%s %s: %s (seq %d)", op.kind, op.path, op.state, op.seq)
                 with self.lock:
-                    self.queue.popleft()
-                    journal = self.cache.journal
-                    if journal is not None:
-                        # before _finish drops the block references (journal.py, invariants)
-                        journal.applied(op.seq, idle=not self.queue)
+                    self.oplog.pop(op)
                     self._finish(op)
-                    # Invariant: applied_seq moves only after _finish. Waiters read it without
-                    # the lock (FS.wait_seq, from the trio thread) and then rely on the op's
-                    # bookkeeping being done: a published staged file detached from its node, the
-                    # node evictable. Set before _finish, a writer opening the file in that
-                    # window kept the queued staged file, which _finish then took away.
-                    self.applied_seq = op.seq
-                    self.lock.notify_all()
+                    self.oplog.applied(op)   # after _finish: OpLog.applied says why
         except Aborted:
-            log.warning("flusher stopped without draining: %d operations left", len(self.queue))
+            log.warning("flusher stopped without draining: %d operations left", len(queue))
         except BaseException:
             log.exception("flusher crashed; changes are no longer persisted")
             raise
@@ -199,7 +151,7 @@ class Flusher:
         # stamp the last. Either way the head waits only for what the other nodes
         # acknowledged before this node's oldest pending change (docs/design.md). Held to
         # its last close instead, two such files on two nodes waited for each other.
-        stamp = min(op.stamp, self.frontier()[0])
+        stamp = min(op.stamp, self.oplog.frontier()[0])
         while True:
             ok = peers.cleared(stamp)
             if ok is True:
@@ -238,15 +190,19 @@ class Flusher:
                             time.time() - since)
 
     def _launch(self) -> None:
-        """Start uploads of queued snapshots whose directory exists in the backing (hold cond)."""
+        """Start uploads of queued snapshots whose directory exists in the backing, and the
+        removal of staged files no op publishes (hold cond)."""
+        for sp in self.oplog.discards:
+            self.uploads.submit(self._discard_staged, sp)
+        self.oplog.discards.clear()
         running = self.uploading
-        for op in itertools.islice(self.queue, 0, self.window):
+        for op in itertools.islice(self.oplog.queue, 0, self.window):
             if running >= 2 * self.workers:
                 break
             if op.kind == OpKind.PUBLISH and op.state == OpState.QUEUED and op.future is None \
                     and self.cache.present(op.parent):  # type: ignore[arg-type]
                 op.state = OpState.UPLOADING
-                op.future = self.pool.submit(self._upload, op)
+                op.future = self.uploads.submit(self._upload, op)
                 self.uploading += 1
                 running += 1
 
@@ -255,8 +211,6 @@ class Flusher:
         if op.kind != OpKind.PUBLISH:
             return
         node = op.node
-        node.publish_ops.remove(op)
-        self.queued_bytes -= op.nbytes
         if op.snap.content is not None:  # type: ignore[union-attr]
             self.cache.store.drop(op.snap.content)  # type: ignore[union-attr]
         sp = op.snap.staged  # type: ignore[union-attr]
@@ -720,7 +674,7 @@ class Flusher:
             with self.lock:
                 if op.future is None and op.state == OpState.QUEUED:
                     op.state = OpState.UPLOADING
-                    op.future = self.pool.submit(self._upload, op)
+                    op.future = self.uploads.submit(self._upload, op)
                     self.uploading += 1
                 fut = op.future
             if fut is None:
@@ -875,7 +829,7 @@ class Flusher:
         renamed over the version before, ``seen``). Until the last one, the names still to
         come hold the version before: the one exception to "the backing is a state the
         mount had" (docs/semantics.md, hard links)."""
-        cache, node = self.cache, op.node
+        cache = self.cache
         first = [(op.parent, op.name)]
         todo = list(op.links or ())
 
@@ -892,15 +846,13 @@ class Flusher:
                 self._restore_dirs(todo[0][0], exc)
         self._retry(run, op, "publish of", repair)
 
-    def discard_staged(self, sp: Staged) -> None:
+    def _discard_staged(self, sp: Staged) -> None:
         """Remove the staged file of a file deleted, or never written, before its last
-        close (in a worker)."""
-        def run() -> None:
-            self.backing.remove_temp(sp.dir_fd, sp.name)
-            with self.lock:
-                sp.close(self.backing.close_fd)
-            self.backing.remove_staging_dir(sp.name)
-        self.pool.submit(run)
+        close (an upload thread; OpLog.discard)."""
+        self.backing.remove_temp(sp.dir_fd, sp.name)
+        with self.lock:
+            sp.close(self.backing.close_fd)
+        self.backing.remove_staging_dir(sp.name)
 
 
 def _version(st: os.stat_result) -> tuple[int, int, int]:

@@ -18,12 +18,12 @@ import queue
 import threading
 from typing import Any, Callable
 
-from . import fastwrite  # before pyfuse3: it interposes fuse_session_new and _mount
+from . import fastwrite  # noqa: F401  (before pyfuse3: it interposes fuse_session_new and _mount)
 
 import pyfuse3  # noqa: E402
 
 from .core import Core  # noqa: E402
-from .types import Node  # noqa: E402
+from .types import KernelNotices, Node  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +64,13 @@ def replies(fn: Callable) -> Callable:
 
 
 def acknowledges(fn: Callable) -> Callable:
-    """A handler whose request may acknowledge a change (one stamped meanwhile: Cache.next_stamp):
+    """A handler whose request may acknowledge a change (one stamped meanwhile: OpLog.next_stamp):
     answered after the commit wait of global order (Core.acknowledged)."""
     @functools.wraps(fn)
     async def wrapper(self: Operations, *args: Any) -> Any:
-        before = self.core.cache.last_stamp
+        before = self.core.cache.oplog.last_stamp
         out = await fn(self, *args)
-        if self.core.cache.last_stamp != before:
+        if self.core.cache.oplog.last_stamp != before:
             await self.core.acknowledged()
         return out
     return wrapper
@@ -303,28 +303,39 @@ class Operations(pyfuse3.Operations):
         await self.core.removexattr(inode, name)
 
 
-_forget_queue: queue.SimpleQueue[int] = queue.SimpleQueue()
+class KernelCacheNotices(KernelNotices):
+    """What the cache tells the kernel of changes another node made (Cache.kernel):
+    pyfuse3's notifications."""
+
+    def __init__(self) -> None:
+        self._forgets: queue.SimpleQueue[int] = queue.SimpleQueue()
+        threading.Thread(target=self._send_forgets, name="acpfs-forget", daemon=True).start()
+
+    def forget_entry(self, parent_ino: int, name: bytes) -> None:
+        """A name another node removed leaves the kernel's dentry cache at once, not after
+        ATTR_TIMEOUT (Cache.merge_listing)."""
+        pyfuse3.invalidate_entry_async(parent_ino, name, ignore_enoent=True)
+
+    def forget_attrs(self, ino: int) -> None:
+        """Another node's version of a file: the kernel asks for its size again before it
+        reads (Cache.replaced_elsewhere); attributes only, which takes no lock a request may
+        hold. Sent from a thread of its own, never from a request handler (a notification
+        may wait on an inode the kernel is evicting, and the eviction on a request only this
+        thread would answer)."""
+        self._forgets.put(ino)
+
+    def _send_forgets(self) -> None:
+        while True:
+            ino = self._forgets.get()
+            try:
+                pyfuse3.invalidate_inode(ino, attr_only=True)
+            except OSError:   # ENOENT: the kernel does not hold the inode (known from a listing only)
+                pass
+            except Exception:
+                log.exception("telling the kernel to forget the attributes of inode %d", ino)
 
 
-def _forget_attrs(ino: int) -> None:
-    """Queue the kernel's notification: sent from a thread of its own, never from a request
-    handler (a notification may wait on an inode the kernel is evicting, and the eviction on
-    a request only this thread would answer)."""
-    _forget_queue.put(ino)
-
-
-def _send_forgets() -> None:
-    while True:
-        ino = _forget_queue.get()
-        try:
-            pyfuse3.invalidate_inode(ino, attr_only=True)
-        except OSError:   # ENOENT: the kernel does not hold the inode (known from a listing only)
-            pass
-        except Exception:
-            log.exception("telling the kernel to forget the attributes of inode %d", ino)
-
-
-def _invalidate_attrs_now(ino: int) -> None:
+def invalidate_attrs_now(ino: int) -> None:
     """The kernel forgets the attributes of the inode a request is about, before the reply
     (Core.revalidated at open: the reader's first read must see the new size). Safe from a
     handler only for that inode: the kernel holds it for the request, so it is not being
@@ -336,18 +347,7 @@ def _invalidate_attrs_now(ino: int) -> None:
 
 
 def make_operations(core: Core) -> Operations:
-    """The adapter over ``core``; direct_io follows the kernel's INIT reply."""
+    """The adapter over ``core``."""
     global kernel_timeout
     kernel_timeout = min(ATTR_TIMEOUT, core.info.coherence_timeout)
-    core.direct_io_mmap = fastwrite.direct_io_mmap
-    core.invalidate_attrs = _invalidate_attrs_now
-    # a name another node removed leaves the kernel's dentry cache at once, not after
-    # ATTR_TIMEOUT (Cache.merge_listing)
-    core.cache.forget_entry = lambda parent_ino, name: pyfuse3.invalidate_entry_async(
-        parent_ino, name, ignore_enoent=True)
-    # another node's version of a file: the kernel asks for its size again before it reads
-    # (Cache.replaced_elsewhere); attributes only, which takes no lock a request may hold
-    core.cache.forget_attrs = _forget_attrs
-    threading.Thread(target=_send_forgets, name="acpfs-forget", daemon=True).start()
     return Operations(core)
-

@@ -142,7 +142,7 @@ class Record:
 
 
 class Journal:
-    """The journal of a running daemon. Every method is called with ``Cache.lock`` held.
+    """The journal of a running daemon. Every method is called with ``OpLog.lock`` held.
 
     A journal that cannot be written means that a crash would lose acknowledged data: the
     first failure is logged at ERROR, ``error`` says why (status shows it), and the mount
@@ -150,8 +150,7 @@ class Journal:
     once every queued op is in the backing.
     """
 
-    def __init__(self, cache_dir: str, block_size: int, pool_size: int,
-                 live_records: Callable[[], list[Record]] = list, instance: str = "") -> None:
+    def __init__(self, cache_dir: str, block_size: int, pool_size: int, instance: str = "") -> None:
         self.path = os.path.join(cache_dir, JOURNAL)
         # the instance names the daemon's temporary files: the next daemon removes the
         # leftovers of this one, and no one else's (backing.py)
@@ -162,16 +161,17 @@ class Journal:
         self.size = len(self.header)
         self.applied_fd = os.open(os.path.join(cache_dir, APPLIED),
                                   os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        # the "dirty"/"flushed" records of files in those states (Cache.live_file_records)
-        self.live_records = live_records
         self.idle = False             # no op queued since the last applied(): cut back next
         self.error: str | None = None
 
-    def append(self, record: Record) -> None:
+    def append(self, record: Record, live: Callable[[], list[Record]] = list) -> None:
+        """Write ``record``. Once everything recorded is applied (``idle``), the journal is
+        cut back first, to ``live()``: the records of the files it must still know (the
+        "dirty"/"flushed" ones, OpLog.journaled)."""
         try:
             if self.idle:
                 self._reset()
-                for rec in self.live_records():
+                for rec in live():
                     self._write(rec)
                 self.idle = False
                 # Invariant: ``error`` stays set from a failed append until here. A failed

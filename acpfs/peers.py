@@ -135,14 +135,19 @@ class Peer:
 class Peers:
     def __init__(self, root: str, instance: str, mountpoint: str, *, skew: float = 0.01,
                  heartbeat: float = 1.0, lease: float = 30.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, lock: threading.Condition | None = None,
+                 frontier: Callable[[], tuple[float, bool]] | None = None) -> None:
         self.root = root
         self.dir = os.path.join(root, os.fsdecode(NODES_DIR))   # for messages
         self._root_fd = -1
         self.instance = instance
         self.label = safe_label(f"{socket.gethostname()}:{mountpoint}")
-        self.lock = threading.Condition()   # the cache's, once attached
-        self.frontier: Callable[[], tuple[float, bool]] = lambda: (self.clock(), False)
+        # the op log's lock (the sequencer waits on it), and this node's frontier
+        # (``frontier()``, lock held: the frontier, and whether anything acknowledged is
+        # pending; OpLog.frontier); without them, nothing is ever pending
+        self.lock = lock if lock is not None else threading.Condition()
+        self.frontier: Callable[[], tuple[float, bool]] = \
+            frontier if frontier is not None else lambda: (self.clock(), False)
         self.skew = skew
         self.heartbeat = heartbeat
         self.lease = lease
@@ -170,13 +175,6 @@ class Peers:
         self._stop = threading.Event()
         self._kick = threading.Event()
         self.thread = threading.Thread(target=self._run, name="acpfs-peers", daemon=True)
-
-    def attach(self, lock: threading.Condition, frontier: Callable[[], tuple[float, bool]]) -> None:
-        """Share the cache's lock (the sequencer waits on it) and read this node's frontier
-        (``frontier()``, lock held: the frontier, and whether anything acknowledged is
-        pending) from the flusher."""
-        self.lock = lock
-        self.frontier = frontier
 
     # -- joining and leaving (daemon thread) ----------------------------------------------
     def find_predecessor(self, predecessor: str | None) -> float | None:

@@ -58,7 +58,7 @@ from .backing import RECOVERED_DIR, flat_name, staged_ino
 from .cache import Cache
 from .journal import CONTENT_KINDS, DIRTY, FLUSHED, Leftover, Record
 from .retry import retry
-from .types import Node, OpKind, Staged
+from .types import Node, OpKind, Staged, node_path
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class Replayer:
 
     def _loaded(self, node: Node) -> Node:
         if node.children is None:
-            listing = retry(lambda: self.cache.list_backing(node), f"listing {self.cache.path(node)!r}")
+            listing = retry(lambda: self.cache.list_backing(node), f"listing {node_path(node)!r}")
             self.cache.attach_listing(node, listing)
         return node
 
@@ -294,7 +294,7 @@ class Replayer:
 
     def _release(self, rec: Record) -> None:
         """The content ``rec`` names is not replayed: give back what recovery claimed for it."""
-        with self.cache.lock:
+        with self.cache.oplog.lock:
             self.cache.store.drop(self.cache.store.adopt(rec.blocks))
 
     def _publish(self, node: Node, rec: Record, staged: Staged | None) -> None:
@@ -303,7 +303,7 @@ class Replayer:
         cache = self.cache
         assert rec.mode is not None and rec.uid is not None and rec.gid is not None
         assert rec.times is not None
-        with cache.lock:
+        with cache.oplog.lock:
             if node.content is not None:
                 cache.store.drop(node.content)
             cache.lru.pop(node.ino, None)
@@ -360,7 +360,7 @@ class Replayer:
             name = flat + b"~%d" % n
         node = cache.create(where, name, rec.mode or 0o600, rec.uid or 0, rec.gid or 0)
         self._publish(node, rec, staged)
-        aside = cache.path(node)
+        aside = node_path(node)
         self.report.kept_aside.append(aside)
         self.report.aside_seqs[aside] = node.publish_ops[-1].seq
         return aside

@@ -27,7 +27,10 @@ import enum
 import os
 import stat as statmod
 import time
-from typing import Any, Protocol
+from typing import Any
+
+
+ROOT_INODE = 1   # the mount's root directory, the kernel's FUSE_ROOT_ID
 
 
 def now_ns() -> int:
@@ -246,6 +249,35 @@ def _replaced(pairs: list[tuple[Node, bytes]], old: tuple[Node, bytes],
     return out
 
 
+def mount_path(node: Node) -> bytes | None:
+    """The node's path relative to the mount root (b"" for the root); None once deleted."""
+    parts = []
+    while node.parent is not None:
+        parts.append(node.name)
+        node = node.parent
+    if node.ino != ROOT_INODE:
+        return None
+    parts.reverse()
+    return b"/".join(parts)
+
+
+def name_path(parent: Node, name: bytes) -> bytes | None:
+    """The mount path of the name ``name`` in ``parent`` (one of a file's hard links)."""
+    d = mount_path(parent)
+    return None if d is None else (d + b"/" + name if d else name)
+
+
+def node_path(node: Node) -> str:
+    """The node's path relative to the mount root, for humans."""
+    parts = []
+    while node.parent is not None:
+        parts.append(node.name)
+        node = node.parent
+    if node.ino != ROOT_INODE:
+        parts.append(b"(deleted)")
+    return os.fsdecode(b"/".join(reversed(parts))) or "."
+
+
 class Staged:
     """The staged file of a written-through file: a temporary file in the backing's staging
     directory that holds the file's content instead of the pool.
@@ -334,13 +366,15 @@ class Op:
         self.floor = 0.0
 
 
-class OpSink(Protocol):
-    """What the cache needs of the flusher (``flusher.Flusher``)."""
-    applied_seq: int
+class KernelNotices:
+    """What the cache tells the kernel when another node changed the backing under it
+    (``fs.KernelCacheNotices`` on a mount; this one, which tells nobody, in process)."""
 
-    def submit(self, op: Op, record: Any) -> None: ...
-    def discard_staged(self, staged: Staged) -> None: ...
-    def failing_op(self) -> Op | None: ...
+    def forget_entry(self, parent_ino: int, name: bytes) -> None:
+        """The kernel drops its entry of ``name`` in directory ``parent_ino``, at once."""
+
+    def forget_attrs(self, ino: int) -> None:
+        """The kernel asks again for the attributes of ``ino`` before it next uses them."""
 
 
 class FsError(OSError):

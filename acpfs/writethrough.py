@@ -30,13 +30,13 @@ import errno
 import logging
 import math
 import time
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import trio
 
 from .cache import Cache
 from .content import CacheFull
-from .types import Node, Staged, err
+from .types import Node, Staged, err, node_path
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,9 +59,27 @@ class StagedClosed(Exception):
     """The staged file was published or discarded (closed) before it could be used."""
 
 
+class Background:
+    """Background tasks that request handlers start, run in the nursery the daemon's trio
+    loop hands to ``run``. Built before that loop exists: a task started earlier waits in
+    the channel until then."""
+
+    def __init__(self) -> None:
+        self._send, self._receive = trio.open_memory_channel(math.inf)
+
+    def start_soon(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        self._send.send_nowait((fn, args))
+
+    async def run(self, nursery: trio.Nursery) -> None:
+        async for fn, args in self._receive:
+            nursery.start_soon(fn, *args)
+
+
 class WriteThrough:
-    def __init__(self, cache: Cache, cache_full_timeout: float, persist_open_after: float) -> None:
+    def __init__(self, cache: Cache, background: Background, cache_full_timeout: float,
+                 persist_open_after: float) -> None:
         self.cache = cache
+        self.background = background
         self.backing = cache.backing
         self.cache_full_timeout = cache_full_timeout
         self.persist_open_after = persist_open_after
@@ -70,14 +88,13 @@ class WriteThrough:
         self._full_since = 0.0
         self._copy_locks: dict[int, trio.Lock] = {}
         self._copying: set[int] = set()       # ino: a staged copy of it is being made (_copy_open)
-        self.nursery: trio.Nursery | None = None   # for background work; set by the daemon
 
     # -- the staging slot ----------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def hold(self, node: Node, why: str) -> AsyncIterator[None]:
         """Hold the node's staging slot while its staged file is built or changed."""
         if node.ino in self.slots:   # a bug: the request fails with EIO, logged
-            raise RuntimeError(f"staging slot of {self.cache.path(node)!r} taken twice")
+            raise RuntimeError(f"staging slot of {node_path(node)!r} taken twice")
         slot = self.slots[node.ino] = Slot(why)
         try:
             yield
@@ -94,7 +111,7 @@ class WriteThrough:
                 await slot.done.wait()
             if not slot.done.is_set():
                 log.error("%s: %s has taken %.0fs so far (is the backing hanging? see 'acpfs "
-                          "status'): a write waiting for it gets ENOSPC", self.cache.path(node),
+                          "status'): a write waiting for it gets ENOSPC", node_path(node),
                           slot.why, time.monotonic() - slot.since)
                 raise err(errno.ENOSPC, "cache full and the backing is not answering")
             slot = self.slots.get(node.ino)
@@ -106,7 +123,7 @@ class WriteThrough:
     async def on_staged(self, sp: Staged, fn: Callable[..., T], *args: Any) -> T:
         """``fn(sp.fd, *args)`` (a ``Backing`` call) in a worker thread, with the staged file
         pinned; raises StagedClosed if it is closed already."""
-        lock = self.cache.lock
+        lock = self.cache.oplog.lock
         with lock:
             if sp.closing or sp.fd < 0:
                 raise StagedClosed()
@@ -205,12 +222,11 @@ class WriteThrough:
             try:
                 dfd, fd = await trio.to_thread.run_sync(run)
             except OSError as e:
-                log.warning("cannot %s %s (%s); it stays in the cache", why, cache.path(node), e)
+                log.warning("cannot %s %s (%s); it stays in the cache", why, node_path(node), e)
                 return None
             sp = Staged(dfd, fd, tmp)
             if node.staged is not None or node.content is not content_before:
-                assert cache.flusher is not None
-                cache.flusher.discard_staged(sp)
+                cache.oplog.discard(sp)
                 return None
             node.staged = sp
             return sp
@@ -224,7 +240,7 @@ class WriteThrough:
         cache, backing = self.cache, self.backing
         if not self.may_write_through(node):   # its last writer may have closed it since
             return False
-        with cache.lock:
+        with cache.oplog.lock:
             content = cache.store.share(node.content)
         size = node.size
 
@@ -240,23 +256,22 @@ class WriteThrough:
         if sp is None:
             self.failed[node.ino] = time.monotonic()
             return False
-        with cache.lock:
+        with cache.oplog.lock:
             if node.content is not None:
                 cache.store.drop(node.content)
             node.content = None
         log.info("cache full: writing %s through to the backing from now on (%d MiB were cached)",
-                 cache.path(node), size >> 20)
+                 node_path(node), size >> 20)
         return True
 
     def _start_write_through(self, node: Node) -> None:
-        assert self.nursery is not None
-        self.nursery.start_soon(self._write_through_logged, node)
+        self.background.start_soon(self._write_through_logged, node)
 
     async def _write_through_logged(self, node: Node) -> None:
         try:
             await self.write_through(node)
         except Exception:
-            log.exception("internal error writing %s through to the backing", self.cache.path(node))
+            log.exception("internal error writing %s through to the backing", node_path(node))
 
     async def _stage_copy(self, node: Node) -> None:
         """Open a file larger than half the cache for writing: copy its backing version into
@@ -324,10 +339,9 @@ class WriteThrough:
 
     async def wait_seq(self, seq: int) -> None:
         """Until the flusher has applied op ``seq``."""
-        fl = self.cache.flusher
-        assert fl is not None
+        oplog = self.cache.oplog
         delay = 0.001
-        while fl.applied_seq < seq:
+        while oplog.applied_seq < seq:
             await trio.sleep(delay)
             delay = min(delay * 2, 0.05)
 
@@ -487,14 +501,13 @@ class WriteThrough:
                     # staged file to the flusher while the writer still writes into it.
                     if not sp.queued and now - synced.get(node.ino, 0.0) >= age:
                         synced[node.ino] = now
-                        assert self.nursery is not None
-                        self.nursery.start_soon(self._sync_staged, sp)
+                        self.background.start_soon(self._sync_staged, sp)
                 elif node.appended_only and node.ino not in self.slots:
                     await self.settle(node)
                     if node.dirty and node.writers and node.staged is None \
                             and not self.cache.unchanged_since_snapshot(node):
                         log.info("%s has been open with unsaved appends for %.0fs: persisting "
-                                 "what it holds so far", self.cache.path(node), now - node.dirty_since)
+                                 "what it holds so far", node_path(node), now - node.dirty_since)
                         self.cache.snapshot(node)
                 elif node in self.cache.passthrough_writers:
                     # the kernel writes its memory file: a copy of it is staged (the crash
@@ -502,12 +515,11 @@ class WriteThrough:
                     if node.ino not in self._copying and now - synced.get(node.ino, 0.0) >= age:
                         synced[node.ino] = now
                         self._copying.add(node.ino)
-                        assert self.nursery is not None
-                        self.nursery.start_soon(self._copy_open, node)
+                        self.background.start_soon(self._copy_open, node)
                 elif self.may_write_through(node):
                     log.info("%s has been open with unsaved changes for %.0fs: staging its "
                              "content in the backing (published at its last close)",
-                             self.cache.path(node), now - node.dirty_since)
+                             node_path(node), now - node.dirty_since)
                     self._start_write_through(node)
 
     async def _copy_open(self, node: Node) -> None:
@@ -528,8 +540,8 @@ class WriteThrough:
             if node.open_copy is None:
                 log.info("%s has been open with unsaved changes for %.0fs: staging a copy of "
                          "its content in the backing (again while it changes; the file is "
-                         "published at its last close)", cache.path(node), time.time() - node.dirty_since)
-            with cache.lock:
+                         "published at its last close)", node_path(node), time.time() - node.dirty_since)
+            with cache.oplog.lock:
                 content = cache.store.share(node.content)
             size = node.size
 
@@ -543,7 +555,7 @@ class WriteThrough:
                 await trio.to_thread.run_sync(run)
             except OSError as e:
                 log.warning("cannot stage a copy of %s, open for writing (%s): a crash now "
-                            "would lose its changes since it was opened", cache.path(node), e)
+                            "would lose its changes since it was opened", node_path(node), e)
                 return
             finally:
                 cache.release_content(content)
@@ -562,7 +574,7 @@ class WriteThrough:
         try:
             await trio.to_thread.run_sync(self._remove_copy, name)
         except OSError as e:
-            log.warning("cannot remove the staged copy %r of %s: %s", name, self.cache.path(node), e)
+            log.warning("cannot remove the staged copy %r of %s: %s", name, node_path(node), e)
 
     def _remove_copy(self, name: bytes) -> None:
         self.backing.remove_staged(name)

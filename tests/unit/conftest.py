@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from harness import Core
+from harness import Parts
 
 
 @pytest.fixture
 def make_core(tmp_path):
-    cores: list[Core] = []
+    cores: list[Parts] = []
 
-    def make(name: str = "c", **kw) -> Core:
+    def make(name: str = "c", **kw) -> Parts:
         root = tmp_path / name
         root.mkdir(exist_ok=True)
-        c = Core(root, **kw)
+        c = Parts(root, **kw)
         cores.append(c)
         return c
 
@@ -25,5 +25,5 @@ def make_core(tmp_path):
 
 
 @pytest.fixture
-def core(make_core) -> Core:
+def core(make_core) -> Parts:
     return make_core()

@@ -1,4 +1,5 @@
-"""The unit tier's harness: a cache, its flusher and journal over a FaultyBacking, no mount."""
+"""The unit tier's harness: an op log (with or without a journal), a cache and its flusher
+over a FaultyBacking, no mount."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from acpfs.cache import Cache
 from acpfs.flusher import Flusher
 from acpfs.journal import Journal
 from acpfs.memfiles import MemFiles
+from acpfs.oplog import OpLog
 from acpfs.pool import Pool
 from faulty import FaultyBacking
 
@@ -31,10 +33,13 @@ def make_store(cache_dir: Path, size: int, block_size: int = BS, unit: int | Non
     return Pool(str(cache_dir / "pool"), size, block_size)
 
 
-class Core:
-    """A cache, its flusher and (optionally) its journal over a FaultyBacking."""
+class Parts:
+    """An op log, a cache and its flusher over a FaultyBacking, built as the daemon builds
+    them (daemon.Daemon.build); ``journal``: the op log journals; ``peers``: global order
+    (a ``Peers`` or a stand-in)."""
 
-    def __init__(self, root: Path, blocks: int = 64, journal: bool = False, workers: int = 2) -> None:
+    def __init__(self, root: Path, blocks: int = 64, journal: bool = False, workers: int = 2,
+                 peers=None) -> None:
         self.back = root / "back"
         self.back.mkdir(exist_ok=True)
         self.cache_dir = root / "cache"
@@ -42,27 +47,26 @@ class Core:
         self.store = make_store(self.cache_dir, blocks * BS)
         self.store.claim_refs([])
         self.backing = FaultyBacking(str(self.back))
-        self.cache = Cache(self.backing, self.store)
-        self.flusher = Flusher(self.cache, self.backing, workers=workers)
-        self.cache.flusher = self.flusher
-        if journal:
-            self.cache.journal = Journal(str(self.cache_dir), self.store.unit, self.store.limit,
-                                         self.cache.live_file_records, self.backing.instance)
+        self.journal = Journal(str(self.cache_dir), self.store.unit, self.store.limit,
+                               self.backing.instance) if journal else None
+        self.oplog = OpLog(self.store, self.journal)
+        self.cache = Cache(self.oplog, self.backing, self.store)
+        self.flusher = Flusher(self.oplog, self.cache, self.backing, peers, workers=workers)
         self.flusher.start()
         self.cache.attach_listing(self.cache.root, self.cache.list_backing(self.cache.root))
 
     def drain(self, seq: int | None = None, timeout: float = 30) -> None:
-        seq = self.cache.seq if seq is None else seq
+        seq = self.oplog.seq if seq is None else seq
         deadline = time.monotonic() + timeout
-        while self.flusher.applied_seq < seq:
+        while self.oplog.applied_seq < seq:
             assert time.monotonic() < deadline, "flusher did not drain"
             time.sleep(0.002)
 
     def close(self) -> None:
         self.backing.clear()
         self.flusher.stop(drain=True, timeout=30)
-        if self.cache.journal is not None:
-            self.cache.journal.close()
+        if self.journal is not None:
+            self.journal.close()
         self.store.close()
         self.backing.close()
 

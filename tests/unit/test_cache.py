@@ -16,7 +16,7 @@ from harness import BS, write_file
 
 def drain(flusher: Flusher, seq: int) -> None:
     deadline = time.time() + 30
-    while flusher.applied_seq < seq:
+    while flusher.oplog.applied_seq < seq:
         assert time.time() < deadline, "flusher did not drain"
         time.sleep(0.005)
 
@@ -34,7 +34,7 @@ def test_snapshot_is_immune_to_later_writes(core):
         cache.open(node, True, False)
         cache.write(node, BS, b"B" * BS)   # must copy the shared block, not change the snapshot
     cache.release(node, True)
-    drain(flusher, cache.seq)
+    drain(flusher, cache.oplog.seq)
     assert (back / "f").read_bytes() == b"A" * BS + b"B" * BS + b"A" * BS
     assert cache.store.used == 3 * BS     # the copies of the snapshot were freed
 
@@ -51,14 +51,14 @@ def test_full_pool_evicts_persisted_files_first(core):
     cache, flusher, back = core
     a = write_file(cache, b"a", b"a" * (40 * BS))
     cache.release(a, True)
-    drain(flusher, cache.seq)
+    drain(flusher, cache.oplog.seq)
     b = write_file(cache, b"b", b"b" * (40 * BS))    # needs a's blocks: a is evicted
     assert a.content is None and cache.read(a, 0, 1) is None   # now read from the backing
     with pytest.raises(CacheFull):
         cache.write(b, 40 * BS, b"c" * (30 * BS))    # nothing evictable left: the caller waits
     assert b.size == 40 * BS                          # and nothing was written
     cache.release(b, True)
-    drain(flusher, cache.seq)
+    drain(flusher, cache.oplog.seq)
     assert (back / "b").read_bytes() == b"b" * (40 * BS)
 
 
@@ -68,7 +68,7 @@ def test_unlinked_before_persisted_is_never_uploaded(core):
         node = write_file(cache, b"gone", b"g" * BS)
         cache.release(node, True)
         cache.unlink(cache.root, b"gone")
-    drain(flusher, cache.seq)
+    drain(flusher, cache.oplog.seq)
     assert not (back / "gone").exists()
     assert not [n for n in os.listdir(back) if n.startswith(".acpfs-tmp-")]
     assert cache.store.used == 0 * BS
@@ -81,13 +81,13 @@ def test_rename_of_a_never_closed_file_leaves_the_name_empty_until_its_close(cor
     cache, flusher, back = core
     old = write_file(cache, b"latest", b"old")
     cache.release(old, True)
-    drain(flusher, cache.seq)
+    drain(flusher, cache.oplog.seq)
     new = write_file(cache, b"latest.tmp", b"new")   # still open: not in the backing
     cache.rename(cache.root, b"latest.tmp", cache.root, b"latest")
-    drain(flusher, cache.seq)
+    drain(flusher, cache.oplog.seq)
     assert sorted(os.listdir(back)) == []
     cache.release(new, True)
-    drain(flusher, cache.seq)
+    drain(flusher, cache.oplog.seq)
     assert sorted(os.listdir(back)) == ["latest"] and (back / "latest").read_bytes() == b"new"
 
 
@@ -107,7 +107,7 @@ def test_unlinked_after_later_changes_is_published_then_removed(make_core):
         assert (back / "model").read_bytes() == b"m" * BS
     finally:
         held.release()
-    drain(flusher, cache.seq)
+    drain(flusher, cache.oplog.seq)
     assert sorted(os.listdir(back)) == ["latest"]
 
 
@@ -121,16 +121,16 @@ def test_applied_seq_moves_only_after_the_op_is_finished(core):
     finish = flusher._finish
 
     def watched(op):
-        seen.append((op.seq, flusher.applied_seq))
+        seen.append((op.seq, flusher.oplog.applied_seq))
         finish(op)
     flusher._finish = watched
     for i in range(5):
         cache.release(write_file(cache, b"f%d" % i, b"x" * BS), True)
     cache.mkdir(cache.root, b"d", 0o755, 0, 0)
-    drain(flusher, cache.seq)
+    drain(flusher, cache.oplog.seq)
     assert len(seen) == 6
     assert all(applied < seq for seq, applied in seen), seen
-    assert flusher.applied_seq == cache.seq
+    assert flusher.oplog.applied_seq == cache.oplog.seq
 
 
 def test_merging_the_backing_listing_shows_others_changes_and_keeps_own_pending_ones(make_core):
@@ -246,7 +246,7 @@ def test_a_name_is_known_exactly_when_the_directory_walk_says_so(core):
                     cache.unlink(d, name)
             except OSError:
                 pass
-            most = max(most, len(flusher.queue))
+            most = max(most, len(flusher.oplog.queue))
             with cache.position_lock:
                 for x in dirs:
                     known = cache._known_names(x)[0]

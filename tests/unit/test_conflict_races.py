@@ -21,7 +21,7 @@ def _relist_merge(cache, d):
 
 def _drain_or_stuck(core, timeout=3.0):
     deadline = time.monotonic() + timeout
-    while core.flusher.applied_seq < core.cache.seq:
+    while core.flusher.oplog.applied_seq < core.cache.oplog.seq:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
@@ -173,7 +173,7 @@ def test_D_open_reader_switches_versions_mid_read(core):
         await tc.write(c, fh, v1)
         await tc.close(c, fh)
         await tc.drain(core)
-        with cache.lock:                       # evicted: read from the backing
+        with cache.oplog.lock:                       # evicted: read from the backing
             cache.store.drop(node.content)
             node.content = None
             cache.lru.pop(node.ino, None)

@@ -12,10 +12,11 @@ import pytest
 
 from acpfs import control
 from acpfs.control import FILES
+from acpfs.types import node_path
 
 
 def read_all(core, trusted=True):
-    get = lambda name: control.get(core.cache, None, core.cache.root, name, trusted)  # noqa: E731
+    get = lambda name: control.get(core.flusher, None, core.cache.root, name, trusted)  # noqa: E731
     raw = get(FILES)
     pages = [raw]
     page = json.loads(raw)
@@ -35,7 +36,7 @@ def test_a_listing_of_100000_pending_files_comes_in_pages_under_64_kib(core):
     for i in range(100_000):
         node = cache.create(dirs[i % 100], b"file-%06d-" % i + b"f" * 200, 0o644, 0, 0)
         cache.open(node, True, False)                 # open for writing: dirty
-        names.add(cache.path(node))
+        names.add(node_path(node))
     files, pages = read_all(core)
     assert max(len(p) for p in pages) <= 65536 and len(pages) > 300
     paths = [f["path"] for f in files]
@@ -49,7 +50,7 @@ def test_the_pages_of_one_listing_agree_while_the_mount_changes(core):
     for i in range(3000):
         node = cache.create(cache.root, b"f%05d-" % i + b"x" * 100, 0o644, 0, 0)
         cache.open(node, True, False)
-    get = lambda name: control.get(cache, None, cache.root, name)   # noqa: E731
+    get = lambda name: control.get(core.flusher, None, cache.root, name)   # noqa: E731
     first = json.loads(get(FILES))
     for i in range(500):                              # more files between two pages
         node = cache.create(cache.root, b"a%05d" % i, 0o644, 0, 0)
@@ -67,14 +68,14 @@ def test_a_gone_listing_says_so_and_other_users_get_no_page(core):
     node = cache.create(cache.root, b"f", 0o644, 0, 0)
     cache.open(node, True, False)
     with pytest.raises(OSError) as e:
-        control.get(cache, None, cache.root, FILES + b".0badcafe.10")
+        control.get(core.flusher, None, cache.root, FILES + b".0badcafe.10")
     assert e.value.errno == errno.EAGAIN
-    one = json.loads(control.get(cache, None, cache.root, FILES))
+    one = json.loads(control.get(core.flusher, None, cache.root, FILES))
     for name in (FILES, FILES + b".00000000.0"):
         with pytest.raises(OSError) as e:
-            control.get(cache, None, cache.root, name, trusted=False)
+            control.get(core.flusher, None, cache.root, name, trusted=False)
         assert e.value.errno == errno.EACCES
     assert one["total"] == 1 and one["next"] is None
     for _ in range(control.Listings.MAX + 2):         # only the newest few are kept
-        control.get(cache, None, cache.root, FILES)
+        control.get(core.flusher, None, cache.root, FILES)
     assert len(control.listings._kept) <= control.Listings.MAX

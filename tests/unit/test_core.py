@@ -68,7 +68,7 @@ def test_create_write_release_read_lands_in_the_backing(h):
         await drain(h)
         assert (await core.getxattr(node.ino, control.STATE)) == b"persisted"
         seq = json.loads(await core.getxattr(ROOT, control.SEQ))
-        assert seq == {"seq": h.cache.seq, "open_dirty": 0}
+        assert seq == {"seq": h.cache.oplog.seq, "open_dirty": 0}
         assert (await core.lookup(ROOT, b"f")) is node
         fr, direct, _ = await core.open(node.ino, os.O_RDONLY)
         assert await read(core, fr, 100, off=BS) == data[BS:BS + 100]

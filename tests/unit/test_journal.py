@@ -242,11 +242,20 @@ def test_applied_and_last_seq(tmp_path):
 
 # -- the running journal ------------------------------------------------------------------
 
+class LiveJournal(Journal):
+    """A journal appended to as OpLog appends: cut back to ``live`` once idle."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.live: list[Record] = []
+
+    def append(self, record: Record, live=None) -> None:
+        super().append(record, lambda: list(self.live))
+
+
 @pytest.fixture
 def journal(tmp_path):
-    live: list[Record] = []
-    j = Journal(str(tmp_path), BS, POOL, lambda: list(live))
-    j.live = live
+    j = LiveJournal(str(tmp_path), BS, POOL)
     yield j
     j.close()
 

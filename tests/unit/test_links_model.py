@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from harness import Core
+from harness import Parts
 from test_prefix_model import SHRINK, WAIT, OwnedLock, backing_tree, diff, hold, show
 
 SCALE = float(os.environ.get("PREFIX_MODEL_SCALE", "1"))
@@ -62,7 +62,7 @@ class LinksModel(RuleBasedStateMachine):
         self.dir = self.base / f"ex{STATS['examples']}"
         STATS["examples"] += 1
         self.dir.mkdir()
-        self.core = Core(self.dir, blocks=256, workers=2)
+        self.core = Parts(self.dir, blocks=256, workers=2)
         self.cache = self.core.cache
         self.cache.position_lock = self.plock = OwnedLock()
         self.names: dict[str, MFile] = {}

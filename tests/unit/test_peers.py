@@ -42,8 +42,7 @@ class SimNode:
         self.last = 0.0
         self.queue: list[tuple[float, int]] = []
         self.peers = Peers(root, secrets.token_hex(6), "/ckpt", skew=skew, heartbeat=1.0,
-                           lease=1e9, clock=self.clock)
-        self.peers.attach(self.lock, self.frontier)
+                           lease=1e9, clock=self.clock, lock=self.lock, frontier=self.frontier)
         self.busy_until = 0.0          # its process waits for the answer to its last change
 
     def clock(self) -> float:
@@ -285,27 +284,28 @@ def test_an_acknowledged_close_counts_in_the_frontier_until_it_is_applied(core):
     stamp (a node once showed "idle" between the two, and a pointer of another node landed
     before its shard)."""
     from harness import write_file
-    cache, fl = core.cache, core.flusher
+    cache = core.cache
     core.backing.inject("publish", hang=True)   # the op stays queued
     node = write_file(cache, b"shard", b"x" * 5000)
-    cache.note_ack(node)
-    stamp = cache.acked[node.ino][1]
+    cache.oplog.note_ack(node)
+    stamp = cache.oplog.acked[node.ino][1]
     seen = []
-    enqueue = cache._enqueue
+    push = cache.oplog.push
 
     def checked(*a, **kw):
-        with cache.lock:
-            seen.append(fl.frontier())   # between the snapshot and the queue
-        enqueue(*a, **kw)
-        with cache.lock:
-            seen.append(fl.frontier())
-    cache._enqueue = checked
+        with cache.oplog.lock:
+            seen.append(cache.oplog.frontier())   # between the snapshot and the queue
+        op = push(*a, **kw)
+        with cache.oplog.lock:
+            seen.append(cache.oplog.frontier())
+        return op
+    cache.oplog.push = checked
     cache.release(node, True)
     assert seen and all(pending and front <= stamp for front, pending in seen), seen
     core.backing.clear()
     core.drain()
-    with cache.lock:
-        front, pending = fl.frontier()
+    with cache.oplog.lock:
+        front, pending = cache.oplog.frontier()
     assert not pending and front > stamp
 
 
@@ -380,44 +380,42 @@ class HoldRecorder:
         pass
 
 
-def test_a_change_queued_after_an_older_acknowledgement_waits_no_longer_than_it(core):
+def test_a_change_queued_after_an_older_acknowledgement_waits_no_longer_than_it(make_core):
     """A file written through is queued at RELEASE; a change made between its close() and
     RELEASE is queued first. Its hold is then lowered to the older acknowledgement, so that
     this node's frontier is never behind the stamp its head is held to (no circle)."""
     from harness import write_file
-    cache, fl = core.cache, core.flusher
     held: list[float] = []
-    fl.peers = HoldRecorder(held)
+    core = make_core(peers=HoldRecorder(held))
+    cache = core.cache
     z = write_file(cache, b"z", b"z" * 100)
-    cache.note_ack(z)                      # close() of z acknowledged, RELEASE not yet
-    first = cache.acked[z.ino][0]
+    cache.oplog.note_ack(z)                      # close() of z acknowledged, RELEASE not yet
+    first = cache.oplog.acked[z.ino][0]
     cache.mkdir(cache.root, b"d", 0o755, 0, 0)
-    mkdir_stamp = fl.queue[-1].stamp
+    mkdir_stamp = cache.oplog.queue[-1].stamp
     cache.release(z, True)                 # z queued after the mkdir
     core.drain()
     assert mkdir_stamp > first
     assert held[0] == first, (held, first, mkdir_stamp)    # the mkdir, lowered to z's
-    fl.peers = None
 
 
-def test_a_file_closed_twice_before_it_is_queued_is_held_to_its_first_close(core):
+def test_a_file_closed_twice_before_it_is_queued_is_held_to_its_first_close(make_core):
     """A shell's redirection closes a copy of the descriptor before the command writes: two
     acknowledgements, one op. The node's frontier is the first; the head is held to it, not
     to the last close. Held to the last, two such files on two nodes, their closes
     interleaved, each waited for the other's older frontier: a circle."""
     from harness import write_file
-    cache, fl = core.cache, core.flusher
     held: list[float] = []
-    fl.peers = HoldRecorder(held)
+    core = make_core(peers=HoldRecorder(held))
+    cache = core.cache
     z = write_file(cache, b"latest", b"step_5\n")
-    cache.note_ack(z)                      # close(3) after dup2(3, 1)
-    cache.note_ack(z)                      # the command's exit closes 1
-    first, last = cache.acked[z.ino]
+    cache.oplog.note_ack(z)                      # close(3) after dup2(3, 1)
+    cache.oplog.note_ack(z)                      # the command's exit closes 1
+    first, last = cache.oplog.acked[z.ino]
     cache.release(z, True)
-    assert first < last and fl.queue[-1].stamp == last
+    assert first < last and cache.oplog.queue[-1].stamp == last
     core.drain()
     assert held[0] == first, (held, first, last)
-    fl.peers = None
 
 
 def test_a_record_of_another_user_holds_nobody(tmp_path, caplog):

@@ -70,7 +70,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from harness import Core, write_file
+from acpfs.types import node_path
+from harness import Parts, write_file
 
 SCALE = float(os.environ.get("PREFIX_MODEL_SCALE", "1"))
 # Whether a step shows a bad state can depend on where the flusher is when the step is checked,
@@ -237,7 +238,7 @@ def hold(backing, method: str, skip: int):
     return f
 
 
-LIVE: list[Core] = []   # cores of running examples: closed by the test even if teardown did not run
+LIVE: list[Parts] = []   # cores of running examples: closed by the test even if teardown did not run
 _counter = itertools.count()
 
 
@@ -263,7 +264,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
             self.broken = False
             self.dir = base / f"ex{next(_counter)}"
             self.dir.mkdir()
-            self.core = Core(self.dir, blocks=256, workers=2)
+            self.core = Parts(self.dir, blocks=256, workers=2)
             LIVE.append(self.core)
             self.cache = self.core.cache
             self.cache.position_lock = self.plock = OwnedLock()
@@ -336,8 +337,8 @@ def make_machine(base: Path, unpersisted_deletes: bool):
             lines = [f"{where}: the backing shows a state the mount never had "
                      f"(or one before state {self.lo}, which it showed already)",
                      f"  backing: {show(b)}",
-                     f"  pause: {self.pause_desc or 'none'}; applied seq {self.core.flusher.applied_seq}"
-                     f" of {self.cache.seq}",
+                     f"  pause: {self.pause_desc or 'none'}; applied seq {self.core.flusher.oplog.applied_seq}"
+                     f" of {self.cache.oplog.seq}",
                      "  history:"]
             lines += [f"    {i}{'*' if i == self.lo else ' '} {label}: {show(s)}"
                       for i, (s, label) in enumerate(self.history)]
@@ -349,7 +350,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
             note(self.violation)
 
         def idle(self) -> bool:
-            return self.core.flusher.applied_seq >= self.cache.seq
+            return self.core.flusher.oplog.applied_seq >= self.cache.oplog.seq
 
         def wait_quiet(self) -> None:
             """Until the pause was entered or the flusher is idle, then until it stops moving."""
@@ -357,11 +358,11 @@ def make_machine(base: Path, unpersisted_deletes: bool):
             while not self.idle() and not (self.fault is not None and self.fault.entered.is_set()):
                 assert time.monotonic() < deadline, "flusher neither idle nor paused"
                 time.sleep(0.001)
-            last, since = self.core.flusher.applied_seq, time.monotonic()
+            last, since = self.core.flusher.oplog.applied_seq, time.monotonic()
             while not self.idle() and time.monotonic() - since < 0.02:
                 time.sleep(0.002)
-                if self.core.flusher.applied_seq != last:
-                    last, since = self.core.flusher.applied_seq, time.monotonic()
+                if self.core.flusher.oplog.applied_seq != last:
+                    last, since = self.core.flusher.oplog.applied_seq, time.monotonic()
 
         # -- picking entries -------------------------------------------------------------------
         def entries(self, want=lambda e: True):
@@ -429,13 +430,13 @@ def make_machine(base: Path, unpersisted_deletes: bool):
             if isinstance(e, MFile):
                 e.linked = False
                 if self.queued:
-                    self.cancelled.append(f"{self.cache.path(d.node)}/{name}: "
+                    self.cancelled.append(f"{node_path(d.node)}/{name}: "
                                           + ", ".join(f"seq {op.seq} {op.state}" for op in self.queued))
 
         def _before_removal(self, e) -> None:
             """Note the snapshots of e that the flusher has not applied yet (issue 10: those still
             queued or uploading are cancelled when e leaves the mount)."""
-            with self.cache.lock:
+            with self.cache.oplog.lock:
                 self.queued = list(e.node.publish_ops) if isinstance(e, MFile) else []
 
         # -- rules: files ------------------------------------------------------------------------
@@ -480,7 +481,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
         def close_open(self, pick):
             fs = self.open_files()
             f = fs[pick % len(fs)]
-            self._close(f, f"close {self.cache.path(f.node)}")
+            self._close(f, f"close {node_path(f.node)}")
 
         @rule(pick=picks, size=st.sampled_from([0, 1, 10, 5000]))
         @guarded
@@ -722,7 +723,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
             try:
                 if not self.broken:
                     for f in self.open_files():
-                        self._close(f, f"at the end: close {self.cache.path(f.node)}")
+                        self._close(f, f"at the end: close {node_path(f.node)}")
                     self.drained("at the end, closed and drained")
                     if self.violation is not None:
                         raise AssertionError(self.violation)

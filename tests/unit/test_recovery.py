@@ -18,6 +18,7 @@ from acpfs import recovery
 from acpfs.cache import Cache
 from acpfs.flusher import Flusher
 from acpfs.journal import CLEAN, DIRTY, FLUSHED, Journal, Leftover, Record
+from acpfs.oplog import OpLog
 from acpfs.pool import Pool
 from acpfs.recovery import claimed_content, plan
 from faulty import FaultyBacking
@@ -157,20 +158,19 @@ class Restarted:
         self.store = make_store(cache_dir, left.pool_size, left.block_size, unit=left.block_size)
         self.store.claim_refs(recovery.claimed_content(self.replay))
         self.backing = FaultyBacking(str(back), dead_instance=left.instance)
-        self.cache = Cache(self.backing, self.store)
-        self.flusher = Flusher(self.cache, self.backing, workers)
-        self.cache.flusher = self.flusher
         self.base_seq = left.last_seq
-        self.cache.seq = self.flusher.applied_seq = self.base_seq
-        self.cache.journal = Journal(str(cache_dir), self.store.unit, self.store.limit,
-                                     self.cache.live_file_records, self.backing.instance)
+        self.journal = Journal(str(cache_dir), self.store.unit, self.store.limit,
+                               self.backing.instance)
+        self.oplog = OpLog(self.store, self.journal, applied_seq=self.base_seq)
+        self.cache = Cache(self.oplog, self.backing, self.store)
+        self.flusher = Flusher(self.oplog, self.cache, self.backing, None, workers)
         self.report = None
 
     def recover(self, before_start=lambda: None) -> recovery.Recovered:
         self.report = recovery.recover(self.cache, self.left, self.replay, self.dirty)
         jmod.finish_recovery(str(self.cache_dir))
-        with self.cache.lock:
-            self.cache.journal.applied(self.base_seq)
+        with self.oplog.lock:
+            self.journal.applied(self.base_seq)
         jmod.forget_direct_writes(str(self.cache_dir))
         before_start()
         self.flusher.start()
@@ -178,7 +178,7 @@ class Restarted:
 
     def drain(self, timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout
-        while self.flusher.applied_seq < self.cache.seq:
+        while self.flusher.oplog.applied_seq < self.cache.oplog.seq:
             assert time.monotonic() < deadline, "flusher did not drain"
             assert self.flusher.thread.is_alive(), "flusher died"
             time.sleep(0.002)
@@ -188,8 +188,8 @@ class Restarted:
         if self.flusher.thread.ident is not None:          # started (maybe killed since)
             self.flusher.stop(drain=not self.flusher.abort.is_set(), timeout=20)
         else:                                              # killed before it started
-            self.flusher.pool.shutdown(wait=False)
-        self.cache.journal.close()
+            self.flusher.uploads.shutdown(wait=False)
+        self.journal.close()
         self.store.close()
         self.backing.close()
 
@@ -250,7 +250,7 @@ def killed_daemon(tmp_path, make_core):
     f = write_file(cache, b"f", b"one" * 2000, parent=d)
     cache.release(f, True)
     c.drain()
-    c.applied_before = c.flusher.applied_seq
+    c.applied_before = c.flusher.oplog.applied_seq
     assert (c.back / "d" / "f").read_bytes() == b"one" * 2000
 
     h = hold(c)
@@ -273,7 +273,7 @@ def killed_daemon(tmp_path, make_core):
     cache.release(tmp, True)
     cache.unlink(root, b"tmp")
     assert h.entered.wait(5)
-    assert c.flusher.applied_seq == c.applied_before
+    assert c.flusher.oplog.applied_seq == c.applied_before
     kill(c, h)
     assert tree(c.back) == {"d": "dir", "d/f": b"one" * 2000, "old": b"old bytes",
                             "o": b"o before"}
@@ -469,14 +469,14 @@ def test_content_to_keep_aside_while_the_backing_refuses_changes_is_queued_not_f
     report = r.recover()                                # no exception: the mount goes on
     [aside] = report.kept_aside
     assert aside.startswith(".acpfs-recovered/") and aside.endswith("/d%2Ff")
-    assert report.aside_seqs[aside] > r.flusher.applied_seq
+    assert report.aside_seqs[aside] > r.flusher.oplog.applied_seq
     assert "aside_seqs" not in report.as_dict()
     assert refused.entered.wait(5)
     deadline = time.monotonic() + 5
-    while not (r.flusher.queue and r.flusher.queue[0].error):
+    while not (r.flusher.oplog.queue and r.flusher.oplog.queue[0].error):
         assert time.monotonic() < deadline, "the refused mkdir is not shown as failing"
         time.sleep(0.01)
-    failing = r.flusher.queue[0]
+    failing = r.flusher.oplog.queue[0]
     assert failing.kind == "mkdir" and failing.path == ".acpfs-recovered"
     assert "EPERM" in failing.error
     # the mount serves it meanwhile, from the pool

@@ -1,5 +1,5 @@
 """Driving ``acpfs.core.Core`` under trio without FUSE (as S3QL's tests/t3_fs_api.py drives its
-Operations): a harness ``Core``'s cache, a ``MountInfo``, the core's background tasks in a
+Operations): a harness's ``Parts``, a ``MountInfo``, the core's background tasks in a
 nursery, and a time limit on everything. Every hang injected into the backing is released
 before the nursery closes (worker threads held in the backing would keep it open)."""
 
@@ -12,9 +12,9 @@ from typing import Awaitable, Callable
 
 import trio
 
-from acpfs.cache import ROOT_INODE
 from acpfs.control import MountInfo
 from acpfs.core import Core
+from acpfs.types import ROOT_INODE
 
 ROOT = ROOT_INODE
 CALLER = types.SimpleNamespace(uid=0, gid=0, umask=0o022)   # what pyfuse3's RequestContext has
@@ -29,8 +29,8 @@ def mount_info(h, *, cache_full_timeout: float = 1.0, persist_open_after: float 
 
 
 def run(h, test: Callable[[Core], Awaitable[None]], *, timeout: float = 15, **info) -> Core:
-    """``await test(core)`` with a Core over harness ``h``'s cache; fails after ``timeout``."""
-    core = Core(h.cache, mount_info(h, **info))
+    """``await test(core)`` with a Core over harness ``h``'s flusher; fails after ``timeout``."""
+    core = Core(h.flusher, mount_info(h, **info))
 
     async def main() -> None:
         with trio.fail_after(timeout):
@@ -70,9 +70,9 @@ async def close(core: Core, fh: int) -> None:
 
 async def drain(h, timeout: float = 10) -> None:
     """Until the flusher has applied everything queued so far (trio sleeps between looks)."""
-    seq = h.cache.seq
+    seq = h.cache.oplog.seq
     deadline = time.monotonic() + timeout
-    while h.flusher.applied_seq < seq:
+    while h.flusher.oplog.applied_seq < seq:
         assert time.monotonic() < deadline, "flusher did not drain"
         await trio.sleep(0.002)
 

@@ -1,8 +1,11 @@
 """Mount options: parsing, defaults, environment variables, and where things live on disk.
 
 Every option of ``acpfs mount`` has an ``ACPFS_*`` environment variable (the option's name
-upper-cased, dashes as underscores); the command line wins over the environment. Also here:
-the kind of filesystem a directory is on, as far as acpfs cares (``ram_filesystem``).
+upper-cased, dashes as underscores); the command line wins over the environment, and the
+default below applies when neither names it. Each default is written here only: the command
+line (its help texts too), ``daemon.Options`` and ``control.MountInfo`` take it from here.
+Also here: the kind of filesystem a directory is on, as far as acpfs cares
+(``ram_filesystem``).
 """
 
 from __future__ import annotations
@@ -11,8 +14,28 @@ import hashlib
 import os
 import re
 
+# -- defaults of the options of ``acpfs mount`` (as typed: seconds, words, bytes) -------
 DEFAULT_CACHE_FRACTION = 0.25   # of RAM, and at most half of the cache directory's free space
 MIN_CACHE = 4 << 20
+DEFAULT_FSYNC = "memory"              # --fsync: what fsync() waits for ("memory", "backing")
+DEFAULT_FLUSH_WORKERS = 4             # --flush-workers: parallel uploads to the backing
+DEFAULT_CACHE_FULL_TIMEOUT = 300.0    # --cache-full-timeout: seconds before ENOSPC
+DEFAULT_PERSIST_OPEN_AFTER = 120.0    # --persist-open-after: seconds (0: never)
+DEFAULT_COHERENCE_TIMEOUT = 1.0       # --coherence-timeout: seconds (Core.refreshed)
+DEFAULT_GLOBAL_ORDER = "on"           # --global-order ("on", "off"; peers.py)
+DEFAULT_MAX_CLOCK_SKEW = 0.01         # --max-clock-skew: seconds
+DEFAULT_PEER_HEARTBEAT = 1.0          # --peer-heartbeat: seconds
+DEFAULT_PEER_LEASE = 30.0             # --peer-lease: seconds
+DEFAULT_PASSTHROUGH = "auto"          # --passthrough (passthrough.MODES)
+DEFAULT_BLOCK_SIZE = 64 << 10         # --block-size: bytes
+DEFAULT_LOG_LEVEL = "info"            # --log-level
+# where the cache directories and the logs are when not named (default_cache_dir,
+# default_log_file)
+CACHE_AREA = "/dev/shm"
+ROOT_LOG_DIR = "/var/log/acpfs"
+USER_STATE_DIR = "~/.local/state"     # when XDG_STATE_HOME is not set
+# ``acpfs temps --older-than``
+DEFAULT_TEMPS_OLDER_THAN = "1d"
 
 
 class UsageError(Exception):
@@ -32,6 +55,15 @@ def parse_size(text: str, what: str = "size") -> int:
         return int(total_ram() * value / 100)
     mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
     return int(value * mult)
+
+
+def short_size(n: int) -> str:
+    """``n`` bytes as ``parse_size`` reads them, in the largest unit that divides it: 65536
+    is '64K'."""
+    for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
 
 
 def format_size(n: float) -> str:
@@ -62,7 +94,7 @@ def key_of(path: str) -> str:
 
 def default_cache_dir(backing: str) -> str:
     """One directory per backing directory, so that a new mount finds what a dead one left."""
-    return os.path.join("/dev/shm", f"acpfs-{os.getuid()}", key_of(backing))
+    return os.path.join(CACHE_AREA, f"acpfs-{os.getuid()}", key_of(backing))
 
 
 RAM_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}   # statfs(2) f_type
@@ -83,9 +115,9 @@ def ram_filesystem(path: str) -> str | None:
 
 def default_log_file(mountpoint: str) -> str:
     if os.geteuid() == 0:
-        base = "/var/log/acpfs"
+        base = ROOT_LOG_DIR
     else:
-        base = os.path.join(os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"),
+        base = os.path.join(os.environ.get("XDG_STATE_HOME") or os.path.expanduser(USER_STATE_DIR),
                             "acpfs")
     name = mountpoint.strip("/").replace("/", "-") or "root"
     return os.path.join(base, f"{name}.log")

@@ -33,6 +33,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from .config import DEFAULT_COHERENCE_TIMEOUT
 from .types import OpKind, OpState, node_path
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class MountInfo:
     flush_workers: int
     cache_full_timeout: float
     persist_open_after: float
-    coherence_timeout: float = 1.0   # see Core.refreshed
+    coherence_timeout: float = DEFAULT_COHERENCE_TIMEOUT   # see Core.refreshed
     recovery: dict | None = None   # what this daemon recovered from a dead one (recovery.py)
     # paths the recovery kept aside -> the seq of their publish (Recovered.aside_seqs)
     recovery_aside: dict[str, int] = dataclasses.field(default_factory=dict)

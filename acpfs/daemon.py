@@ -21,6 +21,8 @@ import time
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from .config import format_size, ram_filesystem
+from .config import (DEFAULT_COHERENCE_TIMEOUT, DEFAULT_GLOBAL_ORDER, DEFAULT_MAX_CLOCK_SKEW,
+                     DEFAULT_PASSTHROUGH, DEFAULT_PEER_HEARTBEAT, DEFAULT_PEER_LEASE)
 from .private import open_private, secure_dir, write_mount_record
 from .retry import describe
 
@@ -49,12 +51,13 @@ class Options:
     block_size: int
     mlock: bool
     foreground: bool
-    coherence_timeout: float = 1.0
-    global_order: bool = True
-    max_clock_skew: float = 0.01
-    peer_heartbeat: float = 1.0
-    peer_lease: float = 30.0
-    passthrough: str = "auto"   # passthrough.MODES
+    # the defaults of the options (config.py holds them)
+    coherence_timeout: float = DEFAULT_COHERENCE_TIMEOUT
+    global_order: bool = DEFAULT_GLOBAL_ORDER == "on"
+    max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW
+    peer_heartbeat: float = DEFAULT_PEER_HEARTBEAT
+    peer_lease: float = DEFAULT_PEER_LEASE
+    passthrough: str = DEFAULT_PASSTHROUGH   # passthrough.MODES
 
 
 def setup_logging(opts: Options) -> None:

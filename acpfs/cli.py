@@ -22,8 +22,24 @@ from typing import Any
 
 from . import __version__, client, passthrough, private
 from .client import FSTYPE, Failure
-from .config import (UsageError, default_cache_dir, default_cache_size, default_log_file, env,
-                     env_flag, format_size, key_of, parse_size)
+from .config import (CACHE_AREA, DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_FRACTION,
+                     DEFAULT_CACHE_FULL_TIMEOUT, DEFAULT_COHERENCE_TIMEOUT, DEFAULT_FLUSH_WORKERS,
+                     DEFAULT_FSYNC, DEFAULT_GLOBAL_ORDER, DEFAULT_LOG_LEVEL, DEFAULT_MAX_CLOCK_SKEW,
+                     DEFAULT_PASSTHROUGH, DEFAULT_PEER_HEARTBEAT, DEFAULT_PEER_LEASE,
+                     DEFAULT_PERSIST_OPEN_AFTER, DEFAULT_TEMPS_OLDER_THAN, ROOT_LOG_DIR,
+                     USER_STATE_DIR, UsageError, default_cache_dir, default_cache_size,
+                     default_log_file, env, env_flag, format_size, key_of, parse_size, short_size)
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+FSYNC_CHOICES = {   # --fsync: what fsync() waits for
+    "memory": "returns at once, data is in RAM",
+    "backing": "waits until the file is durable in the backing directory",
+}
+PASSTHROUGH_CHOICES = {   # --passthrough, one per passthrough.MODES
+    "auto": "where possible",
+    "on": "fail the mount where not",
+    "off": "every request goes through the daemon",
+}
 
 
 # -- stale mounts ------------------------------------------------------------------------
@@ -103,7 +119,27 @@ def wait_durable(mountpoint: str, seq: int, timeout: float | None, label: str) -
 
 # -- commands ----------------------------------------------------------------------------
 def cmd_mount(a: argparse.Namespace) -> int:
-    from .daemon import Options
+    backing, mountpoint, cache_dir = mount_places(a)
+    if a.from_command_line:
+        from .fastwrite import reexec_for_copies
+        reexec_for_copies()
+    settings = mount_settings(a)
+    lock = open_lock(f"mount-{key_of(mountpoint)}.lock")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent 'acpfs mount' calls: one at a time
+    try:
+        if mounted_already(mountpoint, backing):
+            return 0
+        opts = mount_options(a, backing, mountpoint, cache_dir, settings)
+        if opts.foreground:
+            return run_foreground(opts, lock)
+        return start_daemon(opts, lock)
+    finally:
+        lock.close()
+
+
+def mount_places(a: argparse.Namespace) -> tuple[str, str, str]:
+    """(backing, mount point, cache directory) of ``acpfs mount``, absolute and checked
+    (``check_places``); nothing is created yet."""
     for opt in ("backing", "cache_dir", "cache_size", "log_file", "log_level", "block_size", "fsync"):
         if getattr(a, opt, None) is not None and not getattr(a, opt).strip():
             raise UsageError(f"--{opt.replace('_', '-')} is empty")
@@ -115,95 +151,128 @@ def cmd_mount(a: argparse.Namespace) -> int:
     mountpoint = os.path.realpath(a.mountpoint)
     cache_dir = os.path.abspath(a.cache_dir or env("cache_dir") or default_cache_dir(backing))
     check_places(backing, mountpoint, cache_dir)
+    return backing, mountpoint, cache_dir
 
-    if a.from_command_line:
-        from .fastwrite import reexec_for_copies
-        reexec_for_copies()
-    cache_size_text = a.cache_size or env("cache_size")
-    fsync = a.fsync or env("fsync") or "memory"
-    if fsync not in ("memory", "backing"):
+
+def text_setting(a: argparse.Namespace, name: str, default: str) -> str:
+    """An option as typed: on the command line, else in its ACPFS_* variable, else
+    ``default`` (an empty value counts as none)."""
+    return getattr(a, name) or env(name) or default
+
+
+def seconds_setting(a: argparse.Namespace, name: str, default: float) -> float:
+    """A number of seconds: on the command line, else in its ACPFS_* variable, else
+    ``default``."""
+    value = getattr(a, name)
+    return value if value is not None else float_env(name, default)
+
+
+def mount_settings(a: argparse.Namespace) -> dict[str, Any]:
+    """The fields of ``daemon.Options`` that need nothing on disk, from the command line,
+    the environment and config's defaults; checked in the order of the options' help."""
+    fsync = text_setting(a, "fsync", DEFAULT_FSYNC)
+    if fsync not in FSYNC_CHOICES:
         raise UsageError(f"invalid --fsync {fsync!r}: use 'memory' or 'backing'")
-    workers = a.flush_workers if a.flush_workers is not None else int_env("flush_workers", 4)
+    workers = a.flush_workers if a.flush_workers is not None \
+        else int_env("flush_workers", DEFAULT_FLUSH_WORKERS)
     if not 1 <= workers <= 64:
         raise UsageError("--flush-workers must be between 1 and 64")
-    level = (a.log_level or env("log_level") or "info").lower()
-    if level not in ("debug", "info", "warning", "error"):
-        raise UsageError(f"invalid --log-level {level!r}: use debug, info, warning or error")
-    full_timeout = a.cache_full_timeout if a.cache_full_timeout is not None \
-        else float_env("cache_full_timeout", 300.0)
-    persist_open = a.persist_open_after if a.persist_open_after is not None \
-        else float_env("persist_open_after", 120.0)
-    coherence = a.coherence_timeout if a.coherence_timeout is not None \
-        else float_env("coherence_timeout", 1.0)
+    level = text_setting(a, "log_level", DEFAULT_LOG_LEVEL).lower()
+    if level not in LOG_LEVELS:
+        raise UsageError(f"invalid --log-level {level!r}: use {spoken(LOG_LEVELS)}")
+    settings = dict(fsync_backing=fsync == "backing", flush_workers=workers, log_level=level,
+                    **timeout_settings(a))
+    order = text_setting(a, "global_order", DEFAULT_GLOBAL_ORDER)
+    if order not in ("on", "off"):
+        raise UsageError(f"invalid --global-order {order!r}: use 'on' or 'off'")
+    settings.update(global_order=order == "on", **peer_settings(a))
+    block_size_text = a.block_size or env("block_size")
+    block_size = parse_size(block_size_text, "block size") if block_size_text else DEFAULT_BLOCK_SIZE
+    if block_size < 4096 or block_size & (block_size - 1) or block_size > (16 << 20):
+        raise UsageError("--block-size must be a power of two between 4K and 16M")
+    foreground = a.foreground or env_flag("foreground")
+    pt_mode = text_setting(a, "passthrough", DEFAULT_PASSTHROUGH).lower()
+    if pt_mode not in passthrough.MODES:
+        raise UsageError(f"invalid --passthrough {pt_mode!r}: use auto, on or off")
+    settings.update(block_size=block_size, foreground=foreground, passthrough=pt_mode)
+    return settings
+
+
+def timeout_settings(a: argparse.Namespace) -> dict[str, float]:
+    """--cache-full-timeout, --persist-open-after and --coherence-timeout."""
+    full_timeout = seconds_setting(a, "cache_full_timeout", DEFAULT_CACHE_FULL_TIMEOUT)
+    persist_open = seconds_setting(a, "persist_open_after", DEFAULT_PERSIST_OPEN_AFTER)
+    coherence = seconds_setting(a, "coherence_timeout", DEFAULT_COHERENCE_TIMEOUT)
     if persist_open < 0 or full_timeout < 0 or coherence < 0:
         raise UsageError("--cache-full-timeout, --persist-open-after and --coherence-timeout must "
                          "not be negative")
-    order = a.global_order or env("global_order") or "on"
-    if order not in ("on", "off"):
-        raise UsageError(f"invalid --global-order {order!r}: use 'on' or 'off'")
-    skew = a.max_clock_skew if a.max_clock_skew is not None else float_env("max_clock_skew", 0.01)
-    beat = a.peer_heartbeat if a.peer_heartbeat is not None else float_env("peer_heartbeat", 1.0)
-    lease = a.peer_lease if a.peer_lease is not None else float_env("peer_lease", 30.0)
+    return dict(cache_full_timeout=full_timeout, persist_open_after=persist_open,
+                coherence_timeout=coherence)
+
+
+def peer_settings(a: argparse.Namespace) -> dict[str, float]:
+    """--max-clock-skew, --peer-heartbeat and --peer-lease (global order: peers.py)."""
+    skew = seconds_setting(a, "max_clock_skew", DEFAULT_MAX_CLOCK_SKEW)
+    beat = seconds_setting(a, "peer_heartbeat", DEFAULT_PEER_HEARTBEAT)
+    lease = seconds_setting(a, "peer_lease", DEFAULT_PEER_LEASE)
     if not 0 <= skew <= 1:
         raise UsageError("--max-clock-skew must be between 0 and 1 second")
     if not 0.05 <= beat <= 60:
         raise UsageError("--peer-heartbeat must be between 0.05 and 60 seconds")
     if not lease >= 3 * beat:
         raise UsageError("--peer-lease must be at least 3 heartbeats (--peer-heartbeat)")
-    block_size = parse_size(a.block_size or env("block_size") or "64K", "block size")
-    if block_size < 4096 or block_size & (block_size - 1) or block_size > (16 << 20):
-        raise UsageError("--block-size must be a power of two between 4K and 16M")
-    foreground = a.foreground or env_flag("foreground")
-    pt_mode = (a.passthrough or env("passthrough") or "auto").lower()
-    if pt_mode not in passthrough.MODES:
-        raise UsageError(f"invalid --passthrough {pt_mode!r}: use auto, on or off")
+    return dict(max_clock_skew=skew, peer_heartbeat=beat, peer_lease=lease)
 
-    lock = open_lock(f"mount-{key_of(mountpoint)}.lock")
-    fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent 'acpfs mount' calls: one at a time
-    try:
-        kind = client.mount_type(mountpoint)
-        if kind == FSTYPE:
-            if client.is_stale(mountpoint):
-                clean_stale(mountpoint)
-            else:
-                st = client.read_status(mountpoint)
-                if st["backing"] == backing:
-                    print(f"acpfs: {mountpoint} is already mounted over {backing} (pid {st['pid']})",
-                          file=sys.stderr)
-                    return 0
-                raise UsageError(f"{mountpoint} is already an acpfs mount of {st['backing']}")
-        elif kind is not None:
-            raise UsageError(f"{mountpoint} is already a mount point ({kind})")
-        if os.listdir(mountpoint):
-            raise UsageError(f"mount point {mountpoint} is not empty")
-        check_backing_free(backing)
-        private.secure_dir(cache_dir, "cache directory")
-        cache_size = parse_size(cache_size_text, "cache size") if cache_size_text \
-            else default_cache_size(os.path.dirname(cache_dir))
-        check_cache_fits(cache_size, os.path.dirname(cache_dir), cache_dir)
-        if pt_mode == "on":
-            from . import fastwrite
-            why_not = passthrough.plan("on", cache_dir, fastwrite.extension())[1]
-            if why_not:
-                raise UsageError(f"--passthrough on: kernel passthrough is not possible here: "
-                                 f"{why_not} (--passthrough auto mounts without it)")
-        if cache_size < block_size * 16:
-            raise UsageError(f"cache size {cache_size_text} is too small: at least {format_size(block_size * 16)}")
-        log_file = a.log_file or env("log_file") or default_log_file(mountpoint)
-        opts = Options(mountpoint=mountpoint, backing=backing, cache_dir=cache_dir,
-                       cache_size=cache_size, fsync_backing=fsync == "backing",
-                       flush_workers=workers, log_level=level, log_file=log_file,
-                       allow_other=a.allow_other or env_flag("allow_other"),
-                       cache_full_timeout=full_timeout, block_size=block_size,
-                       persist_open_after=persist_open, coherence_timeout=coherence,
-                       global_order=order == "on", max_clock_skew=skew, peer_heartbeat=beat,
-                       peer_lease=lease, passthrough=pt_mode,
-                       mlock=a.mlock or env_flag("mlock"), foreground=foreground)
-        if foreground:
-            return run_foreground(opts, lock)
-        return start_daemon(opts, lock)
-    finally:
-        lock.close()
+
+def mounted_already(mountpoint: str, backing: str) -> bool:
+    """True when ``mountpoint`` is already this very mount (nothing to do). A stale acpfs
+    mount there is detached; another mount, or a mount point holding files, is refused.
+    Called holding the mount point's lock."""
+    kind = client.mount_type(mountpoint)
+    if kind == FSTYPE:
+        if client.is_stale(mountpoint):
+            clean_stale(mountpoint)
+        else:
+            st = client.read_status(mountpoint)
+            if st["backing"] == backing:
+                print(f"acpfs: {mountpoint} is already mounted over {backing} (pid {st['pid']})",
+                      file=sys.stderr)
+                return True
+            raise UsageError(f"{mountpoint} is already an acpfs mount of {st['backing']}")
+    elif kind is not None:
+        raise UsageError(f"{mountpoint} is already a mount point ({kind})")
+    if os.listdir(mountpoint):
+        raise UsageError(f"mount point {mountpoint} is not empty")
+    return False
+
+
+def mount_options(a: argparse.Namespace, backing: str, mountpoint: str, cache_dir: str,
+                  settings: dict[str, Any]):
+    """The daemon's ``Options``, once the backing is free and the cache directory made and
+    big enough (``settings``: from ``mount_settings``). Called holding the mount point's
+    lock."""
+    from .daemon import Options
+    check_backing_free(backing)
+    private.secure_dir(cache_dir, "cache directory")
+    cache_size_text = a.cache_size or env("cache_size")
+    cache_size = parse_size(cache_size_text, "cache size") if cache_size_text \
+        else default_cache_size(os.path.dirname(cache_dir))
+    check_cache_fits(cache_size, os.path.dirname(cache_dir), cache_dir)
+    if settings["passthrough"] == "on":
+        from . import fastwrite
+        why_not = passthrough.plan("on", cache_dir, fastwrite.extension())[1]
+        if why_not:
+            raise UsageError(f"--passthrough on: kernel passthrough is not possible here: "
+                             f"{why_not} (--passthrough auto mounts without it)")
+    block_size = settings["block_size"]
+    if cache_size < block_size * 16:
+        raise UsageError(f"cache size {cache_size_text} is too small: at least "
+                         f"{format_size(block_size * 16)}")
+    log_file = a.log_file or env("log_file") or default_log_file(mountpoint)
+    return Options(mountpoint=mountpoint, backing=backing, cache_dir=cache_dir,
+                   cache_size=cache_size, log_file=log_file,
+                   allow_other=a.allow_other or env_flag("allow_other"),
+                   mlock=a.mlock or env_flag("mlock"), **settings)
 
 
 def inside(path: str, top: str) -> bool:
@@ -757,67 +826,108 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
+def spoken(words) -> str:
+    """'a, b, c or d'."""
+    words = list(words)
+    return ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else "".join(words)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="acpfs", description="RAM-backed write-back FUSE cache for checkpoints: writes "
                "return at memory speed, a flusher persists closed files to the backing directory "
                "atomically and in order.")
     p.add_argument("--version", action="version", version=f"acpfs {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=Parser)
+    add_mount_command(sub)
+    add_status_command(sub)
+    add_sync_command(sub)
+    add_preload_command(sub)
+    add_temps_command(sub)
+    add_umount_command(sub)
+    return p
 
+
+def add_mount_command(sub) -> None:
     m = sub.add_parser("mount", help="mount a write-back cache over a backing directory",
                        description="Mount MOUNTPOINT as a RAM-backed write-back cache over BACKING. "
                        "Returns once the mount is live (the daemon keeps running); calling it again "
                        "for the same mount and backing is a no-op. Each option has an ACPFS_* "
                        "environment variable (e.g. ACPFS_CACHE_SIZE).")
     m.add_argument("mountpoint", help="empty directory to mount on")
+    add_cache_options(m)
+    add_global_order_options(m)
+    add_daemon_options(m)
+    m.set_defaults(fn=cmd_mount)
+
+
+def add_cache_options(m: argparse.ArgumentParser) -> None:
+    """The options of ``acpfs mount`` about the backing, the cache and when data is persisted."""
     m.add_argument("--backing", required=True, help="directory where files are persisted (e.g. on NFS); "
-                   "apart from the mount point and the cache directory, not in /dev/shm/acpfs-UID")
+                   f"apart from the mount point and the cache directory, not in {CACHE_AREA}/acpfs-UID")
     m.add_argument("--cache-dir", help="private directory for the cache pool "
-                   "(default /dev/shm/acpfs-UID/<hash of the backing path>)")
+                   f"(default {CACHE_AREA}/acpfs-UID/<hash of the backing path>)")
     m.add_argument("--cache-size", help="RAM for cached data: bytes with K/M/G/T suffix or N%% of RAM "
-                   "(default 25%% of RAM, at most half the free space of the cache directory)")
-    m.add_argument("--fsync", choices=("memory", "backing"),
-                   help="what fsync() waits for: 'memory' (default: returns at once, data is in RAM) "
-                   "or 'backing' (waits until the file is durable in the backing directory)")
-    m.add_argument("--flush-workers", type=int, help="parallel uploads to the backing (default 4)")
+                   f"(default {DEFAULT_CACHE_FRACTION * 100:g}%% of RAM, at most half the free space "
+                   "of the cache directory)")
+    m.add_argument("--fsync", choices=tuple(FSYNC_CHOICES),
+                   help="what fsync() waits for: " + " or ".join(
+                       f"'{c}' ({'default: ' if c == DEFAULT_FSYNC else ''}{what})"
+                       for c, what in FSYNC_CHOICES.items()))
+    m.add_argument("--flush-workers", type=int,
+                   help=f"parallel uploads to the backing (default {DEFAULT_FLUSH_WORKERS})")
     m.add_argument("--cache-full-timeout", type=seconds,
-                   help="seconds a writer waits for free cache before getting ENOSPC (default 300)")
+                   help="seconds a writer waits for free cache before getting ENOSPC "
+                   f"(default {DEFAULT_CACHE_FULL_TIMEOUT:g})")
     m.add_argument("--persist-open-after", type=seconds, metavar="S",
                    help="persist the content of a file still open for writing after S seconds of "
                    "unsaved changes: published if it is only appended to (O_APPEND), else staged "
-                   "in the backing without replacing the file (default 120; 0: never)")
+                   f"in the backing without replacing the file (default {DEFAULT_PERSIST_OPEN_AFTER:g}; "
+                   "0: never)")
     m.add_argument("--coherence-timeout", type=seconds, metavar="S",
                    help="how long this node trusts what it knows of a directory before it looks "
-                   "at the backing again for entries other nodes made or removed (default 1; "
-                   "0: at every lookup of a missing name and every listing)")
+                   "at the backing again for entries other nodes made or removed "
+                   f"(default {DEFAULT_COHERENCE_TIMEOUT:g}; 0: at every lookup of a missing name "
+                   "and every listing)")
+
+
+def add_global_order_options(m: argparse.ArgumentParser) -> None:
+    """The options of ``acpfs mount`` for several nodes over one backing (peers.py)."""
     m.add_argument("--global-order", choices=("on", "off"),
                    help="with several nodes over one backing, apply a change to the backing only "
                    "after every other live node has persisted what it acknowledged before it "
-                   "(default on; a node alone pays nothing; docs/semantics.md)")
+                   f"(default {DEFAULT_GLOBAL_ORDER}; a node alone pays nothing; docs/semantics.md)")
     m.add_argument("--max-clock-skew", type=seconds, metavar="S",
                    help="how far apart the nodes' clocks may be for global order to hold; each "
-                   "change acknowledged while other nodes are live waits this long (default 0.01)")
+                   "change acknowledged while other nodes are live waits this long "
+                   f"(default {DEFAULT_MAX_CLOCK_SKEW:g})")
     m.add_argument("--peer-heartbeat", type=seconds, metavar="S",
-                   help="how often an idle node renews its record in the backing (default 1)")
+                   help="how often an idle node renews its record in the backing "
+                   f"(default {DEFAULT_PEER_HEARTBEAT:g})")
     m.add_argument("--peer-lease", type=seconds, metavar="S",
                    help="a node that has not renewed its record for S seconds (dead, hung, cut "
-                   "off from the backing) holds nobody back any more (default 30)")
+                   f"off from the backing) holds nobody back any more (default {DEFAULT_PEER_LEASE:g})")
+
+
+def add_daemon_options(m: argparse.ArgumentParser) -> None:
+    """The options of ``acpfs mount`` about the daemon: its data path, memory, log, access."""
     m.add_argument("--passthrough", choices=passthrough.MODES,
                    help="kernel passthrough: the kernel reads, writes and maps cached files "
-                   "itself, at memory speed (Linux 6.9+, root). 'auto' (default): where "
-                   "possible; 'on': fail the mount where not; 'off': every request goes "
-                   "through the daemon")
-    m.add_argument("--block-size", help="cache block size, a power of two (default 64K; the "
-                   "daemon's path only)")
+                   "itself, at memory speed (Linux 6.9+, root). " + "; ".join(
+                       f"'{mode}'{' (default)' if mode == DEFAULT_PASSTHROUGH else ''}: "
+                       f"{PASSTHROUGH_CHOICES[mode]}" for mode in passthrough.MODES))
+    m.add_argument("--block-size", help="cache block size, a power of two "
+                   f"(default {short_size(DEFAULT_BLOCK_SIZE)}; the daemon's path only)")
     m.add_argument("--mlock", action="store_true", help="lock the cache pool in RAM")
-    m.add_argument("--log-level", help="debug, info (default), warning or error")
-    m.add_argument("--log-file", help="daemon log ('-' for stderr; default /var/log/acpfs/<mount>.log "
-                   "for root, ~/.local/state/acpfs/<mount>.log otherwise)")
+    m.add_argument("--log-level", help=spoken(
+        f"{level} (default)" if level == DEFAULT_LOG_LEVEL else level for level in LOG_LEVELS))
+    m.add_argument("--log-file", help=f"daemon log ('-' for stderr; default {ROOT_LOG_DIR}/<mount>.log "
+                   f"for root, {USER_STATE_DIR}/acpfs/<mount>.log otherwise)")
     m.add_argument("--allow-other", action="store_true", help="let other users access the mount")
     m.add_argument("--foreground", "-f", action="store_true",
                    help="do not daemonize; log to stderr too (for systemd and debugging)")
-    m.set_defaults(fn=cmd_mount)
 
+
+def add_status_command(sub) -> None:
     s = sub.add_parser("status", help="show what is cached, dirty, flushing, failed",
                        description="Show the state of one acpfs mount, or of every acpfs mount.")
     s.add_argument("mountpoint", nargs="?", help="a mount (or a path in it); default: all mounts")
@@ -825,6 +935,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--files", action="store_true", help="also list files not yet persisted")
     s.set_defaults(fn=cmd_status)
 
+
+def add_sync_command(sub) -> None:
     y = sub.add_parser("sync", help="wait until changes are durable in the backing directory",
                        description="Block until PATH (default: every change made before the call, "
                        "on every acpfs mount) is durable in the backing directory.")
@@ -832,6 +944,8 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--timeout", type=seconds, help="give up after this many seconds (exit status 1)")
     y.set_defaults(fn=cmd_sync)
 
+
+def add_preload_command(sub) -> None:
     r = sub.add_parser("preload", help="read files into the cache ahead of a resume",
                        description="Read the files named (directories recursively) from the backing "
                        "directory into the cache, so that loading them later runs at memory speed. "
@@ -840,6 +954,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("paths", nargs="+", metavar="PATH", help="files or directories on an acpfs mount")
     r.set_defaults(fn=cmd_preload)
 
+
+def add_temps_command(sub) -> None:
     t = sub.add_parser("temps", help="list, and remove, temporary files that dead daemons left in a backing",
                        description="List the acpfs temporary files under a backing directory "
                        "(.acpfs-tmp-<instance>-*: uploads, staging directories) with their age, "
@@ -849,12 +965,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "removed here. Daemons of other nodes cannot be seen from here: the age "
                        "is the guard.")
     t.add_argument("backing", help="the backing directory (shared by every node)")
-    t.add_argument("--older-than", default="1d", metavar="AGE",
-                   help="only temporaries unchanged for this long: 90s, 30m, 6h, 2d (default 1d)")
+    t.add_argument("--older-than", default=DEFAULT_TEMPS_OLDER_THAN, metavar="AGE",
+                   help="only temporaries unchanged for this long: 90s, 30m, 6h, 2d "
+                   f"(default {DEFAULT_TEMPS_OLDER_THAN})")
     t.add_argument("--remove", action="store_true", help="remove them (asks first)")
     t.add_argument("--yes", "-y", action="store_true", help="do not ask")
     t.set_defaults(fn=cmd_temps)
 
+
+def add_umount_command(sub) -> None:
     u = sub.add_parser("umount", help="persist everything, unmount, wait for the daemon",
                        description="Persist every change, unmount, and wait until the daemon has "
                        "exited. Also cleans up a stale mount whose daemon died.")
@@ -863,7 +982,6 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--lazy", "-z", action="store_true",
                    help="detach even if files are open; they are persisted after their last close")
     u.set_defaults(fn=cmd_umount)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,64 @@ def test_help_is_complete():
         assert opt in r.stdout
 
 
+def test_mount_help_gives_the_defaults_that_config_holds():
+    """Each default of ``acpfs mount`` is written once, in acpfs/config.py: the help texts
+    print config's values."""
+    from acpfs import config
+    text = " ".join(acpfs("mount", "--help").stdout.split())   # lines wrapped anywhere
+    for opt, shown in [
+            ("--flush-workers", f"(default {config.DEFAULT_FLUSH_WORKERS})"),
+            ("--cache-full-timeout", f"(default {config.DEFAULT_CACHE_FULL_TIMEOUT:g})"),
+            ("--persist-open-after", f"(default {config.DEFAULT_PERSIST_OPEN_AFTER:g};"),
+            ("--coherence-timeout", f"(default {config.DEFAULT_COHERENCE_TIMEOUT:g};"),
+            ("--global-order", f"(default {config.DEFAULT_GLOBAL_ORDER};"),
+            ("--max-clock-skew", f"(default {config.DEFAULT_MAX_CLOCK_SKEW:g})"),
+            ("--peer-heartbeat", f"(default {config.DEFAULT_PEER_HEARTBEAT:g})"),
+            ("--peer-lease", f"(default {config.DEFAULT_PEER_LEASE:g})"),
+            ("--passthrough", f"'{config.DEFAULT_PASSTHROUGH}' (default)"),
+            ("--fsync", f"'{config.DEFAULT_FSYNC}' (default:"),
+            ("--block-size", f"(default {config.short_size(config.DEFAULT_BLOCK_SIZE)};"),
+            ("--log-level", f"{config.DEFAULT_LOG_LEVEL} (default)"),
+            ("--cache-size", f"(default {config.DEFAULT_CACHE_FRACTION * 100:g}% of RAM")]:
+        help_of_opt = text.split(f" {opt} ", 1)[1].split(" --", 1)[0]
+        assert shown in help_of_opt, (opt, help_of_opt)
+    assert config.parse_size(config.short_size(config.DEFAULT_BLOCK_SIZE)) == config.DEFAULT_BLOCK_SIZE
+
+
+def test_mount_options_come_from_the_command_line_then_the_environment_then_config(monkeypatch):
+    """What ``acpfs mount`` gives the daemon, without a mount: config's defaults where
+    neither the command line nor an ACPFS_* variable names the option; and the
+    daemon's Options and the control interface's MountInfo default to the same values."""
+    import dataclasses
+
+    from acpfs import cli, config, control, daemon
+    for name in [n for n in os.environ if n.startswith("ACPFS_")]:
+        monkeypatch.delenv(name)
+    parse = cli.build_parser().parse_args
+    settings = cli.mount_settings(parse(["mount", "/mnt", "--backing", "/b"]))
+    defaults = dict(fsync_backing=config.DEFAULT_FSYNC == "backing",
+                    flush_workers=config.DEFAULT_FLUSH_WORKERS, log_level=config.DEFAULT_LOG_LEVEL,
+                    cache_full_timeout=config.DEFAULT_CACHE_FULL_TIMEOUT,
+                    persist_open_after=config.DEFAULT_PERSIST_OPEN_AFTER,
+                    coherence_timeout=config.DEFAULT_COHERENCE_TIMEOUT,
+                    global_order=config.DEFAULT_GLOBAL_ORDER == "on",
+                    max_clock_skew=config.DEFAULT_MAX_CLOCK_SKEW,
+                    peer_heartbeat=config.DEFAULT_PEER_HEARTBEAT, peer_lease=config.DEFAULT_PEER_LEASE,
+                    block_size=config.DEFAULT_BLOCK_SIZE, foreground=False,
+                    passthrough=config.DEFAULT_PASSTHROUGH)
+    assert settings == defaults
+    for field in dataclasses.fields(daemon.Options):
+        if field.default is not dataclasses.MISSING:
+            assert field.default == defaults[field.name], field.name
+    info_fields = {f.name: f for f in dataclasses.fields(control.MountInfo)}
+    assert info_fields["coherence_timeout"].default == config.DEFAULT_COHERENCE_TIMEOUT
+    monkeypatch.setenv("ACPFS_PEER_LEASE", "45")
+    monkeypatch.setenv("ACPFS_BLOCK_SIZE", "1M")
+    monkeypatch.setenv("ACPFS_PASSTHROUGH", "off")
+    settings = cli.mount_settings(parse(["mount", "/mnt", "--backing", "/b", "--peer-lease", "50"]))
+    assert (settings["peer_lease"], settings["block_size"], settings["passthrough"]) == (50, 1 << 20, "off")
+
+
 @pytest.mark.parametrize("args,needle", [
     (["mount"], "required"),
     (["mount", "/nonexistent-mnt", "--backing", "/tmp"], "does not exist"),

@@ -167,88 +167,109 @@ class Replayer:
         log.log(level, "recovery: %s %s: skipped (%s)", rec.kind, where, why)
 
     def apply(self, rec: Record) -> None:
-        kind = rec.kind
-        cache = self.cache
-        if kind in CONTENT_KINDS:
+        """Replay one record through the cache, as the FUSE request it stands for would, or
+        skip it (logged, counted in ``report.skipped``) where the backing shows it done or
+        no longer possible."""
+        if rec.kind in CONTENT_KINDS:
             self.content(rec)
             return
         self.report.replayed_ops += 1
-        if kind == OpKind.RENAME:
-            p1, n1, node = self.resolve(rec.src_path)
-            p2, n2, target = self.resolve(rec.path)
-            if node is None or p1 is None or p2 is None:
-                self.skip(rec, "source gone: applied before the crash, or never saved")
-                return
-            if self.newer(rec.src_path, rec.path):
-                self.skip(rec, "saved straight to the backing after the daemon died", logging.WARNING)
-                return
-            if target is not None and target.is_dir:
-                self._loaded(target)
-            try:
-                cache.rename(p1, n1, p2, n2)
-            except OSError as e:
-                self.skip(rec, e.strerror or str(e))
+        replay = self.BY_KIND.get(rec.kind)
+        if replay is None:
+            raise AssertionError(f"unknown journal record {rec.kind}")
+        replay(self, rec)
+
+    def _rename(self, rec: Record) -> None:
+        p1, n1, node = self.resolve(rec.src_path)
+        p2, n2, target = self.resolve(rec.path)
+        if node is None or p1 is None or p2 is None:
+            self.skip(rec, "source gone: applied before the crash, or never saved")
             return
-        if kind == OpKind.LINK:
-            _, _, node = self.resolve(rec.src_path)
-            p2, n2, there = self.resolve(rec.path)
-            if node is None or p2 is None or node.is_dir:
-                self.skip(rec, "the file or the new name's directory is gone")
-                return
-            if there is not None:
-                self.skip(rec, "already present" if there is node else "another file has the name")
-                return
-            cache.link(node, p2, n2)
+        if self.newer(rec.src_path, rec.path):
+            self.skip(rec, "saved straight to the backing after the daemon died", logging.WARNING)
             return
+        if target is not None and target.is_dir:
+            self._loaded(target)
+        try:
+            self.cache.rename(p1, n1, p2, n2)
+        except OSError as e:
+            self.skip(rec, e.strerror or str(e))
+
+    def _link(self, rec: Record) -> None:
+        _, _, node = self.resolve(rec.src_path)
+        p2, n2, there = self.resolve(rec.path)
+        if node is None or p2 is None or node.is_dir:
+            self.skip(rec, "the file or the new name's directory is gone")
+            return
+        if there is not None:
+            self.skip(rec, "already present" if there is node else "another file has the name")
+            return
+        self.cache.link(node, p2, n2)
+
+    def _make(self, rec: Record) -> None:
+        """mkdir, mknod, symlink."""
         parent, name, node = self.resolve(rec.path)
-        if kind in (OpKind.MKDIR, OpKind.SYMLINK, OpKind.MKNOD):
-            if parent is None or node is not None:
-                if node is not None:
-                    self.skip(rec, "already present")
-                else:   # what was to go into it is kept aside (Replayer.keep_aside)
-                    self.skip(rec, "its parent is gone from the backing", logging.WARNING)
-                return
-            assert rec.uid is not None and rec.gid is not None
-            if kind == OpKind.MKDIR:
-                assert rec.mode is not None
-                cache.mkdir(parent, name, rec.mode, rec.uid, rec.gid)
-            elif kind == OpKind.MKNOD:
-                assert rec.mode is not None
-                cache.mknod(parent, name, rec.mode, rec.size, rec.uid, rec.gid)
-            else:
-                cache.symlink(parent, name, rec.target, rec.uid, rec.gid)
-        elif kind in (OpKind.UNLINK, OpKind.RMDIR):
-            if node is None or parent is None or node.is_dir != (kind == OpKind.RMDIR):
-                self.skip(rec, "already gone")
-                return
-            if node.is_dir:
-                self._loaded(node)
-            if self.newer(rec.path):
-                self.skip(rec, "saved straight to the backing after the daemon died", logging.WARNING)
-                return
-            try:
-                (cache.rmdir if kind == OpKind.RMDIR else cache.unlink)(parent, name)
-            except OSError as e:
-                self.skip(rec, e.strerror or str(e))
-        elif kind == OpKind.SETATTR:
-            if node is None or self.newer(rec.path):
-                self.skip(rec, "gone, or saved straight to the backing after the daemon died")
-                return
-            times = rec.times
-            cache.setattr(node, mode=rec.mode, uid=rec.uid, gid=rec.gid,
-                          atime=times[0] if times else None, mtime=times[1] if times else None)
-        elif kind == OpKind.XATTR:
-            if node is None or node.is_link or self.newer(rec.path):
-                self.skip(rec, "gone, or saved straight to the backing after the daemon died")
-                return
-            if node.xattrs is None:
-                node.xattrs = retry(lambda: self._read_xattrs(node), f"reading xattrs of {rec.path!r}")
-            try:
-                cache.set_xattr(node, rec.key, rec.value)
-            except OSError as e:
-                self.skip(rec, e.strerror or str(e))
+        if node is not None:
+            self.skip(rec, "already present")
+            return
+        if parent is None:   # what was to go into it is kept aside (Replayer.keep_aside)
+            self.skip(rec, "its parent is gone from the backing", logging.WARNING)
+            return
+        assert rec.uid is not None and rec.gid is not None
+        if rec.kind == OpKind.MKDIR:
+            assert rec.mode is not None
+            self.cache.mkdir(parent, name, rec.mode, rec.uid, rec.gid)
+        elif rec.kind == OpKind.MKNOD:
+            assert rec.mode is not None
+            self.cache.mknod(parent, name, rec.mode, rec.size, rec.uid, rec.gid)
         else:
-            raise AssertionError(f"unknown journal record {kind}")
+            self.cache.symlink(parent, name, rec.target, rec.uid, rec.gid)
+
+    def _remove(self, rec: Record) -> None:
+        """unlink, rmdir."""
+        parent, name, node = self.resolve(rec.path)
+        rmdir = rec.kind == OpKind.RMDIR
+        if node is None or parent is None or node.is_dir != rmdir:
+            self.skip(rec, "already gone")
+            return
+        if node.is_dir:
+            self._loaded(node)
+        if self.newer(rec.path):
+            self.skip(rec, "saved straight to the backing after the daemon died", logging.WARNING)
+            return
+        try:
+            (self.cache.rmdir if rmdir else self.cache.unlink)(parent, name)
+        except OSError as e:
+            self.skip(rec, e.strerror or str(e))
+
+    def _setattr(self, rec: Record) -> None:
+        _, _, node = self.resolve(rec.path)
+        if node is None or self.newer(rec.path):
+            self.skip(rec, "gone, or saved straight to the backing after the daemon died")
+            return
+        times = rec.times
+        self.cache.setattr(node, mode=rec.mode, uid=rec.uid, gid=rec.gid,
+                           atime=times[0] if times else None, mtime=times[1] if times else None)
+
+    def _set_xattr(self, rec: Record) -> None:
+        _, _, node = self.resolve(rec.path)
+        if node is None or node.is_link or self.newer(rec.path):
+            self.skip(rec, "gone, or saved straight to the backing after the daemon died")
+            return
+        if node.xattrs is None:
+            node.xattrs = retry(lambda: self._read_xattrs(node), f"reading xattrs of {rec.path!r}")
+        try:
+            self.cache.set_xattr(node, rec.key, rec.value)
+        except OSError as e:
+            self.skip(rec, e.strerror or str(e))
+
+    # how ``apply`` replays each kind of record but content (publish, flushed)
+    BY_KIND: dict[str, Callable[[Replayer, Record], None]] = {
+        OpKind.RENAME: _rename, OpKind.LINK: _link,
+        OpKind.MKDIR: _make, OpKind.MKNOD: _make, OpKind.SYMLINK: _make,
+        OpKind.UNLINK: _remove, OpKind.RMDIR: _remove,
+        OpKind.SETATTR: _setattr, OpKind.XATTR: _set_xattr,
+    }
 
     def _read_xattrs(self, node: Node) -> dict[bytes, bytes]:
         cache = self.cache

@@ -35,8 +35,9 @@ mount, under ``.acpfs-recovered/<time>-<instance>/``, through the same ``Cache``
 and published by the flusher like any other. Invariant: a backing that refuses changes
 (read-only, immutable, out of quota) never stops the mount; the set-aside is retried in the
 background, shown in ``status.errors`` and the log, and its content stays in the cache (or
-its staged file) and in the journal until it lands (issue 19, point 5: the mount used to
-fail with EPERM on ``.acpfs-recovered``). Staged files are opened read-only where the
+its staged file) and in the journal until it lands (a remount used to fail, with EPERM or
+EROFS, where the backing refused to make ``.acpfs-recovered``, though a running daemon
+survives that same fault). Staged files are opened read-only where the
 backing refuses to open them for writing (``Staged.read_only``); the flusher opens them
 again before it publishes them.
 
@@ -360,7 +361,8 @@ class Replayer:
 
     def keep_aside(self, rec: Record, staged: Staged | None, why: str) -> None:
         """Content whose close() was acknowledged cannot go where the mount had it: keep it
-        in ``.acpfs-recovered/<time>-<instance>/`` instead, never drop it (issue 10.3)."""
+        in ``.acpfs-recovered/<time>-<instance>/`` instead, never drop it: content an
+        application was told is saved is never lost to a recovery."""
         shown = os.fsdecode(rec.path) if rec.path is not None else f"(inode {rec.ino})"
         aside = self._set_aside(rec, staged, shown)
         log.error("recovery: %s: %s; the content its close() acknowledged is kept aside as %s "

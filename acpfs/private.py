@@ -1,7 +1,7 @@
 """What belongs to one user alone on a machine shared with others: the runtime directory
 (mount records and locks) and the cache directory, and how their files are opened.
 
-The threat (issue 13, docs/semantics.md "Other users of the machine"): another user creates,
+The threat (contract 9, docs/semantics.md "Other users of the machine"): another user creates,
 before this one, a directory this user will use in a place everyone may write (``/tmp``,
 ``/dev/shm``), or plants symbolic links on the way, to read this user's records, make this
 user's processes truncate or overwrite files, hold a lock, or redirect checkpoints.

@@ -152,10 +152,10 @@ def test_refused_mounts(make_mount, tmp_path):
 
 
 def test_backings_in_acpfs_own_places_are_refused_before_anything_is_created(make_mount, tmp_path):
-    """Issue 19 (b): a backing inside acpfs's cache area in /dev/shm (other mounts' pools and
-    journals) or holding it, inside the cache directory or holding it, and a cache directory
-    inside the mount point, are refused with one line, before a cache directory, a pool or a lock file
-    exists."""
+    """Places that overlap are refused: a backing inside acpfs's cache area in /dev/shm (other
+    mounts' pools and journals) or holding it, inside the cache directory or holding it, and a
+    cache directory inside the mount point, are refused with one line, before a cache directory,
+    a pool or a lock file exists."""
     from acpfs.config import default_cache_dir, key_of
     m = make_mount(mount=False)
     area = Path(f"/dev/shm/acpfs-{os.getuid()}")
@@ -196,9 +196,9 @@ def test_backings_in_acpfs_own_places_are_refused_before_anything_is_created(mak
 
 
 def test_a_backing_on_a_ram_filesystem_is_mounted_with_a_warning(make_mount, faults):
-    """Issue 19 (b): nothing in a tmpfs or ramfs backing survives a reboot. The mount goes on
-    (tests and scratch space use such backings), and says so once, on stderr and in the log;
-    a backing on a disk gets no such line."""
+    """A backing in RAM is allowed, with a warning: nothing in a tmpfs or ramfs backing survives
+    a reboot. The mount goes on (tests and scratch space use such backings), and says so once,
+    on stderr and in the log; a backing on a disk gets no such line."""
     disk = make_mount("disk", mount=False)
     r = acpfs(*disk.args())
     assert "RAM filesystem" not in r.stderr and "RAM filesystem" not in disk.log.read_text()
@@ -279,7 +279,7 @@ def test_umount_drains_with_progress(make_mount):
 
 
 def test_idle_unmount_is_quick(make_mount):
-    """Issue 10.6: an idle mount unmounts well under a second (5 s here: a loaded CI
+    """An idle mount unmounts well under a second (5 s here: a loaded CI
     machine); it used to take 8 to 30 s when another mount namespace held a copy."""
     m = make_mount()
     (m.mnt / "f").write_bytes(b"x")
@@ -409,10 +409,10 @@ def test_stale_mount_is_detected_and_cleaned(make_mount):
 
 
 def test_every_command_on_a_stale_mount_says_so(make_mount):
-    """Issue 19 (a): right after the daemon is killed, the kernel still answers stat of the
-    mount point from its caches (kept up to --coherence-timeout), so `acpfs preload MOUNT`
-    walked nothing and said "preloaded 0 files" with exit 0. Every command given a path on
-    the stale mount says the daemon is gone, in one line, and exits 1."""
+    """A stale mount is reported, not walked: right after the daemon is killed, the kernel still
+    answers stat of the mount point from its caches (kept up to --coherence-timeout), so `acpfs
+    preload MOUNT` walked nothing and said "preloaded 0 files" with exit 0. Every command given
+    a path on the stale mount says the daemon is gone, in one line, and exits 1."""
     m = make_mount(extra=("--coherence-timeout", "5"))
     (m.mnt / "d").mkdir()
     (m.mnt / "d" / "f").write_bytes(b"x" * 1000)
@@ -440,9 +440,10 @@ def test_every_command_on_a_stale_mount_says_so(make_mount):
 
 
 def test_temps_lists_and_removes_only_old_leftovers_of_no_live_daemon(make_mount):
-    """Issue 11: temporary files of a daemon whose cache directory is gone stay in a shared
-    backing for good; 'acpfs temps' lists them with their age and removes, when asked and
-    confirmed, those old enough that belong to no daemon on this host."""
+    """Leftovers of dead daemons in a shared backing: temporary files of a daemon whose cache
+    directory is gone stay in a shared backing for good; 'acpfs temps' lists them with their age
+    and removes, when asked and confirmed, those old enough that belong to no daemon on this
+    host."""
     m = make_mount()
     inst = m.status()["instance"]
     back = m.back
@@ -509,8 +510,8 @@ def test_non_finite_and_empty_values_and_a_dead_daemon_are_named(make_mount):
 
 
 def test_names_with_control_characters_cannot_forge_output_lines(mnt):
-    """(issue 13, point 6) Names are printed with control characters escaped: a name holding
-    a newline cannot print a line of its own."""
+    """(Another user must not forge output lines.) Names are printed with control characters
+    escaped: a name holding a newline cannot print a line of its own."""
     forged = "x\nacpfs: all changes persisted\r\x1b[2K"
     with open(mnt.mnt / forged, "wb") as f:
         f.write(b"pending")
@@ -525,8 +526,9 @@ def test_names_with_control_characters_cannot_forge_output_lines(mnt):
 
 
 def test_two_mounts_cannot_share_a_cache_directory(make_mount, tmp_path):
-    """(issue 13, point 5) A second daemon given a live daemon's cache directory is refused
-    with one line; the first mount's pending data stays its own."""
+    """(Another user must not take over a cache directory.) A second daemon given a live
+    daemon's cache directory is refused with one line; the first mount's pending data stays its
+    own."""
     a = make_mount("a")
     b = make_mount("b", mount=False)
     (a.mnt / "pending").write_bytes(b"A" * 1000)
@@ -541,8 +543,8 @@ def test_two_mounts_cannot_share_a_cache_directory(make_mount, tmp_path):
 
 
 def test_the_daemon_log_is_private(make_mount):
-    """(issue 13, point 2, the log) The log names files: 0600, also one an older version left
-    0644."""
+    """(Other users must not read the log, which names files.) The log is 0600, also one an
+    older version left 0644."""
     m = make_mount(mount=False)
     m.log.write_text("an older daemon's line\n")
     os.chmod(m.log, 0o644)
@@ -555,7 +557,7 @@ def test_the_daemon_log_is_private(make_mount):
 
 
 def test_status_files_lists_every_pending_file_whatever_the_length_of_the_list(make_mount, faults):
-    """(issue 13, point 7) The pending list is read page by page (an xattr value is at most
+    """(The pending list must not be cut short.) It is read page by page (an xattr value is at most
     64 KiB): 30 files with 4 KiB paths and 1,500 ordinary ones, held by a read-only backing,
     are all listed, each once, by `acpfs status --files` and its --json form. The
     100,000-file case is in tests/unit/test_control.py."""

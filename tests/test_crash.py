@@ -175,7 +175,7 @@ def test_written_through_file_open_at_the_crash_is_kept_aside(make_mount):
     data = killed_while_writing_through(m)
     acpfs(*m.args())
     m.pid = m.status()["pid"]
-    # kept aside in the mount at once, in the backing like any change (issue 19, point 5)
+    # kept aside in the mount at once (the recovery writes nothing), in the backing like any change
     m.sync()
     rec = m.status()["recovery"]
     assert len(rec["kept_aside"]) == 1, rec
@@ -268,12 +268,13 @@ def accept(back: Path, how: str) -> None:
 @pytest.mark.parametrize("how,errno_name", [("immutable", "EPERM"), ("read-only", "EROFS")])
 def test_a_remount_over_a_backing_that_refuses_the_set_aside_mounts_and_retries_it(
         make_mount, how, errno_name):
-    """Issue 19, point 5: after a SIGKILL that left content to set aside, the backing refuses
-    changes (its root made immutable: mkdir of .acpfs-recovered gets EPERM). The mount used
-    to fail ('cannot mount ...: Operation not permitted: b'.acpfs-recovered''), although the
-    running daemon survives that very fault. Now it mounts and serves; the set-aside is a
-    pending change like any other, retried in the background, shown in status and the log;
-    once the fault is gone the content lands in .acpfs-recovered/."""
+    """A refused set-aside must not stop the mount: after a SIGKILL that left content to set
+    aside, the backing refuses changes (its root made immutable: mkdir of .acpfs-recovered gets
+    EPERM). The mount used to fail ('cannot mount ...: Operation not permitted:
+    b'.acpfs-recovered''), although the running daemon survives that very fault. Now it mounts
+    and serves; the set-aside is a pending change like any other, retried in the background,
+    shown in status and the log; once the fault is gone the content lands in
+    .acpfs-recovered/."""
     m = make_mount(cache_size="8M", extra=("--cache-full-timeout", "30"))
     (m.mnt / "d").mkdir()
     (m.mnt / "d" / "before.bin").write_bytes(b"persisted" * 1000)
@@ -324,9 +325,10 @@ def test_a_remount_over_a_backing_that_refuses_the_set_aside_mounts_and_retries_
 
 
 def test_a_remount_while_the_backing_hangs_on_changes_mounts_and_serves(make_mount, faults, tmp_path):
-    """Issue 19, point 5, a backing that hangs instead of refusing: every mkdir held (an NFS
-    server that answers lookups but not changes). The recovery writes nothing, so the mount
-    comes up and serves the content it keeps aside; it lands once the backing answers."""
+    """A hung set-aside must not stop the mount either, with a backing that hangs instead of
+    refusing: every mkdir held (an NFS server that answers lookups but not changes). The
+    recovery writes nothing, so the mount comes up and serves the content it keeps aside; it
+    lands once the backing answers."""
     m = make_mount("m", mount=False, cache_size="8M", extra=("--cache-full-timeout", "30"))
     src = tmp_path / "src"
     shim = faults.shim(src, m.back)

@@ -150,11 +150,11 @@ def test_readers_skip_the_page_cache_and_mmap_still_works(make_mount, off):
 @pytest.mark.parametrize("env", [None, {"ACPFS_NO_READ_DIRECT_IO": "1"}, NO_EXTENSION],
                          ids=["default", "no-read-direct-io", "no-fast-write"])
 def test_shared_writable_mappings_work_in_every_mode(make_mount, env):
-    """(issue 13, point 8) Without the INIT grant of shared mmap for direct_io files (kernels
-    before 6.9, or either switch here), a writer's file had direct_io and could not be mapped
-    shared: SQLite's WAL failed with "disk I/O error", np.memmap(mode="w+") with ENODEV.
-    Files get direct_io only where the grant came; SQLite in WAL mode and np.memmap work, and
-    their bytes reach the backing, in every mode."""
+    """(Shared writable mappings must work on every kernel.) Without the INIT grant of shared
+    mmap for direct_io files (kernels before 6.9, or either switch here), a writer's file had
+    direct_io and could not be mapped shared: SQLite's WAL failed with "disk I/O error",
+    np.memmap(mode="w+") with ENODEV. Files get direct_io only where the grant came; SQLite in
+    WAL mode and np.memmap work, and their bytes reach the backing, in every mode."""
     import sqlite3
 
     import numpy as np

@@ -1,4 +1,4 @@
-"""Global order across nodes (issue 12): a pointer never lands before any node's data.
+"""Global order across nodes (contract 11): a pointer never lands before any node's data.
 
 Seen before: two nodes over one backing, node B's daemon paused for 3 s right after its
 ranks' last close() returned; rank 0 on node A then wrote ``.metadata`` and ``latest``, which

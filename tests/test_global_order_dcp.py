@@ -1,4 +1,4 @@
-"""Global order with real torch.distributed.checkpoint across 2 nodes x 2 ranks (issue 12).
+"""Global order with real torch.distributed.checkpoint across 2 nodes x 2 ranks (contract 11).
 
 Node B reaches the shared directory through a faultfs view that answers every rename 2 s
 late, so each of its shards lands in the backing about 2 s after its rank's close()

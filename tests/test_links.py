@@ -1,4 +1,4 @@
-"""Hard links on a real mount (issue 13, point 11; docs/semantics.md, "Hard links"): one
+"""Hard links on a real mount (docs/semantics.md, "Hard links"): one
 file under several names in the mount, persisted as links to one inode in the backing, in
 order with every other change; `cp -al`, rename and unlink of linked names, a daemon killed
 with SIGKILL before they were persisted, a second node over the same backing, and a backing

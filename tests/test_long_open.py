@@ -49,7 +49,7 @@ def test_a_file_rewritten_in_place_is_staged_never_published_while_open(make_mou
         pass
     acpfs(*m.args())
     m.pid = m.status()["pid"]
-    m.sync()     # kept aside in the mount at once, in the backing like any change (issue 19.5)
+    m.sync()     # kept aside in the mount at once, in the backing like any change
     rec = m.status()["recovery"]
     assert len(rec["kept_aside"]) == 1
     assert (m.back / rec["kept_aside"][0]).read_bytes() == b"PARTIAL!" + b"complete" * 999

@@ -1,4 +1,4 @@
-"""Several nodes over one shared backing (issue 11), each a mount namespace of its own with
+"""Several nodes over one shared backing (contract 10), each a mount namespace of its own with
 its own /run/acpfs and cache directory (``conftest.make_nodes``), the same mount point on
 every node, as on a cluster.
 
@@ -78,7 +78,7 @@ def test_simultaneous_first_saves_never_mix_shards(make_nodes, n):
 
 
 def test_nodes_see_each_others_files_and_removals(make_nodes):
-    """Close-to-open coherence of names (issue 11, point 3): a name missing from a node's view,
+    """Close-to-open coherence of names (contract 10): a name missing from a node's view,
     or a directory listed, is looked up in the backing again once its listing is older than
     --coherence-timeout (1 s): files another node wrote appear, files another node removed
     disappear; a node's own pending changes always win in its own view."""
@@ -109,7 +109,7 @@ def test_nodes_see_each_others_files_and_removals(make_nodes):
 
 
 def test_a_node_reads_the_version_another_node_published(make_nodes):
-    """Close-to-open coherence of contents (issue 11, point 3): a file a node holds clean
+    """Close-to-open coherence of contents (contract 10): a file a node holds clean
     (cached, or read before) is compared with the backing at open and stat once its check is
     older than --coherence-timeout; another node's newer version (overwritten, or grown)
     replaces the stale copy."""
@@ -150,7 +150,7 @@ KEEP = 2
 
 
 def test_rotation_across_nodes_then_resume_in_job_and_after_remount(make_nodes, workers):
-    """Issue 11, point 2: the main node rotates checkpoints that hold other nodes' shards.
+    """The main node rotates checkpoints that hold other nodes' shards, and removes them whole.
     Each step, a rank on each node saves its shard into step_<k>/; the main node then points
     `latest` at it and removes step_<k-2> with shutil.rmtree. Its coherent listing shows the
     other node's shard (its directory listing is older than --coherence-timeout), so the
@@ -207,12 +207,13 @@ def test_rotation_across_nodes_then_resume_in_job_and_after_remount(make_nodes, 
 @pytest.mark.parametrize("held", ["hang", "hang rename"])
 def test_a_shard_landing_in_a_step_being_removed_is_a_conflict_not_a_wedge(make_nodes, workers, faults,
                                                                             tmp_path, held):
-    """Issue 11: node B's shard of step_1 is still on its way (its backing held: before its
-    upload started, or uploaded and waiting to be renamed into place) while the main node A
-    removes step_1. A removes what it sees; B's shard then lands by the conflict rules
-    (docs/semantics.md, section 10): a directory removed under a pending file is made again
-    (`dir_recreated` on B), a directory holding B's temporary file stays (`not_empty` on
-    A). Both queues move on, later changes land, and no acknowledged byte is lost."""
+    """A shard landing in a removed step is a conflict, never a wedge: node B's shard of step_1
+    is still on its way (its backing held: before its upload started, or uploaded and waiting to
+    be renamed into place) while the main node A removes step_1. A removes what it sees; B's
+    shard then lands by the conflict rules (docs/semantics.md, section 10): a directory removed
+    under a pending file is made again (`dir_recreated` on B), a directory holding B's temporary
+    file stays (`not_empty` on A). Both queues move on, later changes land, and no acknowledged
+    byte is lost."""
     shared = tmp_path / "shared"
     (tmp_path / "b-view").mkdir()
     shim = faults.shim(shared, tmp_path / "b-view")       # B's way to the shared directory
@@ -258,7 +259,7 @@ RACES = int(os.environ.get("MULTINODE_RACES", "20"))
 
 
 def test_two_nodes_publishing_one_name_one_whole_version_wins(make_nodes, workers):
-    """Issue 11: two nodes write the same name at the same moment. The last publisher wins,
+    """Two nodes write the same name at the same moment. The last publisher wins,
     whole files only: the backing holds one node's version, never a mix, and once their
     coherence timeout passed both nodes read that version. Each time one node's version
     replaced one it never saw, that node counts a `replaced` conflict."""

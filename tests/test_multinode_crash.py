@@ -1,4 +1,5 @@
-"""A node killed and recovered while another node's uploads are in flight (issue 11, point 4).
+"""A node killed and recovered while another node's uploads are in flight:
+the recovering node must leave the other node's temporary files alone.
 
 Seen before: node A, restarted after a SIGKILL, removed ``.acpfs-tmp-...`` files it took for
 its own dead daemon's leftovers while node B was uploading them; 17 of B's 20 files never
@@ -195,12 +196,12 @@ def records(backing: Path) -> dict[str, RecordName]:
 
 
 def test_a_node_restarted_at_once_after_a_sigkill_holds_nobody(make_nodes):
-    """Issue 19, point 4: node A's daemon is SIGKILLed and ``acpfs mount`` runs again at once
-    over the same cache (systemd's ``Restart=on-failure``) while node B publishes. B's
-    ``acpfs sync`` took 27.4 s: B kept waiting for the dead instance's record (idle, its
-    promise long run out) for a whole lease, although A had persisted everything and its
-    successor had taken over. A restarted daemon holds nobody: the predecessor's record
-    says so once the successor's own record covers what it acknowledged."""
+    """A daemon restarted at once must hold nobody: node A's daemon is SIGKILLed and ``acpfs
+    mount`` runs again at once over the same cache (systemd's ``Restart=on-failure``) while node
+    B publishes. B's ``acpfs sync`` took 27.4 s: B kept waiting for the dead instance's record
+    (idle, its promise long run out) for a whole lease, although A had persisted everything and
+    its successor had taken over. A restarted daemon holds nobody: the predecessor's record says
+    so once the successor's own record covers what it acknowledged."""
     a, b = make_nodes(2)                       # the defaults: heartbeat 1 s, lease 30 s
     a.path("a0").write_bytes(b"a" * 100_000)
     b.path("b0").write_bytes(b"b" * 100_000)

@@ -1,4 +1,4 @@
-"""Real torch.distributed.checkpoint across two nodes over one backing (issue 11): 2 nodes x 2
+"""Real torch.distributed.checkpoint across two nodes over one backing (contract 10): 2 nodes x 2
 ranks (world size 4, gloo), each node a mount namespace of its own (``conftest.make_nodes``)
 mounting acpfs at the same path, the ranks of a node running inside it.
 

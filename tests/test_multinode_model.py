@@ -1,4 +1,4 @@
-"""Every node reads every node's files (issue 11), as a property against a reference model.
+"""Every node reads every node's files (contract 10), as a property against a reference model.
 
 Random operations (write, overwrite, rename, unlink, mkdir, rmtree) run one after another,
 each on a random node, on a small set of names in a few directories, so that the nodes keep

@@ -335,7 +335,7 @@ def test_every_change_visible_to_other_processes(mnt):
 
 
 def test_a_name_longer_than_255_bytes_is_too_long_on_lookup_too(mnt):
-    """(issue 13, point 12) ENAMETOOLONG, as on ext4, not ENOENT."""
+    """(Errors as on ext4.) ENAMETOOLONG, as on ext4, not ENOENT."""
     for path in (mnt.mnt / ("n" * 256), mnt.mnt / ("é" * 128)):
         with pytest.raises(OSError) as e:
             os.stat(path)
@@ -345,7 +345,7 @@ def test_a_name_longer_than_255_bytes_is_too_long_on_lookup_too(mnt):
 
 
 def test_a_directorys_link_count_counts_its_subdirectories(mnt):
-    """(issue 13, point 12) 2 + subdirectories, as on ext4 (find's leaf optimisation and
+    """(Link counts as on ext4.) 2 + subdirectories, as on ext4 (find's leaf optimisation and
     pjdfstest rely on it)."""
     d = mnt.mnt / "d"
     d.mkdir()
@@ -362,12 +362,12 @@ def test_a_directorys_link_count_counts_its_subdirectories(mnt):
 
 
 def test_fifos_sockets_and_device_nodes(make_mount, faults):
-    """(issue 13, point 10) mknod makes FIFOs, sockets, device nodes and empty regular
-    files; they land in the backing with their type, device number, owner and mode (made
-    under a temporary name, then renamed: never seen with another mode), follow chmod,
+    """(Every file type a local filesystem has.) mknod makes FIFOs, sockets, device nodes and
+    empty regular files; they land in the backing with their type, device number, owner and mode
+    (made under a temporary name, then renamed: never seen with another mode), follow chmod,
     chown, utime, rename and unlink, work as what they are through the mount (a FIFO passes
-    data), come back from the backing after a remount, and from the journal after the
-    daemon is killed before they reached the backing."""
+    data), come back from the backing after a remount, and from the journal after the daemon is
+    killed before they reached the backing."""
     import socket
     m = make_mount("nodes", cache_size="64M", mount=False)
     faults.tmpfs(m.back, "16M")
@@ -426,7 +426,7 @@ def test_fifos_sockets_and_device_nodes(make_mount, faults):
 
 
 def test_fallocate_extends_keeps_size_and_refuses_holes(make_mount):
-    """(issue 13, point 12) pyfuse3 has no FALLOCATE handler (the kernel got ENOSYS and
+    """(fallocate as on ext4.) pyfuse3 has no FALLOCATE handler (the kernel got ENOSYS and
     refused fallocate on the whole mount); the C extension answers it. Mode 0 extends the
     file (zeros), FALLOC_FL_KEEP_SIZE succeeds without changing it, hole punching fails with
     EOPNOTSUPP; posix_fallocate works; the bytes and size land in the backing."""

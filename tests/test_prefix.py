@@ -15,10 +15,11 @@ state comes back in the history (``mkdir a``, ``rmdir a``), the earliest occurre
 backing can be at counts, since the flusher may be behind. After the program, ``acpfs
 sync``, then SRC must equal the last state (complete).
 
-- ``test_rotation_loop_only_shows_states_of_the_mount``: the reproduction of issue 10: each
-  save makes ``step_N/``, writes a model file larger than a hold lets through, a small
-  file, then ``latest`` (written under a temporary name and renamed), and removes the step
-  before last (``save_total_limit=2``).
+- ``test_rotation_loop_only_shows_states_of_the_mount``: the checkpoint rotation that once
+  exposed a ``latest`` naming a step that never landed (docs/design.md, "States of a cached
+  file"): each save makes ``step_N/``, writes a model file larger than a hold lets through,
+  a small file, then ``latest`` (written under a temporary name and renamed), and removes
+  the step before last (``save_total_limit=2``).
 - ``test_random_operations_only_show_states_of_the_mount``: hypothesis picks the operations
   (files written whole, pointers renamed into place, mkdir, rename, unlink, ``rm -rf``,
   chmod, symlink) and the hold points.

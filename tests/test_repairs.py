@@ -1,5 +1,5 @@
 """Changes made to the backing behind acpfs's back never lose acknowledged data and never wedge
-the flusher (issue 10, points 3 and 4), on real mounts: the reproductions of the issue.
+the flusher, on real mounts: the reproductions of what went wrong before.
 
 - A pending file's directory is moved away (or swapped for a symlink) and the daemon is
   killed before the file landed: the next mount keeps the content aside in
@@ -85,10 +85,11 @@ def test_a_removed_temporary_file_is_written_again_and_sync_returns(make_mount, 
 
 
 def test_a_backing_that_goes_away_and_comes_back(make_mount, faults, tmp_path):
-    """Issue 10.2: the backing is itself a mount (a FUSE store here; NFS and SFS behave the
-    same) that dies and is mounted again at the same path. The daemon's descriptors answer
-    ENOTCONN; it opens the root again by path once a filesystem is mounted there again (never
-    the empty directory under it meanwhile), shows it in status, and carries on."""
+    """A backing whose filesystem dies and comes back is opened again: the backing is itself a
+    mount (a FUSE store here; NFS and SFS behave the same) that dies and is mounted again at the
+    same path. The daemon's descriptors answer ENOTCONN; it opens the root again by path once a
+    filesystem is mounted there again (never the empty directory under it meanwhile), shows it
+    in status, and carries on."""
     m = make_mount("m", mount=False)
     src = tmp_path / "src"
     shim = faults.shim(src, m.back)

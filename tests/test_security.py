@@ -1,4 +1,4 @@
-"""A shared machine (issue 13): what other users can and cannot do through a mount.
+"""A shared machine (contract 9): what other users can and cannot do through a mount.
 
 Each test runs the other user's part as a process that drops to ``nobody`` (uid 65534) first,
 on a mount with ``--allow-other`` (without it, the kernel lets no other user in at all).
@@ -282,12 +282,12 @@ def test_a_cache_directory_reached_through_another_users_link_or_directory_is_re
 
 
 def test_a_node_record_planted_by_another_user_holds_nobody(make_mount):
-    """Issue 19 (c): the node records directory of a backing is 1777 (every user's mounts keep
-    records there). Another user plants records in it: one of a node that does not exist,
-    with changes pending since the epoch and a heartbeat in 2100 (it would hold every change
-    for ever, and never expire), and one that forges this node's own instance. The daemon
-    ignores both, with a WARNING naming each file and its owner, and `acpfs sync` does not
-    wait for them (it waited for the lease, 30 s, before)."""
+    """Records planted by another user are ignored: the node records directory of a backing is
+    1777 (every user's mounts keep records there). Another user plants records in it: one of a
+    node that does not exist, with changes pending since the epoch and a heartbeat in 2100 (it
+    would hold every change for ever, and never expire), and one that forges this node's own
+    instance. The daemon ignores both, with a WARNING naming each file and its owner, and `acpfs
+    sync` does not wait for them (it waited for the lease, 30 s, before)."""
     m = make_mount(mount=False)
     for d in [m.back, *m.back.parents]:           # let the other user reach the backing
         if d == d.parent or str(d) == "/tmp":

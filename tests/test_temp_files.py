@@ -1,5 +1,5 @@
-"""Temporary files in the backing that nobody else can predict, adopt or stall (issue 10,
-point 5; contract 9), on a real mount.
+"""Temporary files in the backing that nobody else can predict, adopt or stall
+(contract 9), on a real mount.
 
 Earlier temporary names were ``.acpfs-tmp-<ino>-<seq>``, counters anyone could guess, and
 uploads opened them without ``O_EXCL``. In a world-writable backing directory another user

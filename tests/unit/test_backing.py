@@ -1,5 +1,5 @@
 """Backing: temporary files that nobody can predict or adopt, that a daemon tells apart from
-everyone else's, and directories that appear with their final mode (issue 10, points 1 and 5)."""
+everyone else's, and directories that appear with their final mode (contract 9)."""
 
 from __future__ import annotations
 

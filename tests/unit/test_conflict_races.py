@@ -1,4 +1,4 @@
-"""Races and corner cases of the conflict rules and of coherence, found in review (issue 11):
+"""Races and corner cases of the conflict rules and of coherence, found in review (contract 10):
 each test was a failing reproduction of the code before its fix."""
 from __future__ import annotations
 

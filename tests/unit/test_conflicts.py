@@ -1,4 +1,4 @@
-"""Conflicts with other writers of the shared backing (issue 11; acpfs/conflicts.py): for every
+"""Conflicts with other writers of the shared backing (contract 10; acpfs/conflicts.py): for every
 op, what the flusher does when another node or program changed the backing meanwhile. Each
 case is resolved by its documented rule, counted, and the queue moves on: a later change of
 this node lands after it, and nothing acknowledged (by this node or the other writer) is lost.

@@ -1,5 +1,5 @@
 """The control attributes (acpfs/control.py) on a core without a mount: the listing of
-pending files, read page by page, for 100,000 files (issue 13, point 7: one attribute value
+pending files, read page by page, for 100,000 files (none may be missing: one attribute value
 is at most 64 KiB; the listing used to be cut at 400 files, and failed with E2BIG before
 that with long paths)."""
 

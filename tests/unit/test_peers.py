@@ -1,4 +1,4 @@
-"""Global order across nodes, the protocol alone (acpfs/peers.py; issue 12), without mounts:
+"""Global order across nodes, the protocol alone (acpfs/peers.py; contract 11), without mounts:
 several ``Peers`` over one real records directory, each with a clock of its own, driven step
 by step by a simulated cluster (``Cluster``) in simulated time.
 
@@ -328,11 +328,12 @@ def test_a_removed_record_or_records_directory_is_written_again(tmp_path):
 
 
 def test_a_daemon_restarted_on_the_same_cache_holds_nobody_for_its_dead_predecessor(tmp_path):
-    """Issue 19, point 4, the protocol alone: a node's daemon dies idle and is restarted at
-    once over the same cache directory. Its successor writes its own record, then marks the
-    predecessor's "left": a change of another node that the dead record held goes on at that
-    node's next listing. (The predecessor's record used to be removed, and a record missing
-    from a listing is kept for a lease: here the lease is endless, so it was held for ever.)"""
+    """A daemon restarted at once must hold nobody, the protocol alone: a node's daemon dies
+    idle and is restarted at once over the same cache directory. Its successor writes its own
+    record, then marks the predecessor's "left": a change of another node that the dead record
+    held goes on at that node's next listing. (The predecessor's record used to be removed, and
+    a record missing from a listing is kept for a lease: here the lease is endless, so it was
+    held for ever.)"""
     c = Cluster(str(tmp_path), 2, 0.01, spread=0.0, rnd=random.Random(7))
     a, b = c.nodes
     c.now += 0.5
@@ -419,11 +420,11 @@ def test_a_file_closed_twice_before_it_is_queued_is_held_to_its_first_close(make
 
 
 def test_a_record_of_another_user_holds_nobody(tmp_path, caplog):
-    """Issue 19 (c): the records directory is 1777. A record another user planted there (up,
-    its frontier at the epoch, its heartbeat in 2100: it would never pass nor expire) is
-    ignored with one WARNING naming the file and its owner; a record like it owned by root
-    (this test's user) holds the change, so the check is by owner. Records are looked at
-    once per file: a counted record renamed (renewed) is not looked at again."""
+    """Records planted by another user are ignored: the records directory is 1777. A record
+    another user planted there (up, its frontier at the epoch, its heartbeat in 2100: it would
+    never pass nor expire) is ignored with one WARNING naming the file and its owner; a record
+    like it owned by root (this test's user) holds the change, so the check is by owner. Records
+    are looked at once per file: a counted record renamed (renewed) is not looked at again."""
     c = Cluster(str(tmp_path), 1, 0.01, spread=0.0, rnd=random.Random(7))
     c.applied_set = set()
     (a,) = c.nodes

@@ -434,8 +434,8 @@ def make_machine(base: Path, unpersisted_deletes: bool):
                                           + ", ".join(f"seq {op.seq} {op.state}" for op in self.queued))
 
         def _before_removal(self, e) -> None:
-            """Note the snapshots of e that the flusher has not applied yet (issue 10: those still
-            queued or uploading are cancelled when e leaves the mount)."""
+            """Note the snapshots of e that the flusher has not applied yet (those still queued
+            or uploading are cancelled when e leaves the mount, so the model must know them)."""
             with self.cache.oplog.lock:
                 self.queued = list(e.node.publish_ops) if isinstance(e, MFile) else []
 

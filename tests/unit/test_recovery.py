@@ -417,8 +417,9 @@ def _killed_with_d_f_pending_and_d_moved_away(make_core):
 @pytest.mark.parametrize("how", ["moved away", "a symlink now"])
 def test_acknowledged_content_whose_directory_is_gone_is_kept_aside(tmp_path, make_core, restart,
                                                                      how):
-    """Issue 10.3: the backing lost a pending file's directory behind acpfs's back before the
-    crash. The content its close() acknowledged is kept aside, never dropped as 'already done'."""
+    """Acknowledged content must not be dropped as done: the backing lost a pending file's
+    directory behind acpfs's back before the crash. The content its close() acknowledged is kept
+    aside, never dropped as 'already done'."""
     from acpfs.backing import RECOVERED_DIR
 
     c = _killed_with_d_f_pending_and_d_moved_away(make_core)
@@ -464,12 +465,12 @@ def test_a_new_version_of_a_linked_file_cut_between_its_names_is_finished_by_the
 
 def test_content_to_keep_aside_while_the_backing_refuses_changes_is_queued_not_fatal(
         tmp_path, make_core, restart):
-    """Issue 19, point 5: a recovery that must keep content aside while the backing refuses
-    changes (here mkdir of .acpfs-recovered: EPERM, as on an immutable root) used to fail,
-    and with it the mount. Now setting aside writes nothing during the recovery: the file is
-    made in the mount under .acpfs-recovered/<time>/ and queued like any change, so the
-    failure is the flusher's, retried and shown (Op.error). Its content stays in the pool
-    and in the new journal: a daemon killed again before it lands recovers it again."""
+    """A refused set-aside must not stop the recovery: a recovery that must keep content aside
+    while the backing refuses changes (here mkdir of .acpfs-recovered: EPERM, as on an immutable
+    root) used to fail, and with it the mount. Now setting aside writes nothing during the
+    recovery: the file is made in the mount under .acpfs-recovered/<time>/ and queued like any
+    change, so the failure is the flusher's, retried and shown (Op.error). Its content stays in
+    the pool and in the new journal: a daemon killed again before it lands recovers it again."""
     c = _killed_with_d_f_pending_and_d_moved_away(make_core)
 
     r = restart(c)

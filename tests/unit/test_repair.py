@@ -1,8 +1,8 @@
-"""Failures that retrying alone cannot cure are repaired, not retried for ever (issue 10,
-points 3 and 4): a temporary file removed from the backing before its publish is written
-again (also a staged file, from the descriptor the op still holds); a directory removed or
-moved away behind acpfs's back is made again from the mount's view, so that what the mount
-acknowledged lands where the mount has it."""
+"""Failures that retrying alone cannot cure are repaired, not retried for ever (changes made to
+the backing behind acpfs's back): a temporary file removed from the backing before its publish
+is written again (also a staged file, from the descriptor the op still holds); a directory
+removed or moved away behind acpfs's back is made again from the mount's view, so that what the
+mount acknowledged lands where the mount has it."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ import pytest
 from faultfs import Shim
 
 ACPFS = [sys.executable, "-m", "acpfs"]
+TESTS = Path(__file__).resolve().parent
 
 
 def acpfs(*args: str, check: bool = True, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
@@ -161,26 +162,6 @@ def listing(path) -> list[str]:
     """The names in a backing directory, sorted, without acpfs's own (``.acpfs-*``: temporary
     files, the node records of global order, conflicts and recovered files)."""
     return sorted(n for n in os.listdir(path) if not n.startswith(".acpfs-"))
-
-
-def tree(root: Path) -> dict[str, tuple]:
-    """Names, kinds, modes, bytes and link targets of a tree (acpfs temp files excluded)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".acpfs-")]
-        for name in sorted(dirnames + filenames):
-            if name.startswith(".acpfs-"):
-                continue
-            p = Path(dirpath) / name
-            rel = str(p.relative_to(root))
-            st = p.lstat()
-            if p.is_symlink():
-                out[rel] = ("link", os.readlink(p))
-            elif p.is_dir():
-                out[rel] = ("dir", oct(st.st_mode & 0o7777))
-            else:
-                out[rel] = ("file", oct(st.st_mode & 0o7777), p.read_bytes())
-    return out
 
 
 def sh(*cmd: str) -> None:
@@ -377,6 +358,7 @@ def make_nodes(tmp_path):
 #   stat PATH              the size this node reports for PATH
 #   sha PATH / cat PATH / ls PATH   what this node reads there
 #   tree .                 every entry below PATH as JSON: {path: "dir" or sha256 of the file}
+#                          (trees.tree; argv[2] is tests/, where trees.py is)
 # Each answers "ok [RESULT]", or "error ..." if the call failed.
 WORKER = textwrap.dedent("""
     import hashlib, json, os, shutil, sys
@@ -417,14 +399,9 @@ WORKER = textwrap.dedent("""
             elif cmd == "mkdir":
                 os.mkdir(path)
             elif cmd == "tree":
-                tree = {}
-                for top, dirs, files in os.walk(path):
-                    for d in dirs:
-                        tree[os.path.relpath(os.path.join(top, d), path)] = "dir"
-                    for f in files:
-                        with open(os.path.join(top, f), "rb") as fh:
-                            tree[os.path.relpath(os.path.join(top, f), path)] = hashlib.sha256(fh.read()).hexdigest()
-                out = json.dumps(tree, sort_keys=True)
+                sys.path.insert(0, sys.argv[2])
+                from trees import NOTHING, sha256, tree
+                out = json.dumps(tree(path, skip=NOTHING, modes=False, contents=sha256), sort_keys=True)
             print("ok", out, flush=True)
         except Exception as e:
             print("error", cmd, rel, repr(e).replace(chr(10), " "), flush=True)
@@ -444,7 +421,8 @@ class Worker:
 
     def __init__(self, node) -> None:
         self.node = node
-        self.proc = node.popen(sys.executable, "-c", WORKER, str(node.mnt), stdin=subprocess.PIPE,
+        self.proc = node.popen(sys.executable, "-c", WORKER, str(node.mnt), str(TESTS),
+                               stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True)
 
     def send(self, *words) -> None:

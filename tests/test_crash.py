@@ -4,7 +4,6 @@ replacement was not acknowledged. The next `acpfs mount` recovers from the journ
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -18,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import acpfs, tree, wait_for
+from conftest import acpfs, wait_for
+from trees import NOTHING, sha256, tree
 
 WRITER = Path(__file__).with_name("crash_writer.py")
 KILL_POINTS = int(os.environ.get("ACPFS_CRASH_POINTS", "24"))
@@ -63,16 +63,10 @@ def expected_states(ack_log: Path) -> tuple[dict[str, object], list[dict[str, ob
 
 
 def actual_state(root: Path) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != ".acpfs-nodes"]   # global order's records
-        for name in dirnames:
-            out[str((Path(dirpath) / name).relative_to(root))] = "dir"
-        for name in filenames:
-            p = Path(dirpath) / name
-            with open(p, "rb") as f:
-                out[str(p.relative_to(root))] = hashlib.file_digest(f, "sha256").hexdigest()
-    return out
+    """Directories as "dir", files as their sha256; every name counts (a temporary file
+    left is a difference), global order's records aside."""
+    return tree(root, skip=lambda d: d == ".acpfs-nodes", skip_files=NOTHING, modes=False,
+                contents=sha256)
 
 
 def test_sigkill_at_random_points_loses_nothing_acknowledged(make_mount, tmp_path):

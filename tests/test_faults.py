@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import acpfs, listing, tree, wait_for
+from conftest import acpfs, listing, wait_for
+from trees import tree
 
 MiB = 1 << 20
 TEMP_PREFIX = ".acpfs-tmp-"
@@ -90,18 +91,9 @@ def check_error_entry(e: dict, reason_prefix: str) -> None:
 def backing_files(root: Path) -> dict[str, bytes]:
     """Regular files under their final names (acpfs temporary files and staging, and the
     node records of global order, skipped)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(TEMP_PREFIX) and d != ".acpfs-nodes"]
-        for n in filenames:
-            if n.startswith(TEMP_PREFIX):
-                continue
-            p = Path(dirpath) / n
-            try:
-                out[str(p.relative_to(root))] = p.read_bytes()
-            except FileNotFoundError:
-                pass
-    return out
+    return tree(root, skip=lambda d: d.startswith(TEMP_PREFIX) or d == ".acpfs-nodes",
+                skip_files=lambda n: n.startswith(TEMP_PREFIX), modes=False, dirs=False,
+                vanished_ok=True)
 
 
 class Watcher(threading.Thread):

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
+import trees
 from conftest import Mount, acpfs
 
 NAMES = ["a", "b", "c", "d"]
@@ -60,27 +61,10 @@ NODES = ".acpfs-nodes"   # global order's node records: acpfs's own, hidden from
 
 
 def tree(root: Path) -> dict[str, tuple]:
-    """Names, kinds, modes, bytes and link targets under root (acpfs temp names excluded); a
-    file with several names also has its link count and its first name (hard links)."""
-    out = {}
-    first: dict[int, str] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(TEMP_PREFIX) and d != NODES)
-        for name in sorted(dirnames + filenames):
-            if name.startswith(TEMP_PREFIX) or name == NODES:
-                continue
-            p = Path(dirpath) / name
-            rel = str(p.relative_to(root))
-            st_ = p.lstat()
-            if p.is_symlink():
-                out[rel] = ("link", os.readlink(p))
-            elif p.is_dir():
-                out[rel] = ("dir", oct(st_.st_mode & 0o7777))
-            else:
-                out[rel] = ("file", oct(st_.st_mode & 0o7777), p.read_bytes())
-            if st_.st_nlink > 1 and not p.is_dir():
-                out[rel] += (st_.st_nlink, first.setdefault(st_.st_ino, rel))
-    return out
+    """Names, kinds, modes, bytes and link targets under root (acpfs temp names and node
+    records excluded); a file with several names also has its link count and its first name
+    (hard links)."""
+    return trees.tree(root, skip=lambda n: n.startswith(TEMP_PREFIX) or n == NODES, links=True)
 
 
 def diff(a: dict, b: dict) -> str:
@@ -154,19 +138,8 @@ def make_machine(m: Mount, ref_root: Path):
 
         def entries(self) -> dict[str, str]:
             """rel path -> kind ('dir', 'file', 'link') of the reference tree; '' is the root."""
-            out = {"": "dir"}
-            root = self.roots[1]
-            for dirpath, dirnames, filenames in os.walk(root):
-                for name in dirnames + filenames:
-                    p = Path(dirpath) / name
-                    rel = str(p.relative_to(root))
-                    if p.is_symlink():
-                        out[rel] = "link"
-                    elif p.is_dir():
-                        out[rel] = "dir"
-                    else:
-                        out[rel] = "file"
-            return out
+            kinds = trees.tree(self.roots[1], skip=trees.NOTHING, contents=None)
+            return {"": "dir", **{rel: e[0] for rel, e in kinds.items()}}
 
         def pick(self, i: int, kinds: tuple[str, ...], root_ok: bool = False) -> str | None:
             cands = sorted(k for k, v in self.entries().items() if v in kinds and (k or root_ok))

@@ -34,6 +34,7 @@ import time
 import pytest
 
 from conftest import digest
+from trees import NOTHING, tree
 
 OPS = int(os.environ.get("MODEL_OPS", "60"))
 COHERENCE = 0.1
@@ -42,16 +43,12 @@ FILES = ["latest", "a.bin", "d1/x", "d1/y", "d2/x", "d1/sub/z", "d2"]   # d2: a 
 
 
 def backing_tree(root) -> dict[str, str]:
-    tree = {}
-    for top, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".acpfs-")]
-        for d in dirs:
-            tree[os.path.relpath(os.path.join(top, d), root)] = "dir"
-        for f in files:
-            assert not f.startswith(".acpfs-"), f"a temporary file is left: {top}/{f}"
-            with open(os.path.join(top, f), "rb") as fh:
-                tree[os.path.relpath(os.path.join(top, f), root)] = digest(fh.read())
-    return tree
+    """Directories as "dir", files as their digest, acpfs's own directories aside; no file of
+    acpfs's may be left."""
+    out = tree(root, skip_files=NOTHING, modes=False, contents=lambda p, st: digest(p.read_bytes()))
+    left = [p for p in out if os.path.basename(p).startswith(".acpfs-")]
+    assert not left, f"a temporary file is left: {left}"
+    return out
 
 
 class Model:
@@ -146,13 +143,11 @@ class Model:
 
 def inode_groups(root) -> list[tuple[str, ...]]:
     """The names under root that are one file (more than one name), as the model lists them."""
-    by_ino: dict[int, list[str]] = {}
-    for top, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".acpfs-")]
-        for f in files:
-            p = os.path.join(top, f)
-            by_ino.setdefault(os.lstat(p).st_ino, []).append(os.path.relpath(p, root))
-    return sorted(tuple(sorted(n)) for n in by_ino.values() if len(n) > 1)
+    by_first: dict[str, list[str]] = {}
+    for rel, e in tree(root, skip_files=NOTHING, contents=None, links=True).items():
+        if len(e) == 5:      # ("file", mode, None, link count, first name)
+            by_first.setdefault(e[4], []).append(rel)
+    return sorted(tuple(sorted(n)) for n in by_first.values() if len(n) > 1)
 
 
 def test_every_node_reads_every_nodes_files(make_nodes, workers):
@@ -268,8 +263,8 @@ for the backing by design, docs/faults.md), so
     for node in nodes:
         node.sync()
     time.sleep(COHERENCE + 0.1)
-    tree = backing_tree(shared)
-    torn = [p for p, d in tree.items() if d != "dir" and d not in written]
+    backing = backing_tree(shared)
+    torn = [p for p, d in backing.items() if d != "dir" and d not in written]
     assert torn == [], f"seed {seed}: files holding content nobody wrote: {torn}"
     aside = shared / ".acpfs-conflicts"
     kept = [p for p in aside.rglob("*") if p.is_file()] if aside.exists() else []
@@ -282,6 +277,6 @@ for the backing by design, docs/faults.md), so
             conflicts[k] = conflicts.get(k, 0) + n
         view = json.loads(w.do("tree", "."))
         view = {p: d for p, d in view.items() if not p.startswith(".acpfs-")}
-        assert view == tree, f"seed {seed}: node {node.name} sees {view}, the backing holds {tree}"
+        assert view == backing, f"seed {seed}: node {node.name} sees {view}, the backing holds {backing}"
     print(f"{OPS} operations on 2 nodes with holds ({failed} refused by a node's view): "
           f"conflicts {conflicts}, {len(kept)} files kept aside; every view equals the backing")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import acpfs, listing, tree
+from conftest import acpfs, listing
+from trees import tree
 
 
 def test_backing_tree_is_visible_and_readable(make_mount, tmp_path):

@@ -46,36 +46,26 @@ from hypothesis import HealthCheck, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-import conftest
+import trees
 
 MiB = 1 << 20
 SCALE = float(os.environ.get("PREFIX_SCALE", "1"))
 _digests: dict[tuple, str] = {}
 
 
+def size_and_digest(p: Path, st_: os.stat_result) -> tuple[int, str]:
+    """A file's size and digest, kept per inode, size and mtime: the program reads the
+    reference after every operation."""
+    key = (st_.st_dev, st_.st_ino, st_.st_size, st_.st_mtime_ns, st_.st_ctime_ns)
+    digest = _digests.get(key)
+    if digest is None:
+        digest = _digests[key] = hashlib.sha1(p.read_bytes()).hexdigest()
+    return st_.st_size, digest
+
+
 def tree(root: Path) -> dict:
-    """conftest.tree with file contents as digests (kept per inode, size and mtime: the
-    program reads the reference after every operation)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".acpfs-")]
-        for name in dirnames + filenames:
-            if name.startswith(".acpfs-"):
-                continue
-            p = Path(dirpath) / name
-            st_ = p.lstat()
-            rel = str(p.relative_to(root))
-            if p.is_symlink():
-                out[rel] = ("link", os.readlink(p))
-            elif p.is_dir():
-                out[rel] = ("dir", oct(st_.st_mode & 0o7777))
-            else:
-                key = (st_.st_dev, st_.st_ino, st_.st_size, st_.st_mtime_ns, st_.st_ctime_ns)
-                digest = _digests.get(key)
-                if digest is None:
-                    digest = _digests[key] = hashlib.sha1(p.read_bytes()).hexdigest()
-                out[rel] = ("file", oct(st_.st_mode & 0o7777), st_.st_size, digest)
-    return out
+    """trees.tree with file contents as sizes and digests."""
+    return trees.tree(root, contents=size_and_digest)
 
 
 class History:
@@ -487,7 +477,7 @@ def test_random_operations_only_show_states_of_the_mount(make_mount, faults, tmp
 
         @invariant()
         def same_view(self):
-            assert conftest.tree(self.roots[0]) == conftest.tree(self.roots[1]), \
+            assert trees.tree(self.roots[0]) == trees.tree(self.roots[1]), \
                 "the mount's view is not the reference"
 
         def teardown(self):

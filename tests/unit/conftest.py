@@ -3,9 +3,16 @@ process, without /dev/fuse, over a backing that can fail or hang (``faulty.Fault
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from harness import Parts
+# tests/trees.py (one tree walker for both tiers) is imported as ``trees``; nothing else of
+# tests/ is: the mount tier's conftest.py is not for this tier.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness import Parts  # noqa: E402
 
 
 @pytest.fixture

@@ -72,6 +72,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from acpfs.types import node_path
 from harness import Parts, write_file
+from trees import tree
 
 SCALE = float(os.environ.get("PREFIX_MODEL_SCALE", "1"))
 # Whether a step shows a bad state can depend on where the flusher is when the step is checked,
@@ -146,22 +147,8 @@ def files_under(e) -> list[MFile]:
 
 
 def backing_tree(root: Path) -> dict[str, tuple]:
-    out: dict[str, tuple] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [n for n in dirnames if not n.startswith(TEMP_PREFIX)]
-        for name in dirnames + filenames:
-            if name.startswith(TEMP_PREFIX):
-                continue
-            p = Path(dirpath) / name
-            rel = str(p.relative_to(root))
-            st_ = p.lstat()
-            if statmod.S_ISLNK(st_.st_mode):
-                out[rel] = ("link", os.readlink(p))
-            elif statmod.S_ISDIR(st_.st_mode):
-                out[rel] = ("dir", oct(statmod.S_IMODE(st_.st_mode)))
-            else:
-                out[rel] = ("file", oct(statmod.S_IMODE(st_.st_mode)), p.read_bytes())
-    return out
+    """The backing as trees.tree gives it, acpfs's temporary names aside."""
+    return tree(root, skip=lambda n: n.startswith(TEMP_PREFIX))
 
 
 def short(v) -> str:

@@ -22,6 +22,7 @@ from acpfs.oplog import OpLog
 from acpfs.pool import Pool
 from acpfs.recovery import claimed_content, plan
 from faulty import FaultyBacking
+import trees
 from harness import BS, make_store, write_file
 
 
@@ -137,20 +138,9 @@ def test_claimed_blocks_counts_repeats(tmp_path):
 # -- recover, end to end ---------------------------------------------------------------------
 
 def tree(root: Path) -> dict[str, object]:
-    """Everything under ``root``: files as their bytes, symlinks as ("->", target),
+    """Everything under ``root``: files as their bytes, symlinks as ("link", target),
     directories as "dir"."""
-    out: dict[str, object] = {}
-    for dirpath, dirs, files in os.walk(root):
-        for name in dirs + files:
-            p = Path(dirpath) / name
-            rel = str(p.relative_to(root))
-            if p.is_symlink():
-                out[rel] = ("->", os.readlink(p))
-            elif p.is_dir():
-                out[rel] = "dir"
-            else:
-                out[rel] = p.read_bytes()
-    return out
+    return trees.tree(root, skip=trees.NOTHING, modes=False)
 
 
 class Restarted:
@@ -235,7 +225,7 @@ def kill(core, held) -> None:
 EXPECTED = {
     "d": "dir", "d/g": b"G" * (3 * BS + 7),
     "e": "dir", "e/f2": b"one" * 2000,
-    "l": ("->", "e/f2"),
+    "l": ("link", "e/f2"),
     "k": b"",
     "h": b"H" * (2 * BS),
     "o": b"o before",                                    # open at the crash: previous version

@@ -28,15 +28,13 @@ import shutil
 import time
 from pathlib import Path
 
-from hypothesis import HealthCheck, Phase, note, settings
+from hypothesis import HealthCheck, note
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from harness import Parts
-from test_prefix_model import SHRINK, WAIT, OwnedLock, backing_tree, diff, hold, show
+from heldmodel import WAIT, HeldMachine, hold, run
+from test_prefix_model import diff, show
 
-SCALE = float(os.environ.get("PREFIX_MODEL_SCALE", "1"))
 PATHS = ["a", "b", "c", "d/a", "d/b", "d/c"]
 MODE = 0o644
 PAUSE_METHODS = ["publish", "link", "link", "rename", "unlink", "write_temp", "open_dir"]
@@ -54,25 +52,17 @@ class MFile:
         self.prev = b""           # at the close before (what names still to come may hold)
 
 
-class LinksModel(RuleBasedStateMachine):
+class LinksModel(HeldMachine):
     base: Path
 
     def __init__(self) -> None:
         super().__init__()
-        self.dir = self.base / f"ex{STATS['examples']}"
+        self.setup(self.base / f"ex{STATS['examples']}")
         STATS["examples"] += 1
-        self.dir.mkdir()
-        self.core = Parts(self.dir, blocks=256, workers=2)
-        self.cache = self.core.cache
-        self.cache.position_lock = self.plock = OwnedLock()
         self.names: dict[str, MFile] = {}
         self.d = self.cache.mkdir(self.cache.root, b"d", 0o755, 0, 0)
         self.history: list[tuple[dict, dict, str]] = [({}, {}, "start"),
                                                       ({"d": ("dir", oct(0o755))}, {}, "mkdir d")]
-        self.lo = 0
-        self.fault = None
-        self.pause_desc = ""
-        self.violation: str | None = None
 
     # -- the model ---------------------------------------------------------------------------
     def where(self, path: str):
@@ -93,31 +83,17 @@ class LinksModel(RuleBasedStateMachine):
             self.history.append((state, alt, label))
             note(f"  state {len(self.history) - 1} after {label}: {show(state)}")
 
-    def read_backing(self) -> dict:
-        deadline = time.monotonic() + WAIT
-        while True:
-            if self.plock.acquire(timeout=0.005):
-                try:
-                    return backing_tree(self.core.back)
-                finally:
-                    self.plock.release()
-            f = self.fault
-            held = getattr(f, "thread", None) if f is not None and f.entered.is_set() \
-                and not f._released.is_set() else None
-            if held is not None and self.plock.owner is held:
-                return backing_tree(self.core.back)   # its holder is held by the pause
-            assert time.monotonic() < deadline, "position lock not released"
-
     def check(self, where: str) -> None:
         if self.violation is not None:
             return
         b = self.read_backing()
-        for i in range(self.lo, len(self.history)):
-            state, alt, _ = self.history[i]
-            if b.keys() == state.keys() and all(b[p] == v or alt.get(p) == b[p] for p, v in state.items()):
-                STATS["matched with a name still to come"] += b != state
-                self.lo = i
-                return
+        def matches(h) -> bool:
+            state, alt, _ = h
+            return b.keys() == state.keys() and all(b[p] == v or alt.get(p) == b[p]
+                                                    for p, v in state.items())
+        if self.advance(matches):
+            STATS["matched with a name still to come"] += b != self.history[self.lo][0]
+            return
         self.violation = "\n".join(
             [f"{where}: the backing shows a state the mount never had", f"  backing: {show(b)}",
              f"  pause: {self.pause_desc or 'none'}", "  history:"]
@@ -277,11 +253,7 @@ class LinksModel(RuleBasedStateMachine):
 def test_hard_links_keep_the_backing_a_state_of_the_mount(tmp_path):
     LinksModel.base = tmp_path
     try:
-        run_state_machine_as_test(LinksModel, settings=settings(
-            max_examples=max(1, int(150 * SCALE)), stateful_step_count=40, deadline=None,
-            print_blob=True, report_multiple_bugs=False,
-            phases=[p for p in Phase if SHRINK or p not in (Phase.shrink, Phase.explain)],
-            suppress_health_check=list(HealthCheck)))
+        run(LinksModel, 150, 40, list(HealthCheck))
     finally:
         print(f"\nsteps and checks: {dict(sorted(STATS.items()))}")
         STATS.clear()

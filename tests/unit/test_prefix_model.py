@@ -58,28 +58,19 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-import os
 import shutil
 import stat as statmod
-import threading
 import time
 from pathlib import Path
 
-from hypothesis import HealthCheck, Phase, note, settings
+from hypothesis import HealthCheck, note
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from acpfs.types import node_path
 from harness import Parts, write_file
-from trees import tree
+from heldmodel import WAIT, HeldMachine, backing_tree, hold, run
 
-SCALE = float(os.environ.get("PREFIX_MODEL_SCALE", "1"))
-# Whether a step shows a bad state can depend on where the flusher is when the step is checked,
-# so a failing example need not fail again when replayed, and shrinking one can take minutes:
-# off by default (the failure message has the whole history); PREFIX_MODEL_SHRINK=1 turns it on.
-SHRINK = os.environ.get("PREFIX_MODEL_SHRINK", "") not in ("", "0")
-TEMP_PREFIX = ".acpfs-tmp-"
 NAMES = ["a", "b", "c"]
 FILE_MODES = [0o644, 0o600, 0o640, 0o755]
 DIR_MODES = [0o755, 0o700, 0o750]
@@ -88,7 +79,6 @@ TARGETS = ["a", "../b", "/nowhere"]
 # before the backing changes, so a held call leaves the backing between two operations)
 PAUSE_METHODS = ["publish", "rename", "unlink", "mkdir", "symlink", "setattr", "write_temp",
                  "finish_temp", "open_dir"]
-WAIT = 20.0   # seconds before a wait on the flusher counts as a hang of the test itself
 
 picks = st.integers(0, 1 << 16)
 skips = st.sampled_from([0, 0, 1, 2, 4])   # calls of the method to let by before holding one
@@ -146,11 +136,6 @@ def files_under(e) -> list[MFile]:
     return []
 
 
-def backing_tree(root: Path) -> dict[str, tuple]:
-    """The backing as trees.tree gives it, acpfs's temporary names aside."""
-    return tree(root, skip=lambda n: n.startswith(TEMP_PREFIX))
-
-
 def short(v) -> str:
     if v is None:
         return "absent"
@@ -170,61 +155,6 @@ def diff(a: dict, b: dict) -> str:
 
 
 # -- test instrumentation ---------------------------------------------------------------------
-class OwnedLock:
-    """A Lock that knows its holder: the cache's position lock, so that the test can tell
-    whether the thread that holds it is the one held by the pause."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.owner: threading.Thread | None = None
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        ok = self._lock.acquire(blocking, timeout)
-        if ok:
-            self.owner = threading.current_thread()
-        return ok
-
-    def release(self) -> None:
-        self.owner = None
-        self._lock.release()
-
-    def locked(self) -> bool:
-        return self._lock.locked()
-
-    __enter__ = acquire
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class Countdown(threading.Event):
-    """A fault's ``armed`` event that turns on after ``n`` matching calls went by."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n = n
-
-    def is_set(self) -> bool:   # asked once per call that matches the fault's method
-        if self.n > 0:
-            self.n -= 1
-            return False
-        return True
-
-
-def hold(backing, method: str, skip: int):
-    """Hold the next call of ``method`` of a FaultyBacking after ``skip`` of them went by;
-    the fault knows the thread it holds (``thread``) and the call (``where``)."""
-    f = backing.inject(method, hang=True, times=1, armed=Countdown(skip))
-    act = f.act
-
-    def tracked(m, p):
-        f.thread = threading.current_thread()
-        f.where = f"{m} {p}"
-        act(m, p)
-    f.act = tracked
-    return f
-
-
 LIVE: list[Parts] = []   # cores of running examples: closed by the test even if teardown did not run
 _counter = itertools.count()
 
@@ -245,26 +175,18 @@ def guarded(fn):
 
 
 def make_machine(base: Path, unpersisted_deletes: bool):
-    class PrefixModel(RuleBasedStateMachine):
+    class PrefixModel(HeldMachine):
         def __init__(self) -> None:
             super().__init__()
             self.broken = False
-            self.dir = base / f"ex{next(_counter)}"
-            self.dir.mkdir()
-            self.core = Parts(self.dir, blocks=256, workers=2)
+            self.setup(base / f"ex{next(_counter)}")
             LIVE.append(self.core)
-            self.cache = self.core.cache
-            self.cache.position_lock = self.plock = OwnedLock()
             self.root = MDir(self.cache.root, 0)
-            self.violation: str | None = None   # the first failed check (raised at the end)
             self.cancelled: list[str] = []      # files removed with a snapshot still queued
             self.queued: list = []
             self.history: list[tuple[dict, str]] = [({}, "start")]
             STATS["examples"] += 1
             self.t0 = time.monotonic()
-            self.lo = 0              # index of the state the backing matched last
-            self.fault = None
-            self.pause_desc = ""
             self.handles: set[MFile] = set()   # files held open for writing (linked or not)
 
         # -- the history ---------------------------------------------------------------------
@@ -285,26 +207,6 @@ def make_machine(base: Path, unpersisted_deletes: bool):
                 self.history.append((s, label))
                 note(f"  state {len(self.history) - 1} after {label}: {show(s)}")
 
-        # -- reading the backing while the flusher cannot change it ----------------------------
-        def held_thread(self):
-            f = self.fault
-            if f is not None and f.entered.is_set() and not f._released.is_set():
-                return getattr(f, "thread", None)
-            return None
-
-        def read_backing(self) -> dict:
-            deadline = time.monotonic() + WAIT
-            while True:
-                if self.plock.acquire(timeout=0.005):
-                    try:
-                        return backing_tree(self.core.back)
-                    finally:
-                        self.plock.release()
-                held = self.held_thread()
-                if held is not None and self.plock.owner is held:
-                    return backing_tree(self.core.back)   # its holder is held by the pause
-                assert time.monotonic() < deadline, "position lock not released"
-
         def check(self, where: str) -> None:
             """The backing is a state of the history, not before the one it showed last.
 
@@ -315,10 +217,8 @@ def make_machine(base: Path, unpersisted_deletes: bool):
             b = self.read_backing()
             STATS["checks while the flusher is behind"] += not self.idle()
             STATS["checks while a call is held"] += self.held_thread() is not None
-            for i in range(self.lo, len(self.history)):
-                if self.history[i][0] == b:
-                    self.lo = i
-                    return
+            if self.advance(lambda h: h[0] == b):
+                return
             near = min(range(len(self.history)),
                        key=lambda i: (len(diff(b, self.history[i][0]).split("; ")), -i))
             lines = [f"{where}: the backing shows a state the mount never had "
@@ -727,13 +627,9 @@ def make_machine(base: Path, unpersisted_deletes: bool):
 def run_model(tmp_path: Path, unpersisted_deletes: bool, max_examples: int, steps: int) -> None:
     machine = make_machine(tmp_path, unpersisted_deletes)
     try:
-        run_state_machine_as_test(machine, settings=settings(
-            max_examples=max(1, int(max_examples * SCALE)), stateful_step_count=steps,
-            deadline=None, print_blob=True, report_multiple_bugs=False,
-            phases=[p for p in Phase if SHRINK or p not in (Phase.shrink, Phase.explain)],
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                   HealthCheck.function_scoped_fixture,
-                                   HealthCheck.data_too_large]))
+        run(machine, max_examples, steps, [HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                           HealthCheck.function_scoped_fixture,
+                                           HealthCheck.data_too_large])
     finally:
         print(f"\nsteps and checks: {dict(sorted(STATS.items()))}")
         STATS.clear()

@@ -409,7 +409,7 @@ def own_dev(mountpoint: str) -> str | None:
 async def watch_detached(mountpoint: str) -> None:
     """Say so when the mount was unmounted here but the kernel keeps the filesystem alive,
     because other mount namespaces hold copies of it: the daemon serves them (and does not
-    drain and exit) until they let go. That wait used to be silent (issue 10.6)."""
+    drain and exit) until they let go, which an operator would otherwise not see."""
     import trio
 
     from . import client

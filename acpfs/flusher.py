@@ -358,7 +358,7 @@ class Flusher:
         (MissingDir): removed or moved behind acpfs's back. Changes made through the mount
         still go into it, so it is made again, from the mount's view (mode, owner), with
         every directory below it on the way to ``where``. What else it held in the backing
-        went with it; the mount is the truth for what it acknowledged (issue 10.3)."""
+        went with it; the mount is the truth for what it acknowledged."""
         if not isinstance(exc, MissingDir):
             return
         cache = self.cache

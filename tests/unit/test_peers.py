@@ -279,7 +279,7 @@ def test_a_change_answered_under_a_promise_holds_the_other_nodes(tmp_path):
 
 
 def test_an_acknowledged_close_counts_in_the_frontier_until_it_is_applied(core):
-    """close() stamps what it acknowledges (Cache.note_ack); RELEASE queues it later. At every
+    """close() stamps what it acknowledges (OpLog.note_ack); RELEASE queues it later. At every
     moment in between and until the op is applied, the node's frontier stays at or before the
     stamp (a node once showed "idle" between the two, and a pointer of another node landed
     before its shard)."""

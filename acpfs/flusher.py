@@ -36,6 +36,7 @@ from typing import Callable, TypeVar
 from .backing import STALE, Backing, Comps, MissingDir, NotEmpty, flat_name
 from .cache import Cache
 from .oplog import OpLog
+from .config import DEFAULT_FLUSH_WORKERS
 from .conflicts import Conflicts, describe_entry
 from .peers import UP, Peers
 from .retry import describe, retry
@@ -59,7 +60,7 @@ class Flusher:
     the counters of what was persisted."""
 
     def __init__(self, oplog: OpLog, cache: Cache, backing: Backing, peers: Peers | None,
-                 workers: int = 4) -> None:
+                 workers: int = DEFAULT_FLUSH_WORKERS) -> None:
         self.oplog = oplog
         self.cache = cache
         self.backing = backing

@@ -27,11 +27,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from .config import DEFAULT_BLOCK_SIZE
 from .content import CacheFull
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE = 64 * 1024
 VECTOR_MIN = 32   # block lists longer than this are counted with numpy, not a Python loop
 
 

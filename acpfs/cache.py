@@ -47,7 +47,8 @@ from typing import NamedTuple
 from .backing import Backing, check_name, is_internal_name
 from .content import CacheFull, Content, Store
 from .oplog import OpLog
-from .types import ROOT_INODE, Children, JournalState, KernelNotices, Node, OpKind, Snapshot, \
+from .ops import Link, Mkdir, Mknod, Publish, Rename, Rmdir, SetAttr, SetXattr, Symlink, Unlink
+from .types import ROOT_INODE, Children, JournalState, KernelNotices, Node, Snapshot, \
     err, mount_path, name_path, now_ns
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class Cache:
         at one moment (hold position_lock)."""
         log_ = self.oplog
         with log_.lock:                  # lock order: position_lock, then lock
-            queued = [op.node for op in log_.queue] + [op.replaced for op in log_.queue if op.replaced]
+            queued = [n for op in log_.queue for n in op.moves()]
             applied = log_.applied_seq
         mine = list((node.children or {}).values()) + queued
         return {name for n in mine for d, name in n.positions() if d is node}, applied
@@ -193,7 +194,7 @@ class Cache:
         applied), so only the child of that name and the queued ops' nodes can hold it."""
         log_ = self.oplog
         with log_.lock:                  # lock order: position_lock, then lock
-            mine = [op.node for op in log_.queue] + [op.replaced for op in log_.queue if op.replaced]
+            mine = [n for op in log_.queue for n in op.moves()]
         child = node.children.get(name) if node.children else None
         if child is not None:
             mine.append(child)
@@ -433,7 +434,7 @@ class Cache:
         kids[name] = node
         parent.mtime = parent.ctime = node.mtime
         # the mode and owner it was made with: a later chmod is an op of its own, after it
-        self.oplog.push(OpKind.MKDIR, node, parent=parent, name=name, attrs=(node.mode, uid, gid))
+        self.oplog.push(Mkdir(node, parent, name, uid, gid))
         return node
 
     def symlink(self, parent: Node, name: bytes, target: bytes, uid: int, gid: int) -> Node:
@@ -444,7 +445,7 @@ class Cache:
         node.xattrs = {}
         kids[name] = node
         parent.mtime = parent.ctime = node.mtime
-        self.oplog.push(OpKind.SYMLINK, node, parent=parent, name=name, attrs=(node.mode, uid, gid))
+        self.oplog.push(Symlink(node, parent, name, uid, gid))
         return node
 
     def mknod(self, parent: Node, name: bytes, mode: int, rdev: int, uid: int, gid: int) -> Node:
@@ -455,7 +456,7 @@ class Cache:
         node.xattrs = {}
         kids[name] = node
         parent.mtime = parent.ctime = node.mtime
-        self.oplog.push(OpKind.MKNOD, node, parent=parent, name=name, attrs=(node.mode, uid, gid))
+        self.oplog.push(Mknod(node, parent, name, uid, gid))
         return node
 
     def unlink(self, parent: Node, name: bytes) -> None:
@@ -464,8 +465,7 @@ class Cache:
             raise err(errno.EISDIR)
         path = name_path(parent, name)
         self._remove(parent, name, node)
-        self.oplog.push(OpKind.UNLINK, node, parent=parent, name=name, old_path=path,
-                      links=node.names() or None)
+        self.oplog.push(Unlink(node, parent, name, path, node.names() or None))
 
     def rmdir(self, parent: Node, name: bytes) -> None:
         node = self.lookup(parent, name)
@@ -476,7 +476,7 @@ class Cache:
             raise err(errno.ENOTEMPTY)
         path = mount_path(node)
         self._remove(parent, name, node)
-        self.oplog.push(OpKind.RMDIR, node, parent=parent, name=name, old_path=path)
+        self.oplog.push(Rmdir(node, parent, name, path))
 
     def _remove(self, parent: Node, name: bytes, node: Node) -> None:
         del parent.children[name]  # type: ignore[union-attr]
@@ -529,8 +529,7 @@ class Cache:
         node.rename_name((p1, n1), (p2, n2))
         t = now_ns()
         p1.mtime = p1.ctime = p2.mtime = p2.ctime = node.ctime = t
-        self.oplog.push(OpKind.RENAME, node, parent=p2, name=n2, replaced=target, src=p1,
-                      src_name=n1, src_path=src_path)
+        self.oplog.push(Rename(node, p2, n2, p1, n1, target, src_path))
 
     def link(self, node: Node, parent: Node, name: bytes) -> None:
         """One more name for a file, symlink or special file (a hard link): the same node,
@@ -545,7 +544,7 @@ class Cache:
         node.add_name(parent, name)
         node.nlink += 1
         parent.mtime = parent.ctime = node.ctime = now_ns()
-        self.oplog.push(OpKind.LINK, node, parent=parent, name=name, src_path=src_path)
+        self.oplog.push(Link(node, parent, name, src_path))
         self.oplog.rejournal(node)   # a "flushed" record names every name of the file
 
     def setattr(self, node: Node, mode: int | None = None, uid: int | None = None,
@@ -565,7 +564,7 @@ class Cache:
         if node.is_reg and node.dirty:
             return  # the coming snapshot carries the new attributes
         times = (node.atime, node.mtime) if (atime is not None or mtime is not None) else None
-        self.oplog.push(OpKind.SETATTR, node, attrs=(None if mode is None else node.mode, uid, gid, times))
+        self.oplog.push(SetAttr(node, None if mode is None else node.mode, uid, gid, times))
 
     def set_xattr(self, node: Node, key: bytes, value: bytes | None) -> None:
         assert node.xattrs is not None, "xattrs not loaded"
@@ -578,7 +577,7 @@ class Cache:
         node.ctime = now_ns()
         if node.is_link or (node.is_reg and node.dirty):
             return
-        self.oplog.push(OpKind.XATTR, node, attrs=(key, value))
+        self.oplog.push(SetXattr(node, key, value))
 
     # -- file content --------------------------------------------------------------------
     def open(self, node: Node, writable: bool, trunc: bool, append: bool = False,
@@ -878,7 +877,11 @@ class Cache:
 
     # -- the ordered stream of mutations --------------------------------------------------
     def snapshot(self, node: Node) -> None:
-        """Queue the current content of ``node`` for persistence (its last close)."""
+        """Queue the current content of ``node`` for persistence (its last close). A file
+        removed from the mount (still open, written after its removal) has no name to land
+        under: nothing is queued."""
+        if node.parent is None:
+            return
         self.sync_content(node)
         with self.oplog.lock:
             if node.content is None:
@@ -891,15 +894,15 @@ class Cache:
             if node.staged is not None:
                 node.staged.queued = True   # the op owns it now; reads still use it
             # the acknowledgement stays in ``acked`` until the op that covers it is queued
-            # (Flusher.submit): this node's frontier must not pass it in between
+            # (OpLog.push): this node's frontier must not pass it in between
             floor, stamp = self.oplog.acked.get(node.ino, (0.0, 0.0))   # 0: stamped when queued
         node.dirty = False
         node.truncated = False
         self.dirty_nodes.discard(node)
         if node.journal_state != JournalState.NONE:
             self.oplog.journal_state(node, JournalState.NONE, record=False)   # the publish record says it
-        self.oplog.push(OpKind.PUBLISH, node, parent=node.parent, name=node.name, snap=snap,
-                      stamp=(stamp, floor), links=list(node.links) if node.links else None)
+        self.oplog.push(Publish(node, node.parent, node.name, snap,
+                                list(node.links) if node.links else None), (stamp, floor))
         if node in self.passthrough_writers:
             # the kernel may write on without telling: dirty again, and what was queued is
             # remembered so that an unchanged file is not queued again (unchanged_since_snapshot)

@@ -185,7 +185,7 @@ def status(fl: Flusher, info: MountInfo) -> dict[str, Any]:
         applied = oplog.applied_seq
         flushing_files = len({op.node.ino for op in queue if op.kind == OpKind.PUBLISH and op.state != OpState.VOID})
         queued_bytes = oplog.queued_bytes
-        in_flight = fl.uploading
+        in_flight = fl.uploads.running
         persisted_files, persisted_bytes = fl.persisted_files, fl.persisted_bytes
         used, peak = store.used, store.peak
         cached_files = sum(1 for n in cache.nodes.values() if n.content is not None and n.size)
@@ -227,7 +227,7 @@ def status(fl: Flusher, info: MountInfo) -> dict[str, Any]:
         "flush_rate_bytes_per_s": round(fl.rate()),
         "oldest_dirty_age_s": None if oldest is None else round(now - oldest, 1),
         "errors": errors,
-        "conflicts": fl.conflicts.status(),
+        "conflicts": fl.repairs.conflicts.status(),
         "peers": peers,
         "flusher_alive": fl.thread.is_alive(),
         "journal_error": oplog.journal.error if oplog.journal is not None else None,

@@ -33,8 +33,8 @@ import time
 from .content import Content, Store
 from .journal import CLEAN, DIRTY, FLUSHED, Journal, Record
 from .peers import stamp_after
-from .types import JournalState, Node, Op, OpKind, OpState, Snapshot, Staged, mount_path, \
-    name_path, node_path
+from .ops import Op, Publish, content_record
+from .types import JournalState, Node, OpState, Staged, mount_path, node_path
 
 
 class OpLog:
@@ -89,25 +89,18 @@ class OpLog:
         return self.next_stamp(), False
 
     # -- the queue ---------------------------------------------------------------------------
-    def push(self, kind: OpKind, node: Node, old_path: bytes | None = None,
-             src_path: bytes | None = None, stamp: tuple[float, float] = (0.0, 0.0),
-             **kw) -> Op:
-        """Queue one mutation, journaled first (``old_path``: where an unlinked node was;
-        ``src_path``: where a renamed one came from; ``stamp``: (stamp, floor) of a change
-        close() acknowledged earlier, else it is stamped here)."""
+    def push(self, op: Op, stamp: tuple[float, float] = (0.0, 0.0)) -> Op:
+        """Queue one mutation, journaled first (``stamp``: (stamp, floor) of a change close()
+        acknowledged earlier, else it is stamped here)."""
         self.seq += 1
-        where = old_path if kind in (OpKind.UNLINK, OpKind.RMDIR) else \
-            name_path(kw["parent"], kw["name"]) if kind in (OpKind.RENAME, OpKind.LINK) \
-            else mount_path(node)
-        op = Op(self.seq, kind, node, path=os.fsdecode(where) if where else node_path(node), **kw)
+        op.seq = self.seq
+        where = op.where()
+        op.path = os.fsdecode(where) if where else node_path(op.node)
         op.stamp, op.floor = stamp
-        node.last_seq = self.seq
-        # the replaced node too: a file with other names stays in the mount, and the rename
-        # still moves one of its positions (it is not quiescent until then)
-        for d in (kw.get("parent"), kw.get("src"), kw.get("replaced")):
-            if d is not None:
-                d.last_seq = self.seq
-        record = self._op_record(op, old_path, src_path) if self.journal is not None else None
+        op.node.last_seq = self.seq
+        for d in op.others():
+            d.last_seq = self.seq
+        record = op.record(self.store.ref) if self.journal is not None else None
         with self.lock:
             if record is not None:
                 self._journal(record)   # the journal holds records in seq order
@@ -115,7 +108,7 @@ class OpLog:
                 op.stamp = op.floor = self.next_stamp()
             heapq.heappush(self._floors, (op.floor or op.stamp, op.seq))
             self.queue.append(op)
-            if op.kind == OpKind.PUBLISH:
+            if isinstance(op, Publish):
                 self.acked.pop(op.node.ino, None)   # what close() acknowledged: in op now
                 op.node.publish_ops.append(op)
                 self.queued_bytes += op.nbytes
@@ -162,7 +155,7 @@ class OpLog:
         if self.journal is not None:
             # before the flusher drops the block references (journal.py, invariants)
             self.journal.applied(op.seq, idle=not self.queue)
-        if op.kind == OpKind.PUBLISH:
+        if isinstance(op, Publish):
             op.node.publish_ops.remove(op)
             self.queued_bytes -= op.nbytes
 
@@ -211,49 +204,8 @@ class OpLog:
         if node.journal_state == JournalState.DIRTY:
             return Record(0, DIRTY, node.ino, mount_path(node))
         if node.journal_state == JournalState.FLUSHED:
-            return self._content_record(0, FLUSHED, node, node.journal_content,
-                                        (node.atime, node.mtime), dict(node.xattrs or {}))
+            content = node.journal_content
+            return content_record(0, FLUSHED, node, node, [] if content is None else
+                                  self.store.ref(content), (node.atime, node.mtime),
+                                  dict(node.xattrs or {}))
         return Record(0, CLEAN, node.ino)
-
-    def _content_record(self, seq: int, kind: str, node: Node, content: Content,
-                        times: tuple[int, int], xattrs: dict[bytes, bytes],
-                        what: Node | Snapshot | None = None) -> Record:
-        """A record of a file's content: of the node itself, or of ``what`` (a snapshot)."""
-        src = what or node
-        sp = src.staged
-        links = [p for p in (name_path(d, n) for d, n in node.links or ()) if p is not None]
-        return Record(seq, kind, node.ino, mount_path(node), size=src.size, mode=src.mode,
-                      uid=src.uid, gid=src.gid, times=times, xattrs=xattrs,
-                      blocks=[] if content is None else self.store.ref(content),
-                      staged_name=sp.name if sp is not None else b"", links=links)
-
-    def _op_record(self, op: Op, old_path: bytes | None, src_path: bytes | None) -> Record:
-        node, kind = op.node, op.kind
-        if kind == OpKind.PUBLISH:
-            snap = op.snap
-            assert snap is not None
-            return self._content_record(op.seq, kind, node, snap.content, snap.times,
-                                        snap.xattrs, snap)
-        if kind == OpKind.MKDIR:
-            return Record(op.seq, kind, node.ino, mount_path(node), mode=node.mode,
-                          uid=node.uid, gid=node.gid)
-        if kind == OpKind.SYMLINK:
-            return Record(op.seq, kind, node.ino, mount_path(node), target=node.target,
-                          uid=node.uid, gid=node.gid)
-        if kind == OpKind.MKNOD:
-            return Record(op.seq, kind, node.ino, mount_path(node), mode=node.mode,
-                          uid=node.uid, gid=node.gid, size=node.rdev)
-        if kind in (OpKind.UNLINK, OpKind.RMDIR):
-            return Record(op.seq, kind, node.ino, old_path)
-        if kind in (OpKind.RENAME, OpKind.LINK):
-            assert op.parent is not None
-            return Record(op.seq, kind, node.ino, name_path(op.parent, op.name),
-                          src_path=src_path)
-        if kind == OpKind.SETATTR:
-            mode, uid, gid, times = op.attrs
-            return Record(op.seq, kind, node.ino, mount_path(node), mode=mode, uid=uid,
-                          gid=gid, times=times)
-        if kind == OpKind.XATTR:
-            key, value = op.attrs
-            return Record(op.seq, kind, node.ino, mount_path(node), key=key, value=value)
-        raise AssertionError(f"unknown op {kind}")

@@ -22,12 +22,14 @@ Vocabulary (one name per concept):
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import enum
 import os
 import stat as statmod
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .ops import Publish
 
 
 ROOT_INODE = 1   # the mount's root directory, the kernel's FUSE_ROOT_ID
@@ -38,7 +40,7 @@ def now_ns() -> int:
 
 
 class OpKind(str, enum.Enum):
-    """What an ``Op`` does to the backing. The values are what the journal stores."""
+    """What an op (``ops.Op``) does to the backing. The values are what the journal stores."""
     PUBLISH = "publish"    # a file's snapshot: upload to a temporary name, rename into place
     LINK = "link"          # one more name for a node (a hard link)
     MKDIR = "mkdir"
@@ -140,7 +142,7 @@ class Node:
         self.lookups = 0                                 # the kernel's references (FUSE lookup count)
         self.dirty = False                               # changed since its last snapshot
         self.dirty_since = 0.0
-        self.publish_ops: list[Op] = []                  # (lock) queued publish ops of this file
+        self.publish_ops: list[Publish] = []             # (lock) queued publish ops of this file
         self.last_seq = 0                                # seq of the last op that involved it
         self.xattrs: dict[bytes, bytes] | None = None    # None: not read from the backing yet
         self.staged: Staged | None = None                # content written through to the backing
@@ -324,46 +326,6 @@ class Snapshot:
         self.gid = node.gid
         self.times = (node.atime, node.mtime)
         self.xattrs = dict(node.xattrs or {})
-
-
-class Op:
-    """One mutation of the mount, to be applied to the backing in seq order."""
-    __slots__ = ("seq", "kind", "node", "parent", "name", "replaced", "src", "snap", "attrs",
-                 "path", "state", "future", "dir_fd", "temp_name", "error", "attempts",
-                 "next_retry", "since", "nbytes", "stamp", "floor", "src_name", "links")
-
-    def __init__(self, seq: int, kind: OpKind, node: Node, *, path: str, parent: Node | None = None,
-                 name: bytes = b"", replaced: Node | None = None, src: Node | None = None,
-                 snap: Snapshot | None = None, attrs: Any = None, src_name: bytes = b"",
-                 links: list[tuple[Node, bytes]] | None = None) -> None:
-        self.seq = seq
-        self.kind = kind
-        self.node = node
-        self.parent = parent        # the directory it lands in (mkdir, symlink, publish, rename,
-        self.name = name            # link) or leaves (unlink, rmdir), and the name there
-        self.replaced = replaced    # rename: the node it replaced
-        self.src = src              # rename: the directory it left, and the name it had
-        self.src_name = src_name
-        self.links = links          # publish: the file's other names (hard links) when queued;
-                                    # unlink: the names it keeps
-        self.snap = snap            # publish
-        self.attrs = attrs          # setattr: (mode, uid, gid, times); xattr: (key, value);
-                                    # mkdir, symlink: (mode, uid, gid) it was made with
-        self.path = path            # for humans (status, logs)
-        self.state = OpState.QUEUED
-        self.future: cf.Future | None = None
-        self.dir_fd = -1            # publish: directory of its temporary file
-        self.temp_name = b""
-        self.error: str | None = None
-        self.attempts = 0
-        self.next_retry = 0.0
-        self.since = time.time()
-        self.nbytes = snap.size if snap is not None else 0
-        # global order (peers.py): when this change was acknowledged (the close that
-        # acknowledged a snapshot; the request of other ops), and the oldest acknowledgement
-        # it makes durable (a file closed twice before its snapshot was taken)
-        self.stamp = 0.0
-        self.floor = 0.0
 
 
 class KernelNotices:

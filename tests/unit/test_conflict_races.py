@@ -37,7 +37,7 @@ def test_A_unlink_of_symlink_keeps_another_writers_file(core):
     (back / "latest").write_bytes(b"another node's file")      # another kind of entry
     cache.unlink(cache.root, b"latest")
     core.drain()
-    print(core.flusher.conflicts.status())
+    print(core.flusher.repairs.conflicts.status())
     assert (back / "latest").exists(), "another node's regular file was removed"
 
 
@@ -78,7 +78,7 @@ def test_B2_then_unlink_removes_the_other_writers_version(core):
     cache.setattr(node, atime=10**18, mtime=10**18)
     cache.unlink(cache.root, b"f")
     core.drain()
-    print(core.flusher.conflicts.status()["by_kind"])
+    print(core.flusher.repairs.conflicts.status()["by_kind"])
     assert (back / "f").exists(), "v2 (another node's) removed, no 'kept'"
 
 
@@ -154,7 +154,7 @@ def test_C_revalidate_applies_a_stat_older_than_its_own_publish(core):
         size_ok = node.size == os.stat(back / "f").st_size
         cache.unlink(cache.root, b"f")
         await tc.drain(core)
-        print(core.flusher.conflicts.status()["by_kind"])
+        print(core.flusher.repairs.conflicts.status()["by_kind"])
         print("backing still has f:", (back / "f").exists())
         assert size_ok and not (back / "f").exists()
     tc.run(core, test)

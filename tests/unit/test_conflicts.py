@@ -35,7 +35,7 @@ def settled(core, **expected: int) -> None:
     core.drain()
     assert core.flusher.failing_op() is None
     assert (core.back / "latest").read_bytes() == b"after"
-    st = core.flusher.conflicts.status()
+    st = core.flusher.repairs.conflicts.status()
     assert {k: n for k, n in st["by_kind"].items() if n} == expected
     assert st["total"] == sum(expected.values()) == len(st["recent"])
 
@@ -61,7 +61,7 @@ def test_rmdir_of_a_directory_holding_files_it_never_had_leaves_them_there(core)
     settled(core, not_empty=1)
     assert os.listdir(back / "step_1") == ["rank1"]
     assert (back / "step_1" / "rank1").read_bytes() == b"another node's shard"
-    [c] = core.flusher.conflicts.status()["recent"]
+    [c] = core.flusher.repairs.conflicts.status()["recent"]
     assert c["path"] == "step_1" and "'rank1'" in c["theirs"]
 
 
@@ -214,7 +214,7 @@ def test_a_file_renamed_after_another_writer_removed_it_leaves_the_view(core):
     assert not (back / "y").exists()
     cache.merge_listing(cache.root, *cache.relist_backing(cache.root))
     assert b"y" not in cache.root.children and b"x" not in cache.root.children
-    assert core.flusher.conflicts.status()["by_kind"]["gone"] == 1
+    assert core.flusher.repairs.conflicts.status()["by_kind"]["gone"] == 1
 
 
 def test_a_special_file_the_backing_refuses_stays_in_the_mount_and_the_queue_moves_on(core):

@@ -80,7 +80,7 @@ def test_a_chmod_of_a_linked_file_whose_first_name_another_writer_removed(core):
     cache.unlink(root, b"b")
     core.drain()
     assert not (core.back / "b").exists()
-    assert core.flusher.conflicts.status()["by_kind"]["gone"] == 1
+    assert core.flusher.repairs.conflicts.status()["by_kind"]["gone"] == 1
 
 
 def test_a_link_made_after_close_acknowledged_content_is_in_its_journal_record(make_core):
@@ -116,4 +116,4 @@ def test_a_new_version_lands_under_the_names_the_mount_does_not_know(tmp_path, m
     core.drain()
     assert (back / "a").read_bytes() == b"new" and (back / "d" / "b").read_bytes() == b"new"
     assert os.stat(back / "a").st_ino == os.stat(back / "d" / "b").st_ino
-    assert core.flusher.conflicts.status()["total"] == 0
+    assert core.flusher.repairs.conflicts.status()["total"] == 0

@@ -31,7 +31,7 @@ from .backing import is_internal_name
 from .cache import Relisting
 from .content import CacheFull
 from .peers import UNIT
-from .types import Node, err, node_path
+from .types import Node, err, name_path, node_path
 from .writethrough import Background, WriteThrough
 
 if TYPE_CHECKING:
@@ -220,7 +220,7 @@ class Core:
             with trio.move_on_after(COHERENCE_WAIT):
                 got = await self._check(key, functools.partial(cache.stat_name, parent, name))
         except OSError as e:
-            log.debug("looking up %s in the backing: %s", cache.name_path(parent, name), e)
+            log.debug("looking up %s in the backing: %s", name_path(parent, name), e)
         node = parent.children.get(name) if parent.children is not None else None
         if node is None and got is not None and parent.children is not None:
             node = cache.attach_found(parent, name, got)
@@ -347,8 +347,7 @@ class Core:
     def _look_again(self, pos: tuple[Node, bytes]) -> None:
         """The next lookup of this name lists its directory again (Cache.merge_listing)."""
         pos[0].listed_at = 0.0
-        if self.cache.forget_entry is not None:
-            self.cache.forget_entry(pos[0].ino, pos[1])
+        self.cache.kernel.forget_entry(pos[0].ino, pos[1])
 
     async def _check(self, key: object, fn: Callable[[], T]) -> T:
         """``fn()`` in a worker thread that may be abandoned (a hung backing): at most one
@@ -723,8 +722,8 @@ class Core:
             mode &= ~statmod.S_ISGID
         if mode != node.mode:
             self.cache.setattr(node, mode=mode)
-            if not chown and self.cache.forget_attrs is not None:
-                self.cache.forget_attrs(node.ino)   # the kernel asks for the new mode
+            if not chown:
+                self.cache.kernel.forget_attrs(node.ino)   # the kernel asks for the new mode
 
     def flush(self, fh: int) -> None:
         """close(): what it acknowledges is journaled and stamped here.

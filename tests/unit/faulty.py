@@ -1,8 +1,8 @@
 """A ``Backing`` whose calls can be made to fail or hang, chosen per call, per path, on an event.
 
 Every public method of ``acpfs.backing.Backing`` (the only place acpfs makes system calls
-on the backing) is wrapped: before the real call, the faults injected with ``inject`` are
-consulted in order, and the first that matches acts. A fault matches by method name (or
+on the backing), whichever of its pieces defines it, is wrapped: before the real call, the
+faults injected with ``inject`` are consulted in order, and the first that matches acts. A fault matches by method name (or
 any), by a substring of the call's path in the backing (names from the root joined with
 ``/``; calls on a descriptor have the path the descriptor was opened with), only while its
 ``armed`` event is set (set by default), and only for ``times`` calls (default: every).
@@ -159,7 +159,9 @@ def _wrap(name: str, fn: Any) -> Any:
     return wrapper
 
 
-for _name, _fn in list(vars(Backing).items()):
+# ``Backing`` is made of pieces (acpfs/backing.py): every public method of any of them
+for _name in sorted({n for cls in Backing.__mro__ if cls is not object for n in vars(cls)}):
+    _fn = inspect.getattr_static(Backing, _name)
     if not _name.startswith("_") and callable(_fn) and _name not in UNWRAPPED \
             and not isinstance(_fn, staticmethod):
         setattr(FaultyBacking, _name, _wrap(_name, _fn))

@@ -13,9 +13,10 @@ followed by ``publish`` (rename over the final name, fsync of the directory).
 
 Boundary invariant: ``Backing`` (with its pieces) is the only place that makes system calls
 on the backing directory or on descriptors opened in it (reads, writes, truncates and fsyncs
-of staged files included), so a test can wrap a
+of staged files included, and the node records of global order), so a test can wrap a
 ``Backing`` to fail or hang any one call (tests/unit/faulty.py). Nothing here retries or
-knows about the cache; callers (``flusher``, ``writethrough``, ``recovery``) do that.
+knows about the cache; callers (``flusher``, ``writethrough``, ``recovery``, ``peers``) do
+that.
 
 ``Backing`` is the one object the others hold; it is made of pieces, one module each, by
 what they own (each a class whose methods call one another through ``self``, so that a
@@ -29,7 +30,8 @@ wrapped ``Backing`` sees the inner calls too):
 - ``backing_changes`` (``TreeChanges``): namespace operations and metadata changes, each
   fsynced; entries moved aside;
 - ``backing_files`` (``StagedFiles``): temporary and staged files, publishing, and the calls
-  on descriptors opened in the backing.
+  on descriptors opened in the backing;
+- ``backing_records`` (``NodeRecords``): the node records' directory of global order.
 
 The names other modules import from here (``NODES_DIR``, ``MissingDir``, ``flat_name``, ...)
 stay importable from here.
@@ -44,6 +46,7 @@ from .backing_names import (CONFLICTS_DIR, IS_ROOT, NODES_DIR, OLD_STAGED, OLD_S
                             NotEmpty, check_name, flat_name, is_internal_name, new_instance,
                             staged_ino, staging_dir_of)
 from .backing_reads import TreeReads
+from .backing_records import NodeRecords
 from .backing_root import RootDir
 
 __all__ = ["Backing", "CONFLICTS_DIR", "IS_ROOT", "NODES_DIR", "OLD_STAGED", "OLD_STAGING_DIR",
@@ -52,7 +55,7 @@ __all__ = ["Backing", "CONFLICTS_DIR", "IS_ROOT", "NODES_DIR", "OLD_STAGED", "OL
            "staging_dir_of"]
 
 
-class Backing(RootDir, TreeReads, TreeChanges, StagedFiles):
+class Backing(RootDir, TreeReads, TreeChanges, StagedFiles, NodeRecords):
     """The backing directory of one daemon ``instance``; ``dead_instance`` is the daemon
     whose journal this one recovers (its leftovers are this daemon's to clean up)."""
 

@@ -44,10 +44,17 @@ Cost: a node with nothing pending renames its record and lists the directory onc
 ``heartbeat`` each; while some node has changes pending, a node lists and renames at most
 every ``poll`` seconds. ``ops`` counts them.
 
-Threads: one thread of its own (``acpfs-peers``) does all I/O; ``cleared``, ``commit_until``
-and ``status`` read its results under ``lock`` (the cache's lock, which the sequencer waits
-on). Invariant: ``frontier`` is computed and the record renamed by that thread only, so
-records of one instance carry increasing versions and non-decreasing frontiers.
+I/O: every system call on the records goes through ``Backing`` (acpfs/backing_records.py),
+with its stale-handle reopen; a unit test can hand ``Peers`` a wrapped backing that fails or
+hangs any one of them (tests/unit/faulty.py). ``Peers`` takes the daemon's ``Backing``, or
+the backing's path, and then opens one of its own at its first I/O (in the thread that does
+it: the daemon gives that a bounded time at mount, ``Daemon._records``).
+
+Threads: one thread of its own (``acpfs-peers``) does all I/O but the first, at mount, and
+``announce``'s; ``cleared``, ``commit_until`` and ``status`` read its results under ``lock``
+(the cache's lock, which the sequencer waits on). Invariant: ``frontier`` is computed and
+the record renamed by that thread only, so records of one instance carry increasing versions
+and non-decreasing frontiers.
 """
 
 from __future__ import annotations
@@ -60,14 +67,14 @@ import socket
 import stat
 import threading
 import time
-from typing import Callable, TypeVar
+from typing import Callable
 
-from .backing import NODES_DIR, STALE
+from .backing import NODES_DIR, Backing
+from .config import DEFAULT_MAX_CLOCK_SKEW, DEFAULT_PEER_HEARTBEAT, DEFAULT_PEER_LEASE
 from .private import owner_name
 from .retry import describe
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 UP, IDLE, LEFT = "up", "idle", "left"    # pending changes / nothing pending / unmounted
 RECORD = re.compile(rb"([0-9a-f]{12})\.(\d+)\.(\d+)\.(\d+)\.(up|idle|left)\.(.*)", re.S)
@@ -133,13 +140,20 @@ class Peer:
 
 
 class Peers:
-    def __init__(self, root: str, instance: str, mountpoint: str, *, skew: float = 0.01,
-                 heartbeat: float = 1.0, lease: float = 30.0,
-                 clock: Callable[[], float] = time.time, lock: threading.Condition | None = None,
+    """Global order for one daemon ``instance`` over ``backing``: the daemon's ``Backing``,
+    or the backing directory's path (a ``Backing`` of its own is then opened at the first
+    I/O, and closed at ``leave``)."""
+
+    def __init__(self, backing: Backing | str, instance: str, mountpoint: str, *,
+                 skew: float = DEFAULT_MAX_CLOCK_SKEW, heartbeat: float = DEFAULT_PEER_HEARTBEAT,
+                 lease: float = DEFAULT_PEER_LEASE, clock: Callable[[], float] = time.time,
+                 lock: threading.Condition | None = None,
                  frontier: Callable[[], tuple[float, bool]] | None = None) -> None:
-        self.root = root
-        self.dir = os.path.join(root, os.fsdecode(NODES_DIR))   # for messages
-        self._root_fd = -1
+        self._own = isinstance(backing, str)     # opened here, closed at leave
+        self._backing: Backing | None = None if isinstance(backing, str) else backing
+        self._opening = threading.Lock()
+        self.root = backing if isinstance(backing, str) else backing.root
+        self.dir = os.path.join(self.root, os.fsdecode(NODES_DIR))   # for messages
         self.instance = instance
         self.label = safe_label(f"{socket.gethostname()}:{mountpoint}")
         # the op log's lock (the sequencer waits on it), and this node's frontier
@@ -210,46 +224,38 @@ class Peers:
                  ", ..." if len(live) > 4 else "", self.join_wait)
         return self.join_wait
 
-    # -- the records' I/O, relative to the backing root ------------------------------------
-    def _root(self) -> int:
-        if self._root_fd < 0:
-            self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        return self._root_fd
-
-    def _io(self, fn: Callable[[int], T]) -> T:
-        """``fn(root fd)``; a backing mounted again (a stale root) is opened again by path."""
-        try:
-            return fn(self._root())
-        except OSError as e:
-            if e.errno in STALE and self._root_fd >= 0:
-                os.close(self._root_fd)
-                self._root_fd = -1
-            raise
+    # -- the records' I/O, through the backing ---------------------------------------------
+    def backing(self) -> Backing:
+        """The ``Backing`` the records are kept in (opened now if only its path was given;
+        not under ``_opening``, which no thread holds across I/O)."""
+        back = self._backing
+        if back is None:
+            fresh: Backing | None = Backing(self.root)
+            with self._opening:
+                if self._backing is None:
+                    self._backing, fresh = fresh, None
+                back = self._backing
+            if fresh is not None:   # another thread opened one meanwhile
+                fresh.close()
+        assert back is not None
+        return back
 
     def _names(self, warn: bool = True) -> list[bytes]:
         """The names of the records that count in the records directory (``_counted``). It
-        is opened anew each time, by name: an NFS client revalidates it then (close-to-open),
-        so the listing is current."""
-        def names(root: int) -> tuple[list[bytes], bool]:
-            fd = os.open(NODES_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root)
-            try:
-                return self._counted(fd, warn)
-            finally:
-                os.close(fd)
+        is opened anew each time, by name (``Backing.list_records``): an NFS client
+        revalidates it then (close-to-open), so the listing is current."""
         for _ in range(3):   # a record renamed under the listing: list again
-            counted, moved = self._io(names)
+            counted, moved = self._counted(self.backing().list_records(), warn)
             if not moved:
                 break
         return counted
 
-    def _counted(self, fd: int, warn: bool) -> tuple[list[bytes], bool]:
-        """The record names listed in ``fd`` whose files belong to an owner in ``owners``,
-        and whether a record was renamed between the listing and the look at its owner (its
-        new name is in a listing started after: the caller lists again). The others are
-        ignored, each (instance, owner) with one WARNING if ``warn`` (not before this node
-        has written a record: the owner the backing gives it may count too)."""
-        with os.scandir(fd) as it:
-            listed = [(os.fsencode(e.name), e.inode()) for e in it]
+    def _counted(self, listed: list[tuple[bytes, int]], warn: bool) -> tuple[list[bytes], bool]:
+        """The record names of a listing ((name, inode) pairs) whose files belong to an owner
+        in ``owners``, and whether a record was renamed between the listing and the look at
+        its owner (its new name is in a listing started after: the caller lists again). The
+        others are ignored, each (instance, owner) with one WARNING if ``warn`` (not before
+        this node has written a record: the owner the backing gives it may count too)."""
         counted: list[bytes] = []
         seen: dict[int, tuple[bytes, int]] = {}
         moved = False
@@ -259,9 +265,8 @@ class Peers:
                 continue
             known = self._owner_of.get(ino) if ino else None
             if known is None or known[0] != inst:     # a new file, or an inode used again
-                try:
-                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                except FileNotFoundError:
+                st = self.backing().stat_record(name)
+                if st is None:
                     moved = True
                     continue
                 known = (inst, st.st_uid if stat.S_ISREG(st.st_mode) else -1)
@@ -281,20 +286,16 @@ class Peers:
         return counted, moved
 
     def _ensure_dir(self) -> None:
-        def make(root: int) -> None:
-            try:
-                os.mkdir(NODES_DIR, 0o755, dir_fd=root)
-                # every user's mounts keep records here; the sticky bit keeps each one's own
-                os.chmod(NODES_DIR, 0o1777, dir_fd=root)
-            except FileExistsError:
-                return
-            self.owners.add(os.stat(NODES_DIR, dir_fd=root, follow_symlinks=False).st_uid)
-        self._io(make)
+        """Make the records directory if it is not there (mode 1777: every user's mounts keep
+        records there; the sticky bit keeps each one's own); its owner counts."""
+        owner = self.backing().make_records_dir()
+        if owner is not None:
+            self.owners.add(owner)
 
     def _check_dir(self) -> None:
         """Say so if other users may remove or rename this node's record (after it is
         written: ``owners`` then holds the owner the backing gives this node's files)."""
-        st = self._io(lambda root: os.stat(NODES_DIR, dir_fd=root, follow_symlinks=False))
+        st = self.backing().stat_records_dir()
         if stat.S_ISDIR(st.st_mode) and (st.st_uid not in self.owners or (
                 st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX)):
             log.warning("global order: the node records directory %s belongs to %s, mode %04o: "
@@ -328,9 +329,7 @@ class Peers:
         left = dataclasses.replace(last, version=last.version + 1, heartbeat=self.clock(),
                                    state=LEFT)
         try:
-            self._io(lambda root: os.rename(NODES_DIR + b"/" + last.encode(),
-                                            NODES_DIR + b"/" + left.encode(),
-                                            src_dir_fd=root, dst_dir_fd=root))
+            self.backing().replace_record(last.encode(), left.encode())
         except FileNotFoundError:
             pass                   # removed meanwhile (by an operator): nobody waits for it
         except OSError as e:
@@ -366,9 +365,10 @@ class Peers:
             except OSError as e:
                 log.warning("could not mark this node's record as left (%s): the other nodes "
                             "stop waiting for it after %.0f s", describe(e), self.lease)
-        if self._root_fd >= 0:
-            os.close(self._root_fd)
-            self._root_fd = -1
+        with self._opening:
+            if self._own and self._backing is not None:
+                self._backing.close()
+                self._backing = None
 
     # -- asked by the sequencer and the FUSE thread (lock held) ----------------------------
     def live(self) -> list[Peer]:
@@ -507,30 +507,23 @@ class Peers:
         now = self.clock()
         old = self.mine
         new = RecordName(self.instance, old.version + 1 if old else 1, front, now, state, self.label)
-        name = NODES_DIR + b"/" + new.encode()
-
-        def make(root: int) -> None:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644,
-                         dir_fd=root)
-            try:   # the owner the backing gives this daemon's files (root squashed by NFS)
-                self.owners.add(os.fstat(fd).st_uid)
-            finally:
-                os.close(fd)
+        name = new.encode()
+        back = self.backing()
         if old is not None and not create:
             try:
-                self._io(lambda root: os.rename(NODES_DIR + b"/" + old.encode(), name,
-                                                src_dir_fd=root, dst_dir_fd=root))
+                back.replace_record(old.encode(), name)
             except FileNotFoundError:
                 # removed by someone (an operator; another node after a long pause): again
                 log.warning("global order: this node's record in %s was removed; writing it "
                             "again", self.dir)
                 create = True
         if old is None or create:
+            # the owner the backing gives this daemon's files counts (root squashed by NFS)
             try:
-                self._io(make)
+                self.owners.add(back.create_record(name))
             except FileNotFoundError:   # the directory itself was removed
                 self._ensure_dir()
-                self._io(make)
+                self.owners.add(back.create_record(name))
         with self.lock:
             self.ops += 1
             self.mine = new
@@ -590,15 +583,14 @@ class Peers:
 
     def _remove(self, r: RecordName) -> None:
         try:
-            self._io(lambda root: os.unlink(NODES_DIR + b"/" + r.encode(), dir_fd=root))
-            log.info("global order: removed the record of node %s (%s, %s)", r.label,
-                     r.instance, r.state)
-        except FileNotFoundError:
-            pass
+            removed = self.backing().remove_record(r.encode())
         except OSError as e:   # another user's, in the sticky directory: left as it is
             log.debug("could not remove the record of %s: %s", r.instance, describe(e))
             self._kept.add(r.instance)
             return
+        if removed:
+            log.info("global order: removed the record of node %s (%s, %s)", r.label,
+                     r.instance, r.state)
         with self.lock:
             self.ops += 1
             self.peers.pop(r.instance, None)

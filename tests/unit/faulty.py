@@ -25,10 +25,13 @@ import os
 import threading
 from typing import Any
 
-from acpfs.backing import Backing, staging_dir_of
+from acpfs.backing import NODES_DIR, Backing, staging_dir_of
+from acpfs.backing_records import NodeRecords
 
 # methods whose result is a descriptor (or a pair of them) opened at the call's path
 OPENERS = {"open_dir", "open_file", "create_temp", "create_staged", "open_staged"}
+# methods on the node records of global order: their path is in the records directory
+RECORDS = {n for n in vars(NodeRecords) if not n.startswith("_")}
 # methods left alone: no I/O (a name), or needed to tear a test down
 UNWRAPPED = {"staged_name", "temp_name", "is_leftover", "owns", "close"}
 
@@ -81,6 +84,10 @@ def _join(*parts: str) -> str:
 
 def _path_of(backing: FaultyBacking, method: str, bound: inspect.BoundArguments) -> str:
     args = bound.arguments
+    if method in RECORDS:     # ".acpfs-nodes/<record>", "... -> .acpfs-nodes/<new>"
+        where = os.fsdecode(NODES_DIR)
+        path = _join(where, os.fsdecode(args.get("name", b"")))
+        return path + " -> " + _join(where, os.fsdecode(args["new"])) if "new" in args else path
     if method == "publish":   # the final name: "publish of latest"
         return _join(backing.fd_paths.get(args["dst_dfd"], ""), os.fsdecode(args["name"]))
     for key in ("fd", "src_fd", "dst_fd", "dfd"):

@@ -10,15 +10,18 @@ close together in time, which is where waiting on each other in a circle would s
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import secrets
 import threading
+import time
 
 import pytest
+from faulty import FaultyBacking
 
-from acpfs.backing import NODES_DIR
-from acpfs.peers import UNIT, Peers, RecordName, stamp_after
+from acpfs.backing import NODES_DIR, Backing
+from acpfs.peers import UNIT, Peers, RecordName, stamp_after, whole_us
 
 SEEDS = int(os.environ.get("PEERS_SEEDS", "60"))
 
@@ -466,3 +469,166 @@ def test_a_record_of_another_user_holds_nobody(tmp_path, caplog):
     assert looked == []
     with a.lock:
         assert a.peers.cleared(s).record.version == 2
+
+
+# -- faults in the records' I/O, injected through the backing (tests/unit/faulty.py) ----------
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def record_files(root) -> list[str]:
+    return sorted(os.listdir(root / os.fsdecode(NODES_DIR)))
+
+
+def warnings_with(caplog, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelname == "WARNING" and text in r.getMessage()]
+
+
+def test_a_failed_record_renewal_is_retried_and_said_once(tmp_path, caplog):
+    """docs/faults.md, "the node records cannot be written or listed": a heartbeat whose
+    rename fails does not stop the records thread. One WARNING says so, ``error`` (status)
+    holds the error, listings go on, the renewal is tried again every heartbeat; once the
+    backing takes it, the record is renewed and the error is gone."""
+    back = FaultyBacking(str(tmp_path))
+    p = Peers(back, secrets.token_hex(6), "/ckpt", heartbeat=0.05)
+    p.find_predecessor(None)
+    p.enter()
+    first = p.mine
+    fault = back.inject("replace_record", errno=errno.EIO)
+    p.start()
+    try:
+        assert wait_for(lambda: fault.hits >= 3)                 # tried again and again
+        listed = p.listed_at
+        assert wait_for(lambda: p.listed_at > listed)            # the listing goes on
+        assert p.thread.is_alive() and p.mine == first
+        with p.lock:
+            assert p.error.startswith("EIO: Input/output error")
+        assert record_files(tmp_path) == [os.fsdecode(first.encode())]
+        said = warnings_with(caplog, "(retrying)")
+        assert len(said) == 1 and "EIO" in said[0], said
+        renewal = f".acpfs-nodes/{os.fsdecode(first.encode())} -> .acpfs-nodes/{first.instance}."
+        assert any(m == "replace_record" and path.startswith(renewal) for m, path in back.calls)
+        back.clear()
+        assert wait_for(lambda: p.mine.version > first.version and p.error is None)
+        assert record_files(tmp_path) == [os.fsdecode(p.mine.encode())]
+        assert len(warnings_with(caplog, "(retrying)")) == 1
+    finally:
+        back.clear()
+        p.leave(drained=True)
+    (left,) = [RecordName.parse(os.fsencode(n)) for n in record_files(tmp_path)]
+    assert left.instance == p.instance and left.state == "left"
+    back.close()
+
+
+def test_a_record_that_cannot_be_created_at_mount_is_written_once_it_can(tmp_path):
+    """The first record cannot be written (a read-only backing): ``enter`` raises (the daemon
+    mounts anyway and says so, ``Daemon._records``); the records thread keeps trying, and
+    writes it once the backing takes it. Until then no record of this node is there."""
+    back = FaultyBacking(str(tmp_path))
+    p = Peers(back, secrets.token_hex(6), "/ckpt", heartbeat=0.05)
+    p.find_predecessor(None)
+    fault = back.inject("create_record", errno=errno.EROFS)
+    with pytest.raises(OSError) as raised:
+        p.enter()
+    assert raised.value.errno == errno.EROFS and p.mine is None
+    p.start()
+    try:
+        assert wait_for(lambda: fault.hits >= 3)
+        assert p.mine is None and record_files(tmp_path) == []
+        with p.lock:
+            assert p.error.startswith("EROFS: Read-only file system")
+        back.clear()
+        assert wait_for(lambda: p.mine is not None and p.error is None)
+        assert record_files(tmp_path) == [os.fsdecode(p.mine.encode())]
+    finally:
+        back.clear()
+        p.leave(drained=False)
+    back.close()
+
+
+def test_records_that_cannot_be_listed_hold_changes_for_a_lease_at_most(tmp_path, caplog):
+    """docs/faults.md: while the records cannot be listed, this node's changes are held, for
+    a lease at most, then go on without waiting for anyone (a WARNING says so), until a
+    listing works again: then the peer that holds them counts again."""
+    shift = [0.0]
+
+    def clock() -> float:
+        return time.time() + shift[0]
+    other = Peers(str(tmp_path), secrets.token_hex(6), "/ckpt", heartbeat=0.05, lease=5.0,
+                  clock=clock)
+    oldest = whole_us(clock())
+    other.attach(threading.Condition(), lambda: (oldest, True))   # a change pending there
+    other.find_predecessor(None)
+    other.enter()
+    back = FaultyBacking(str(tmp_path))
+    p = Peers(back, secrets.token_hex(6), "/ckpt", heartbeat=0.05, lease=5.0, clock=clock)
+    p.attach(threading.Condition(), lambda: (whole_us(clock()), False))
+    p.find_predecessor(None)
+    assert p.enter() > 0                          # the other node is live
+    with p.lock:
+        assert p.cleared(stamp_after(clock(), oldest)).record.instance == other.instance
+    fault = back.inject("list_records", errno=errno.EACCES)
+    p.start()
+    try:
+        assert wait_for(lambda: fault.hits >= 2 and p.list_failing_since is not None)
+        shift[0] += 1.0
+        other._publish()                          # still live, still pending
+        stamp = stamp_after(clock(), oldest)
+        with p.lock:
+            assert p.cleared(stamp) is None       # held: no listing started after it
+        assert not warnings_with(caplog, "cannot be listed")
+        shift[0] += 5.0                           # failing for more than the lease
+        other._publish()
+        with p.lock:
+            assert p.cleared(stamp) is True       # goes on, unordered
+        said = warnings_with(caplog, "cannot be listed for 5 s")
+        assert len(said) == 1 and "EACCES" in said[0], said
+        back.clear()
+        assert wait_for(lambda: p.list_failing_since is None and p.listed_at > stamp)
+        with p.lock:
+            held = p.cleared(stamp)
+        assert held is not True and held.record.instance == other.instance
+    finally:
+        back.clear()
+        p.leave(drained=False)
+        other.leave(drained=False)
+    back.close()
+
+
+def test_record_io_that_meets_a_stale_root_opens_the_root_again(tmp_path, monkeypatch):
+    """A backing mounted again (NFS) answers ESTALE on the old root descriptor: the records'
+    I/O opens the root again by path, as every other call on the backing does
+    (``Backing.reopen``), and the listing succeeds in the same call."""
+    back = Backing(str(tmp_path))
+    p = Peers(back, secrets.token_hex(6), "/ckpt", heartbeat=0.05)
+    p.find_predecessor(None)
+    p.enter()
+    old_root = back.root_fd
+    real_open, real_fstat = os.open, os.fstat
+
+    def stale_open(path, flags, *args, dir_fd=None, **kw):
+        if dir_fd == old_root:
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real_open(path, flags, *args, dir_fd=dir_fd, **kw)
+
+    def stale_fstat(fd):
+        if fd == old_root:
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real_fstat(fd)
+    monkeypatch.setattr(os, "open", stale_open)
+    monkeypatch.setattr(os, "fstat", stale_fstat)
+    p._list()
+    monkeypatch.undo()
+    assert back.reopened == 1 and back.root_fd != old_root
+    assert p.listed_at > 0 and p.error is None
+    p._publish()
+    assert record_files(tmp_path) == [os.fsdecode(p.mine.encode())]
+    p.leave(drained=True)
+    back.close()

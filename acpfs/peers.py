@@ -31,10 +31,10 @@ How (docs/design.md, "Global order across nodes"):
   everything renames its record to state "left", and nobody waits for it. So does a daemon
   restarted over the same cache directory, for its dead predecessor's record, once its own
   record covers what the predecessor acknowledged (``forget_predecessor``).
-- Whose records count (issue 19): the records directory is 1777, so that every user's
-  mounts of a backing keep records there, and a record is believed only if its file belongs
-  to this daemon's user, to root, or to the owner the backing gives this daemon's own record
-  (an NFS export that squashes root). Any other record is ignored, with a WARNING naming the
+- Whose records count: the records directory is 1777, so that every user's mounts of a
+  backing keep records there, and a record is believed only if its file belongs to this
+  daemon's user, to root, or to the owner the backing gives this daemon's own record (an
+  NFS export that squashes root). Any other record is ignored, with a WARNING naming the
   file and its owner: another user could otherwise plant a record whose frontier never
   passes and whose heartbeat never ages, and hold every change of the job. The sticky bit
   keeps other users from renaming or removing a counted record. Owners are looked up once
@@ -313,8 +313,9 @@ class Peers:
         replayed (``Cache.recovery_stamp``). Removing the record instead was not enough: a
         node keeps a record missing from its listing for a lease (it may be in the middle of
         a rename), so the other nodes waited a whole lease for a daemon that a restart had
-        replaced in under a second (issue 19, point 4). A record saying "left" is removed by
-        anyone a minute later, this node included (it stops ignoring it here)."""
+        replaced in under a second (systemd's ``Restart=on-failure`` after a SIGKILL held
+        every other node 27 s). A record saying "left" is removed by anyone a minute later,
+        this node included (it stops ignoring it here)."""
         try:
             names = self._names()
         except OSError as e:

@@ -30,7 +30,7 @@ from .config import format_size
 from .backing import is_internal_name
 from .cache import Relisting
 from .content import CacheFull
-from .peers import UNIT
+from .oplog import UNIT
 from .types import Node, err, name_path, node_path
 from .writethrough import Background, WriteThrough
 

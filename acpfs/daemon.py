@@ -211,7 +211,7 @@ class Daemon:
                                        self.backing.instance)
         self.oplog = OpLog(self.store, self.journal, applied_seq=self.base_seq)
         self.join_wait = 0.0
-        self.peers = Peers(opts.backing, instance, opts.mountpoint, skew=opts.max_clock_skew,
+        self.peers = Peers(self.backing, instance, opts.mountpoint, skew=opts.max_clock_skew,
                            heartbeat=opts.peer_heartbeat, lease=opts.peer_lease,
                            lock=self.oplog.lock, frontier=self.oplog.frontier) \
             if opts.global_order else None

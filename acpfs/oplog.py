@@ -32,9 +32,22 @@ import time
 
 from .content import Content, Store
 from .journal import CLEAN, DIRTY, FLUSHED, Journal, Record
-from .peers import stamp_after
 from .ops import Op, Publish, content_record
 from .types import JournalState, Node, OpState, Staged, mount_path, node_path
+
+
+def stamp_after(now: float, last: float) -> float:
+    """A stamp: ``now`` in whole microseconds, later than ``last``.
+
+    Invariant: stamps and frontiers are whole microseconds, the unit of a record, so a
+    frontier read from a record compares with the stamps of its node exactly. (They were
+    cut to microseconds in the record only: two nodes whose oldest changes fell into the
+    same microsecond each saw the other's frontier before its own stamp, and waited for
+    each other.)"""
+    return max(int(now * 1e6), round(last * 1e6) + 1) / 1e6
+
+
+UNIT = 1e-6   # a stamp's unit: a stamp is at most this much before the moment it was taken
 
 
 class OpLog:

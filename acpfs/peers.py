@@ -70,6 +70,7 @@ import time
 from typing import Callable
 
 from .backing import NODES_DIR, Backing
+from .oplog import UNIT
 from .config import DEFAULT_MAX_CLOCK_SKEW, DEFAULT_PEER_HEARTBEAT, DEFAULT_PEER_LEASE
 from .private import owner_name
 from .retry import describe
@@ -107,20 +108,6 @@ class RecordName:
         inst, ver, front, beat, state, label = m.groups()
         return cls(inst.decode(), int(ver), int(front) / 1e6, int(beat) / 1e6, state.decode(),
                    label.decode(errors="replace"))
-
-
-def stamp_after(now: float, last: float) -> float:
-    """A stamp: ``now`` in whole microseconds, later than ``last``.
-
-    Invariant: stamps and frontiers are whole microseconds, the unit of a record, so a
-    frontier read from a record compares with the stamps of its node exactly. (They were
-    cut to microseconds in the record only: two nodes whose oldest changes fell into the
-    same microsecond each saw the other's frontier before its own stamp, and waited for
-    each other.)"""
-    return max(int(now * 1e6), round(last * 1e6) + 1) / 1e6
-
-
-UNIT = 1e-6   # a stamp's unit: a stamp is at most this much before the moment it was taken
 
 
 def whole_us(t: float) -> float:

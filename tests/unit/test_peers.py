@@ -21,7 +21,8 @@ import pytest
 from faulty import FaultyBacking
 
 from acpfs.backing import NODES_DIR, Backing
-from acpfs.peers import UNIT, Peers, RecordName, stamp_after, whole_us
+from acpfs.oplog import UNIT, stamp_after
+from acpfs.peers import Peers, RecordName, whole_us
 
 SEEDS = int(os.environ.get("PEERS_SEEDS", "60"))
 
@@ -52,7 +53,7 @@ class SimNode:
         return self.cluster.now + self.offset
 
     def stamp(self) -> float:
-        self.last = stamp_after(self.clock(), self.last)     # as Cache.next_stamp
+        self.last = stamp_after(self.clock(), self.last)     # as OpLog.next_stamp
         return self.last
 
     def frontier(self) -> tuple[float, bool]:
@@ -561,15 +562,14 @@ def test_records_that_cannot_be_listed_hold_changes_for_a_lease_at_most(tmp_path
 
     def clock() -> float:
         return time.time() + shift[0]
-    other = Peers(str(tmp_path), secrets.token_hex(6), "/ckpt", heartbeat=0.05, lease=5.0,
-                  clock=clock)
     oldest = whole_us(clock())
-    other.attach(threading.Condition(), lambda: (oldest, True))   # a change pending there
+    other = Peers(str(tmp_path), secrets.token_hex(6), "/ckpt", heartbeat=0.05, lease=5.0,
+                  clock=clock, frontier=lambda: (oldest, True))   # a change pending there
     other.find_predecessor(None)
     other.enter()
     back = FaultyBacking(str(tmp_path))
-    p = Peers(back, secrets.token_hex(6), "/ckpt", heartbeat=0.05, lease=5.0, clock=clock)
-    p.attach(threading.Condition(), lambda: (whole_us(clock()), False))
+    p = Peers(back, secrets.token_hex(6), "/ckpt", heartbeat=0.05, lease=5.0, clock=clock,
+              frontier=lambda: (whole_us(clock()), False))
     p.find_predecessor(None)
     assert p.enter() > 0                          # the other node is live
     with p.lock:

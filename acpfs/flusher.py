@@ -125,7 +125,7 @@ class Flusher:
                         return
                     op = queue[0]
                     if self.peers is not None and op.state != OpState.VOID:
-                        self._hold(op)
+                        self._wait_for_other_nodes(op)
                 self._apply(op)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("%s %s: %s (seq %d)", op.kind, op.path, op.state, op.seq)
@@ -139,7 +139,7 @@ class Flusher:
             log.exception("flusher crashed; changes are no longer persisted")
             raise
 
-    def _hold(self, op: Op) -> None:
+    def _wait_for_other_nodes(self, op: Op) -> None:
         """Global order (hold lock): wait until no live peer can still have to persist
         something it acknowledged before ``op`` (``Peers.cleared``); uploads go on meanwhile."""
         peers = self.peers

@@ -8,7 +8,7 @@ acknowledged before T, provided no two nodes' clocks differ by more than ``skew`
 How (docs/design.md, "Global order across nodes"):
 
 - Every change gets a *stamp* when it is acknowledged: the node's clock, never going back
-  (``Cache.stamp``). A node's *frontier* is the stamp of its oldest acknowledged change not
+  (``OpLog.next_stamp``). A node's *frontier* is the stamp of its oldest acknowledged change not
   yet in the backing, or its clock when nothing is pending: everything it acknowledged
   before its frontier is durable.
 - Each node keeps one record in ``<backing>/.acpfs-nodes/``. The record is an empty file

@@ -112,7 +112,7 @@ def test_unlinked_after_later_changes_is_published_then_removed(make_core):
 
 
 def test_applied_seq_moves_only_after_the_op_is_finished(core):
-    """FS.wait_seq reads applied_seq without the lock and then relies on the op's bookkeeping
+    """WriteThrough.wait_seq reads applied_seq without the lock and then relies on the op's bookkeeping
     (a published staged file detached from its node, block references dropped): whoever sees an op
     applied must see it finished. (Set before _finish, a writer opening a file in that window
     kept a staged file that _finish then took away, and its next write failed with EIO.)"""

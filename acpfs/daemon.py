@@ -354,7 +354,7 @@ class Daemon:
 
     def drain(self) -> bool:
         """Queue what is still unsaved and wait until the flusher has persisted it all."""
-        n = self.cache.snapshot_open_files()
+        n = self.cache.files.snapshot_open_files()
         if n:
             log.warning("%d files were still open for writing at unmount; persisting what was "
                         "written to them", n)

@@ -1,9 +1,10 @@
 """The FUSE adapter: pyfuse3 requests in, ``Core`` calls out, replies back.
 
 Each handler resolves what the kernel sends (inode numbers, file handles, request fields),
-makes one call into ``core.Core``, and builds the reply. It keeps the kernel's lookup
-counts (``Node.lookups``) and turns errors into FUSE errors in one place (``errno_of``).
-All semantics live in ``core``, ``writethrough``, ``cache`` and ``flusher``.
+makes one call into ``core.Core`` (requests on file and directory handles: into
+``Core.handles``), and builds the reply. It keeps the kernel's lookup counts
+(``Node.lookups``) and turns errors into FUSE errors in one place (``errno_of``). All
+semantics live in ``core`` and the parts it holds, ``cache`` and ``flusher``.
 
 Per-request cost matters (about 30 us of Python per request): ``write``, ``write_now`` and
 ``read`` do no logging and no allocation beyond what pyfuse3 hands over.
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 ATTR_TIMEOUT = 5.0
 # How long the kernel may answer from its own caches of names and attributes: ATTR_TIMEOUT,
 # or less where coherence checks look more often (make_operations). A stat or lookup that the
-# kernel answers itself never reaches Core.revalidated/refreshed.
+# kernel answers itself never reaches Loader.revalidated/refreshed.
 kernel_timeout = ATTR_TIMEOUT
 BLKSIZE = 1 << 20  # what stat reports: programs size their buffers by it
 STATVFS_FIELDS = ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree",
@@ -68,9 +69,9 @@ def acknowledges(fn: Callable) -> Callable:
     answered after the commit wait of global order (Core.acknowledged)."""
     @functools.wraps(fn)
     async def wrapper(self: Operations, *args: Any) -> Any:
-        before = self.core.cache.oplog.last_stamp
+        before = self.core.oplog.last_stamp
         out = await fn(self, *args)
-        if self.core.cache.oplog.last_stamp != before:
+        if self.core.oplog.last_stamp != before:
             await self.core.acknowledged()
         return out
     return wrapper
@@ -125,6 +126,7 @@ class Operations(pyfuse3.Operations):
     def __init__(self, core: Core) -> None:
         super().__init__()
         self.core = core
+        self.handles = core.handles   # open files and directories
 
     # -- namespace -------------------------------------------------------------------------
     @replies
@@ -197,20 +199,20 @@ class Operations(pyfuse3.Operations):
     # -- directories -----------------------------------------------------------------------
     @replies
     async def opendir(self, inode, ctx):
-        return await self.core.opendir(inode)
+        return await self.handles.opendir(inode)
 
     @replies
     async def readdir(self, fh, start_id, token):
-        entries = self.core.dir_entries(fh)
+        entries = self.handles.dir_entries(fh)
         for i in range(start_id, len(entries)):
             name, node = entries[i]
-            self.core.cache.sync_content(node)
+            self.core.files.sync_content(node)
             if not pyfuse3.readdir_reply(token, name, attrs(node), i + 1):
                 break
             node.lookups += 1
 
     async def releasedir(self, fh):
-        self.core.releasedir(fh)
+        self.handles.releasedir(fh)
 
     @replies
     async def fsyncdir(self, fh, datasync):
@@ -219,7 +221,7 @@ class Operations(pyfuse3.Operations):
     # -- files -----------------------------------------------------------------------------
     @replies
     async def open(self, inode, flags, ctx):
-        fh, direct, backing_id = await self.core.open(inode, flags, ctx.uid)
+        fh, direct, backing_id = await self.handles.open(inode, flags, ctx.uid)
         info = pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False)
         pass_through(self.core, backing_id)
         return info
@@ -227,7 +229,7 @@ class Operations(pyfuse3.Operations):
     @replies
     async def create(self, parent_inode, name, mode, flags, ctx):
         fh, node, backing_id = await self.core.create(parent_inode, name, mode, flags, ctx)
-        info = pyfuse3.FileInfo(fh=fh, direct_io=self.core.direct_io_mmap() and not backing_id,
+        info = pyfuse3.FileInfo(fh=fh, direct_io=self.handles.direct_io_mmap() and not backing_id,
                                 keep_cache=False)
         reply = info, entry(node)
         pass_through(self.core, backing_id)
@@ -236,7 +238,7 @@ class Operations(pyfuse3.Operations):
     async def read(self, fh, off, size):
         self.core.info.requests["read"] += 1
         try:
-            return await self.core.read(fh, off, size)
+            return await self.handles.read(fh, off, size)
         except Exception as e:
             raise pyfuse3.FUSEError(errno_of(e, "read")) from None
 
@@ -245,35 +247,35 @@ class Operations(pyfuse3.Operations):
         or None to take the async path (``write``)."""
         self.core.info.requests["write"] += 1
         try:
-            return self.core.write_now(fh, off, data)
+            return self.handles.write_now(fh, off, data)
         except Exception as e:
             return -errno_of(e, "write")
 
     def fallocate_now(self, fh: int, mode: int, off: int, length: int) -> int:
         """FALLOCATE (acpfs/_fastwrite.c; pyfuse3 has no handler): 0 or -errno."""
         try:
-            return self.core.fallocate(fh, mode, off, length)
+            return self.handles.fallocate(fh, mode, off, length)
         except Exception as e:
             return -errno_of(e, "fallocate")
 
     async def write(self, fh, off, buf):
         try:
-            return await self.core.write(fh, off, buf)
+            return await self.handles.write(fh, off, buf)
         except Exception as e:
             raise pyfuse3.FUSEError(errno_of(e, "write")) from None
 
     @replies
     @acknowledges
     async def flush(self, fh):
-        self.core.flush(fh)   # close(): stamps what it acknowledges (Core.flush)
+        self.handles.flush(fh)   # close(): stamps what it acknowledges (Handles.flush)
 
     @replies
     async def release(self, fh):
-        await self.core.release(fh)
+        await self.handles.release(fh)
 
     @replies
     async def fsync(self, fh, datasync):
-        await self.core.fsync(fh)
+        await self.handles.fsync(fh)
 
     @replies
     async def statfs(self, ctx):
@@ -304,7 +306,7 @@ class Operations(pyfuse3.Operations):
 
 
 class KernelCacheNotices(KernelNotices):
-    """What the cache tells the kernel of changes another node made (Cache.kernel):
+    """What the cache tells the kernel of changes another node made (``Cache.kernel``):
     pyfuse3's notifications."""
 
     def __init__(self) -> None:
@@ -313,12 +315,12 @@ class KernelCacheNotices(KernelNotices):
 
     def forget_entry(self, parent_ino: int, name: bytes) -> None:
         """A name another node removed leaves the kernel's dentry cache at once, not after
-        ATTR_TIMEOUT (Cache.merge_listing)."""
+        ATTR_TIMEOUT (Coherence.merge_listing)."""
         pyfuse3.invalidate_entry_async(parent_ino, name, ignore_enoent=True)
 
     def forget_attrs(self, ino: int) -> None:
         """Another node's version of a file: the kernel asks for its size again before it
-        reads (Cache.replaced_elsewhere); attributes only, which takes no lock a request may
+        reads (Coherence.replaced_elsewhere); attributes only, which takes no lock a request may
         hold. Sent from a thread of its own, never from a request handler (a notification
         may wait on an inode the kernel is evicting, and the eviction on a request only this
         thread would answer)."""
@@ -337,7 +339,7 @@ class KernelCacheNotices(KernelNotices):
 
 def invalidate_attrs_now(ino: int) -> None:
     """The kernel forgets the attributes of the inode a request is about, before the reply
-    (Core.revalidated at open: the reader's first read must see the new size). Safe from a
+    (Loader.revalidated at open: the reader's first read must see the new size). Safe from a
     handler only for that inode: the kernel holds it for the request, so it is not being
     evicted."""
     try:

@@ -10,7 +10,7 @@ Owns the policy that keeps writers going at the backing's speed instead of faili
   on its reads, writes, truncates and fsyncs go to that file, and its last close hands it to
   the flusher, which publishes it in order like any upload. A file larger than half the
   cache is staged when it is opened for writing (``cached``), never copied into RAM.
-- files open for writing longer than ``persist_open_after`` (``persist_open_files``).
+Files open for writing for a long time are ``longopen``'s; it writes them through here.
 
 The staging slot. Every change of a staged file, and building one, holds the node's slot
 (``hold``); every request that changes the node, and its last writer's release, waits in
@@ -34,7 +34,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import trio
 
-from .cache import Cache
+from .files import Files
 from .content import CacheFull
 from .types import Node, Staged, err, node_path
 
@@ -76,18 +76,15 @@ class Background:
 
 
 class WriteThrough:
-    def __init__(self, cache: Cache, background: Background, cache_full_timeout: float,
-                 persist_open_after: float) -> None:
-        self.cache = cache
+    def __init__(self, files: Files, background: Background, cache_full_timeout: float) -> None:
+        self.files = files
         self.background = background
-        self.backing = cache.backing
+        self.backing = files.backing
         self.cache_full_timeout = cache_full_timeout
-        self.persist_open_after = persist_open_after
         self.slots: dict[int, Slot] = {}      # ino -> its staging slot, while held
         self.failed: dict[int, float] = {}    # ino -> when writing it through last failed
         self._full_since = 0.0
         self._copy_locks: dict[int, trio.Lock] = {}
-        self._copying: set[int] = set()       # ino: a staged copy of it is being made (_copy_open)
 
     # -- the staging slot ----------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -123,7 +120,7 @@ class WriteThrough:
     async def on_staged(self, sp: Staged, fn: Callable[..., T], *args: Any) -> T:
         """``fn(sp.fd, *args)`` (a ``Backing`` call) in a worker thread, with the staged file
         pinned; raises StagedClosed if it is closed already."""
-        lock = self.cache.oplog.lock
+        lock = self.files.oplog.lock
         with lock:
             if sp.closing or sp.fd < 0:
                 raise StagedClosed()
@@ -163,7 +160,7 @@ class WriteThrough:
         if not self._full_since:
             self._full_since = start
             log.info("cache full (%d MiB): writers wait for the flusher to persist and free space",
-                     self.cache.store.limit >> 20)
+                     self.files.store.limit >> 20)
         delay = 0.001
         while True:
             await trio.sleep(delay)
@@ -181,12 +178,12 @@ class WriteThrough:
                 for ino, when in list(self.failed.items()):
                     if now - when > RETRY_FAILED_AFTER:
                         del self.failed[ino]
-                victim = self.cache.write_through_candidate(exclude=self.failed)
+                victim = self.files.write_through_candidate(exclude=self.failed)
                 if victim is None and node is not None and self.may_write_through(node):
                     victim = node   # e.g. one write larger than the free cache
                 if victim is not None and victim.ino not in self.slots:
                     # in the background: on a hung backing this writer still gets its ENOSPC
-                    self._start_write_through(victim)
+                    self.start_write_through(victim)
                     await trio.sleep(0)   # let it take its slot
             if time.monotonic() - start > self.cache_full_timeout:
                 log.error("cache full for %.0fs and nothing can be freed: returning ENOSPC "
@@ -202,7 +199,7 @@ class WriteThrough:
         node's slot held; the node only gets its staged file once it is complete, and only
         if nothing replaced its content meanwhile. Returns None if staging failed.
         """
-        cache, backing = self.cache, self.backing
+        files, backing = self.files, self.backing
         tmp = backing.staged_name(node.ino)
         content_before = node.content
 
@@ -226,7 +223,7 @@ class WriteThrough:
                 return None
             sp = Staged(dfd, fd, tmp)
             if node.staged is not None or node.content is not content_before:
-                cache.oplog.discard(sp)
+                files.oplog.discard(sp)
                 return None
             node.staged = sp
             return sp
@@ -237,34 +234,34 @@ class WriteThrough:
         Its content is copied to a staged file; from then on its writes and reads go to that
         file (at the backing's speed) and its last close hands the file to the flusher.
         """
-        cache, backing = self.cache, self.backing
+        files, backing = self.files, self.backing
         if not self.may_write_through(node):   # its last writer may have closed it since
             return False
-        with cache.oplog.lock:
-            content = cache.store.share(node.content)
+        with files.oplog.lock:
+            content = files.store.share(node.content)
         size = node.size
 
         def fill(fd: int) -> None:
-            with cache.store.source(content, size) as (src_fd, extents):
+            with files.store.source(content, size) as (src_fd, extents):
                 backing.copy_extents(fd, extents, src_fd)
             backing.truncate(fd, size)
 
         try:
             sp = await self._stage(node, fill, "write through")
         finally:
-            cache.release_content(content)
+            files.release_content(content)
         if sp is None:
             self.failed[node.ino] = time.monotonic()
             return False
-        with cache.oplog.lock:
+        with files.oplog.lock:
             if node.content is not None:
-                cache.store.drop(node.content)
+                files.store.drop(node.content)
             node.content = None
         log.info("cache full: writing %s through to the backing from now on (%d MiB were cached)",
                  node_path(node), size >> 20)
         return True
 
-    def _start_write_through(self, node: Node) -> None:
+    def start_write_through(self, node: Node) -> None:
         self.background.start_soon(self._write_through_logged, node)
 
     async def _write_through_logged(self, node: Node) -> None:
@@ -276,11 +273,11 @@ class WriteThrough:
     async def _stage_copy(self, node: Node) -> None:
         """Open a file larger than half the cache for writing: copy its backing version into
         a staged file."""
-        cache, backing = self.cache, self.backing
+        files, backing = self.files, self.backing
         size = node.size
 
         def fill(fd: int) -> None:
-            src = cache.open_backing_copy(node)
+            src = files.open_backing_copy(node)
             try:
                 backing.copy_file(src, fd, size)
             finally:
@@ -296,7 +293,7 @@ class WriteThrough:
         A file whose last version is a staged file still being published is waited for; a
         file larger than half the cache is staged instead.
         """
-        cache = self.cache
+        files = self.files
         while True:
             await self.settle(node)
             if node.content is not None:
@@ -308,25 +305,25 @@ class WriteThrough:
                 return
             await self.wait_seq(node.last_seq)   # then look again: others ran meanwhile
         # Nothing is staging the node, and no await since settle: _stage_copy may stage it.
-        if node.size > cache.store.limit // 2:
+        if node.size > files.store.limit // 2:
             await self._stage_copy(node)
             return
         async with self.copying(node):
             if node.content is None and node.staged is None:
-                content = await self.with_space(lambda: cache.copy_up(node))
+                content = await self.with_space(lambda: files.copy_up(node))
                 try:
-                    await trio.to_thread.run_sync(cache.read_backing_into, node, content)
+                    await trio.to_thread.run_sync(files.read_backing_into, node, content)
                 except BaseException:
-                    cache.release_content(content)
+                    files.release_content(content)
                     raise
                 if node.content is None and node.staged is None:
-                    cache.attach_content(node, content)
+                    files.attach_content(node, content)
                 else:   # staged meanwhile (its size changed): that copy wins
-                    cache.release_content(content)
+                    files.release_content(content)
 
     @contextlib.asynccontextmanager
     async def copying(self, node: Node) -> AsyncIterator[None]:
-        """One copy into the cache per file at a time (``cached`` and ``Core.preload``);
+        """One copy into the cache per file at a time (``cached`` and ``Handles.preload``);
         whoever holds it looks again whether the copy is still needed."""
         lk = self._copy_locks.get(node.ino)
         if lk is None:
@@ -339,7 +336,7 @@ class WriteThrough:
 
     async def wait_seq(self, seq: int) -> None:
         """Until the flusher has applied op ``seq``."""
-        oplog = self.cache.oplog
+        oplog = self.files.oplog
         delay = 0.001
         while oplog.applied_seq < seq:
             await trio.sleep(delay)
@@ -357,7 +354,7 @@ class WriteThrough:
         if not self.in_cache(node):
             return None
         try:
-            return self.cache.write(node, off, data)
+            return self.files.write(node, off, data)
         except CacheFull:
             return None
 
@@ -365,7 +362,7 @@ class WriteThrough:
         n = self.write_now(node, off, buf)  # type: ignore[arg-type]
         if n is not None:
             return n
-        cache = self.cache
+        files = self.files
         deadline = trio.current_time() + self.cache_full_timeout
         while True:
             await self.settle(node, deadline)
@@ -374,27 +371,27 @@ class WriteThrough:
                 # held: a truncate of the staged file and this write never overlap (the size
                 # kept would not match the file's)
                 async with self.hold(node, "write to its staged copy"):
-                    cache.note_change(node)
+                    files.note_change(node)
                     try:
                         n = await self.on_staged(sp, self.backing.write, buf, off)
                     except StagedClosed:
                         self.staged_gone(node, sp)
                         continue
-                    cache.mark_written(node, off + n)
+                    files.mark_written(node, off + n)
                 return n
             # None: the node started being written through while we waited; go around
-            if len(buf) > cache.store.limit // 2 and self.may_write_through(node):
-                self._start_write_through(node)   # this write alone nearly fills the cache
+            if len(buf) > files.store.limit // 2 and self.may_write_through(node):
+                self.start_write_through(node)   # this write alone nearly fills the cache
                 await trio.sleep(0)
                 continue
             n = await self.with_space(
-                lambda: None if self.busy(node) else cache.write(node, off, buf), node)
+                lambda: None if self.busy(node) else files.write(node, off, buf), node)
             if n is not None:
                 return n
 
     async def truncate(self, node: Node, size: int) -> None:
         """Set a regular file's size (setattr), whatever holds its content."""
-        cache = self.cache
+        files = self.files
         # Each pass looks at the node afresh: other requests, the flusher and eviction run
         # at every await.
         while True:
@@ -413,26 +410,26 @@ class WriteThrough:
                 # The slot keeps the last writer's release (which would hand the staged file
                 # to the flusher) and every write waiting until the file is cut.
                 async with self.hold(node, "truncate of its staged copy"):
-                    cache.note_change(node)
+                    files.note_change(node)
                     try:
                         await self.on_staged(sp, self.backing.truncate, size)
                     except StagedClosed:
                         self.staged_gone(node, sp)
                         continue   # discarded (the file was deleted): look again
                     node.size = size
-                    cache.mark_written(node, size)
+                    files.mark_written(node, size)
                     if node.writers == 0 and node.nlink:
-                        cache.snapshot(node)
+                        files.snapshot(node)
                 return
             # False: the node was staged or evicted while we waited for space; go around
             if await self.with_space(
                     lambda: False if self.busy(node) or (size and node.content is None)
-                    else cache.truncate(node, size) or True, node):
+                    else files.truncate(node, size) or True, node):
                 return
 
     async def open_for_writing(self, node: Node, trunc: bool) -> None:
-        """Before ``Cache.open`` of a writer: the content is cached or staged; with O_TRUNC a
-        staged file not yet handed over is cut here (``Cache.open`` cuts the rest)."""
+        """Before ``Files.open`` of a writer: the content is cached or staged; with O_TRUNC a
+        staged file not yet handed over is cut here (``Files.open`` cuts the rest)."""
         await self.settle(node)
         if not trunc:
             await self.cached(node)
@@ -441,14 +438,14 @@ class WriteThrough:
         if sp is not None and not sp.queued:
             # held: the last other writer's release must not hand the file over half cut
             async with self.hold(node, "truncate of its staged copy"):
-                self.cache.note_change(node)
+                self.files.note_change(node)
                 try:
                     await self.on_staged(sp, self.backing.truncate, 0)
                 except StagedClosed:
-                    self.staged_gone(node, sp)   # discarded: Cache.open truncates the rest
+                    self.staged_gone(node, sp)   # discarded: Files.open truncates the rest
                 else:
                     node.size = 0
-                    self.cache.mark_written(node, 0)
+                    self.files.mark_written(node, 0)
 
     async def read_staged(self, node: Node, off: int, size: int) -> bytes | None:
         """Bytes of a staged file; None if it is not staged, or was published meanwhile."""
@@ -472,118 +469,4 @@ class WriteThrough:
                 return
             except StagedClosed:
                 pass    # published meanwhile (this handle is read-only): wait for that
-        await self.wait_seq(self.cache.fsync_snapshot(node))
-
-    # -- files open for a long time --------------------------------------------------------
-    async def persist_open_files(self) -> None:
-        """Files open for writing for a long time (logs, event files) do not stay in RAM only.
-
-        After ``persist_open_after`` seconds of unsaved changes, a file that is only appended
-        to (``Node.appended_only``) is published as it is: the backing's version is always a
-        prefix of the file. Any other file is written through to a staged file (fsynced
-        again every period), which is published only at its last close: a partial file never
-        replaces a complete one. A daemon crash keeps that staged content aside (recovery.py).
-        """
-        age = self.persist_open_after
-        if age <= 0:
-            return
-        synced: dict[int, float] = {}
-        while True:
-            await trio.sleep(min(5.0, max(0.2, age / 4)))
-            now = time.time()
-            for node in list(self.cache.dirty_nodes):
-                if not (node.writers and node.nlink and node.is_reg) or now - node.dirty_since < age:
-                    continue
-                sp = node.staged
-                if sp is not None:
-                    # Written through (also an appended-only file, when the cache was full):
-                    # it stays staged until its last close. Publishing it now would hand the
-                    # staged file to the flusher while the writer still writes into it.
-                    if not sp.queued and now - synced.get(node.ino, 0.0) >= age:
-                        synced[node.ino] = now
-                        self.background.start_soon(self._sync_staged, sp)
-                elif node.appended_only and node.ino not in self.slots:
-                    await self.settle(node)
-                    if node.dirty and node.writers and node.staged is None \
-                            and not self.cache.unchanged_since_snapshot(node):
-                        log.info("%s has been open with unsaved appends for %.0fs: persisting "
-                                 "what it holds so far", node_path(node), now - node.dirty_since)
-                        self.cache.snapshot(node)
-                elif node in self.cache.passthrough_writers:
-                    # the kernel writes its memory file: a copy of it is staged (the crash
-                    # insurance that writing through gives elsewhere), again every period
-                    if node.ino not in self._copying and now - synced.get(node.ino, 0.0) >= age:
-                        synced[node.ino] = now
-                        self._copying.add(node.ino)
-                        self.background.start_soon(self._copy_open, node)
-                elif self.may_write_through(node):
-                    log.info("%s has been open with unsaved changes for %.0fs: staging its "
-                             "content in the backing (published at its last close)",
-                             node_path(node), now - node.dirty_since)
-                    self._start_write_through(node)
-
-    async def _copy_open(self, node: Node) -> None:
-        """Stage a copy of the memory file of a writer passed through (``Node.open_copy``):
-        complete and fsynced under a fresh name, then renamed over the last copy
-        (``Backing.restage``), so a crash finds one whole copy, which recovery keeps aside
-        like a staged file. The kernel may write meanwhile: the copy is of the moment it was
-        read, as any reader's. Removed at the last writer's close (``closed``)."""
-        cache, backing = self.cache, self.backing
-        try:
-            cache.sync_content(node)
-            if node.content is None or node not in cache.passthrough_writers:
-                return
-            seen = node.content.seen
-            name = node.open_copy[0] if node.open_copy is not None else backing.staged_name(node.ino)
-            if node.open_copy is not None and node.open_copy[1] == seen:
-                return   # unchanged since the last copy
-            if node.open_copy is None:
-                log.info("%s has been open with unsaved changes for %.0fs: staging a copy of "
-                         "its content in the backing (again while it changes; the file is "
-                         "published at its last close)", node_path(node), time.time() - node.dirty_since)
-            with cache.oplog.lock:
-                content = cache.store.share(node.content)
-            size = node.size
-
-            def run() -> None:
-                with cache.store.source(content, size) as (src_fd, _):
-                    dfd, fd = backing.restage(src_fd, name, size)
-                backing.close_fd(fd)
-                backing.close_fd(dfd)
-
-            try:
-                await trio.to_thread.run_sync(run)
-            except OSError as e:
-                log.warning("cannot stage a copy of %s, open for writing (%s): a crash now "
-                            "would lose its changes since it was opened", node_path(node), e)
-                return
-            finally:
-                cache.release_content(content)
-            node.open_copy = (name, seen)
-        finally:
-            self._copying.discard(node.ino)
-        if not node.writers:   # closed while the copy was made
-            await self.closed(node)
-
-    async def closed(self, node: Node) -> None:
-        """The last writer of ``node`` closed it: its staged copy (``_copy_open``) goes (a
-        copy being made goes when it is done)."""
-        if node.open_copy is None or node.ino in self._copying or node.writers:
-            return
-        name, node.open_copy = node.open_copy[0], None
-        try:
-            await trio.to_thread.run_sync(self._remove_copy, name)
-        except OSError as e:
-            log.warning("cannot remove the staged copy %r of %s: %s", name, node_path(node), e)
-
-    def _remove_copy(self, name: bytes) -> None:
-        self.backing.remove_staged(name)
-        self.backing.remove_staging_dir(name)
-
-    async def _sync_staged(self, sp: Staged) -> None:
-        try:
-            await self.on_staged(sp, self.backing.fsync)
-        except StagedClosed:
-            pass
-        except OSError as e:
-            log.warning("fsync of a staged file failed: %s", e)
+        await self.wait_seq(self.files.fsync_snapshot(node))

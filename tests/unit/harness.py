@@ -74,6 +74,6 @@ class Parts:
 def write_file(cache: Cache, name: bytes, data: bytes, parent=None):
     """Create ``name`` and write ``data`` into it; the file stays open for writing."""
     node = cache.create(parent or cache.root, name, 0o644, 0, 0)
-    cache.open(node, True, False)
-    cache.write(node, 0, data)
+    cache.files.open(node, True, False)
+    cache.files.write(node, 0, data)
     return node

@@ -107,7 +107,7 @@ class HeldMachine(RuleBasedStateMachine):
         self.dir.mkdir()
         self.core = Parts(self.dir, blocks=256, workers=2)
         self.cache = self.core.cache
-        self.cache.position_lock = self.plock = OwnedLock()
+        self.cache.inodes.position_lock = self.plock = OwnedLock()
         self.violation: str | None = None
         self.lo = 0
         self.fault = None

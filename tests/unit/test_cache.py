@@ -30,10 +30,10 @@ def test_snapshot_is_immune_to_later_writes(core):
     cache, flusher, back = core
     node = write_file(cache, b"f", b"A" * (3 * BS))
     with cache.position_lock:        # hold the flusher so the snapshot stays queued
-        cache.release(node, True)
-        cache.open(node, True, False)
-        cache.write(node, BS, b"B" * BS)   # must copy the shared block, not change the snapshot
-    cache.release(node, True)
+        cache.files.release(node, True)
+        cache.files.open(node, True, False)
+        cache.files.write(node, BS, b"B" * BS)   # must copy the shared block, not change the snapshot
+    cache.files.release(node, True)
     drain(flusher, cache.oplog.seq)
     assert (back / "f").read_bytes() == b"A" * BS + b"B" * BS + b"A" * BS
     assert cache.store.used == 3 * BS     # the copies of the snapshot were freed
@@ -42,22 +42,22 @@ def test_snapshot_is_immune_to_later_writes(core):
 def test_truncate_zeroes_the_tail_so_growth_shows_zeros(core):
     cache, flusher, back = core
     node = write_file(cache, b"t", b"x" * 5000)
-    cache.truncate(node, 10)
-    cache.truncate(node, 6000)
-    assert bytes(cache.read(node, 0, 6000)) == b"x" * 10 + bytes(5990)
+    cache.files.truncate(node, 10)
+    cache.files.truncate(node, 6000)
+    assert bytes(cache.files.read(node, 0, 6000)) == b"x" * 10 + bytes(5990)
 
 
 def test_full_pool_evicts_persisted_files_first(core):
     cache, flusher, back = core
     a = write_file(cache, b"a", b"a" * (40 * BS))
-    cache.release(a, True)
+    cache.files.release(a, True)
     drain(flusher, cache.oplog.seq)
     b = write_file(cache, b"b", b"b" * (40 * BS))    # needs a's blocks: a is evicted
-    assert a.content is None and cache.read(a, 0, 1) is None   # now read from the backing
+    assert a.content is None and cache.files.read(a, 0, 1) is None   # now read from the backing
     with pytest.raises(CacheFull):
-        cache.write(b, 40 * BS, b"c" * (30 * BS))    # nothing evictable left: the caller waits
+        cache.files.write(b, 40 * BS, b"c" * (30 * BS))    # nothing evictable left: the caller waits
     assert b.size == 40 * BS                          # and nothing was written
-    cache.release(b, True)
+    cache.files.release(b, True)
     drain(flusher, cache.oplog.seq)
     assert (back / "b").read_bytes() == b"b" * (40 * BS)
 
@@ -66,7 +66,7 @@ def test_unlinked_before_persisted_is_never_uploaded(core):
     cache, flusher, back = core
     with cache.position_lock:        # hold the flusher back
         node = write_file(cache, b"gone", b"g" * BS)
-        cache.release(node, True)
+        cache.files.release(node, True)
         cache.unlink(cache.root, b"gone")
     drain(flusher, cache.oplog.seq)
     assert not (back / "gone").exists()
@@ -80,13 +80,13 @@ def test_rename_of_a_never_closed_file_leaves_the_name_empty_until_its_close(cor
     bytes under the name would be a state the mount never had)."""
     cache, flusher, back = core
     old = write_file(cache, b"latest", b"old")
-    cache.release(old, True)
+    cache.files.release(old, True)
     drain(flusher, cache.oplog.seq)
     new = write_file(cache, b"latest.tmp", b"new")   # still open: not in the backing
     cache.rename(cache.root, b"latest.tmp", cache.root, b"latest")
     drain(flusher, cache.oplog.seq)
     assert sorted(os.listdir(back)) == []
-    cache.release(new, True)
+    cache.files.release(new, True)
     drain(flusher, cache.oplog.seq)
     assert sorted(os.listdir(back)) == ["latest"] and (back / "latest").read_bytes() == b"new"
 
@@ -99,8 +99,8 @@ def test_unlinked_after_later_changes_is_published_then_removed(make_core):
     held = c.backing.inject("unlink", hang=True)
     try:
         with cache.position_lock:        # every op is queued before the first is applied
-            cache.release(write_file(cache, b"model", b"m" * BS), True)
-            cache.release(write_file(cache, b"latest", b"s1"), True)
+            cache.files.release(write_file(cache, b"model", b"m" * BS), True)
+            cache.files.release(write_file(cache, b"latest", b"s1"), True)
             cache.unlink(cache.root, b"model")
         assert held.entered.wait(20)
         assert sorted(os.listdir(back)) == ["latest", "model"]
@@ -125,7 +125,7 @@ def test_applied_seq_moves_only_after_the_op_is_finished(core):
         finish(op)
     flusher._finish = watched
     for i in range(5):
-        cache.release(write_file(cache, b"f%d" % i, b"x" * BS), True)
+        cache.files.release(write_file(cache, b"f%d" % i, b"x" * BS), True)
     cache.mkdir(cache.root, b"d", 0o755, 0, 0)
     drain(flusher, cache.oplog.seq)
     assert len(seen) == 6
@@ -140,33 +140,33 @@ def test_merging_the_backing_listing_shows_others_changes_and_keeps_own_pending_
     cache, back = c.cache, c.back
     d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
     for name in (b"mine", b"clean", b"dirty"):
-        cache.release(write_file(cache, name, name, parent=d), True)
+        cache.files.release(write_file(cache, name, name, parent=d), True)
     c.drain()
     (back / "d" / "theirs").write_bytes(b"t")       # another node's new file
     os.unlink(back / "d" / "clean")                  # another node removed a clean file
     os.unlink(back / "d" / "dirty")                  # ... and one this mount changes now
-    dirty = cache.lookup(d, b"dirty")
-    cache.open(dirty, True, False)
-    cache.write(dirty, 0, b"changed")
+    dirty = cache.names.lookup(d, b"dirty")
+    cache.files.open(dirty, True, False)
+    cache.files.write(dirty, 0, b"changed")
     with cache.position_lock:                        # the flusher applies nothing meanwhile
         cache.unlink(d, b"mine")                     # this mount's removal, still queued
         relisting = _relist(cache, d)
-    cache.merge_listing(d, *relisting)
+    cache.coherence.merge_listing(d, *relisting)
     assert sorted(d.children) == [b"dirty", b"theirs"]
-    assert cache.read(d.children[b"dirty"], 0, 100) == b"changed"
+    assert cache.files.read(d.children[b"dirty"], 0, 100) == b"changed"
     c.drain()
-    cache.release(dirty, True)
+    cache.files.release(dirty, True)
     c.drain()
     assert sorted(os.listdir(back / "d")) == ["dirty", "theirs"]
 
 
 def _relist(cache, d):
-    """Cache.relist_backing, with position_lock already held by the test."""
-    lock, cache.position_lock = cache.position_lock, threading.Lock()
+    """Coherence.relist_backing, with position_lock already held by the test."""
+    lock, cache.inodes.position_lock = cache.inodes.position_lock, threading.Lock()
     try:
-        return cache.relist_backing(d)
+        return cache.coherence.relist_backing(d)
     finally:
-        cache.position_lock = lock
+        cache.inodes.position_lock = lock
 
 
 def test_directory_link_counts_follow_random_namespace_changes(core):
@@ -191,14 +191,14 @@ def test_directory_link_counts_follow_random_namespace_changes(core):
             elif op == "create":
                 cache.create(d, name, 0o644, 0, 0)
             elif op == "rename":
-                node, to = cache.lookup(d, name), rng.choice(dirs)
+                node, to = cache.names.lookup(d, name), rng.choice(dirs)
                 up = to
                 while up is not None and up is not node:   # the kernel refuses a directory
                     up = up.parent                         # into itself (EINVAL)
                 if up is None:
                     cache.rename(d, name, to, b"n%d" % rng.randrange(12))
             else:
-                node = cache.lookup(d, name)
+                node = cache.names.lookup(d, name)
                 (cache.rmdir if node.is_dir else cache.unlink)(d, name)
         except OSError:
             pass    # EEXIST, ENOENT, ENOTEMPTY, EISDIR, ENOTDIR, EINVAL: nothing changed
@@ -237,21 +237,21 @@ def test_a_name_is_known_exactly_when_the_directory_walk_says_so(core):
                 op = rng.choice(("create", "rename", "link", "unlink"))
                 if op == "create":     # written and closed: its upload is held
                     node = write_file(cache, name, b"x" * rng.randrange(1, 5000), parent=d)
-                    cache.release(node, True)
+                    cache.files.release(node, True)
                 elif op == "rename":
                     cache.rename(d, name, rng.choice(dirs), rng.choice(names))
                 elif op == "link":
-                    cache.link(cache.lookup(d, name), rng.choice(dirs), rng.choice(names))
-                elif not cache.lookup(d, name).is_dir:
+                    cache.link(cache.names.lookup(d, name), rng.choice(dirs), rng.choice(names))
+                elif not cache.names.lookup(d, name).is_dir:
                     cache.unlink(d, name)
             except OSError:
                 pass
             most = max(most, len(flusher.oplog.queue))
             with cache.position_lock:
                 for x in dirs:
-                    known = cache._known_names(x)[0]
+                    known = cache.coherence._known_names(x)[0]
                     for n in names:
-                        assert cache._name_known(x, n) == (n in known), (x.name, n)
+                        assert cache.coherence._name_known(x, n) == (n in known), (x.name, n)
         assert most >= 20, most    # ops were queued behind held uploads
     finally:
         if held is not None:

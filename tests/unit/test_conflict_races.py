@@ -16,7 +16,7 @@ from test_conflicts import other_writes, save
 
 
 def _relist_merge(cache, d):
-    cache.merge_listing(d, *cache.relist_backing(d))
+    cache.coherence.merge_listing(d, *cache.coherence.relist_backing(d))
 
 
 def _drain_or_stuck(core, timeout=3.0):
@@ -58,7 +58,7 @@ def test_B_setattr_times_adopts_another_writers_version(core):
     save(cache, b"f", b"v1")
     core.drain()
     other_writes(back / "f", b"v2 from another node, longer")
-    node = cache.lookup(cache.root, b"f")
+    node = cache.names.lookup(cache.root, b"f")
     cache.setattr(node, atime=10**18, mtime=10**18)        # touch -d / os.utime
     core.drain()
     st = os.stat(back / "f")
@@ -74,7 +74,7 @@ def test_B2_then_unlink_removes_the_other_writers_version(core):
     save(cache, b"f", b"v1")
     core.drain()
     other_writes(back / "f", b"v2 from another node, longer")
-    node = cache.lookup(cache.root, b"f")
+    node = cache.names.lookup(cache.root, b"f")
     cache.setattr(node, atime=10**18, mtime=10**18)
     cache.unlink(cache.root, b"f")
     core.drain()
@@ -122,14 +122,14 @@ def test_C_revalidate_applies_a_stat_older_than_its_own_publish(core):
     cache, back = core.cache, core.back
     go = threading.Event()
     statted = threading.Event()
-    real = cache.stat_backing
+    real = cache.coherence.stat_backing
 
     def slow_to_resume(node):
         st = real(node)          # the old version, under position_lock
         statted.set()
         go.wait(0.4)             # the trio thread busy elsewhere, or GIL: resumption late
         return st
-    cache.stat_backing = slow_to_resume
+    cache.coherence.stat_backing = slow_to_resume
 
     async def test(c):
         c.info.coherence_timeout = 0.0
@@ -141,7 +141,7 @@ def test_C_revalidate_applies_a_stat_older_than_its_own_publish(core):
 
         async def writer():
             await trio.to_thread.run_sync(statted.wait)
-            fh2, _ = await c.open(node.ino, os.O_WRONLY | os.O_TRUNC), None
+            fh2, _ = await c.handles.open(node.ino, os.O_WRONLY | os.O_TRUNC), None
             fh2 = fh2[0]
             await tc.write(c, fh2, b"v2 from this node, longer")
             await tc.close(c, fh2)
@@ -177,13 +177,13 @@ def test_D_open_reader_switches_versions_mid_read(core):
             cache.store.drop(node.content)
             node.content = None
             cache.lru.pop(node.ino, None)
-        rfh, _, _ = await c.open(node.ino, os.O_RDONLY)
+        rfh, _, _ = await c.handles.open(node.ino, os.O_RDONLY)
         first = await tc.read(c, rfh, BS, 0)
         other_writes(back / "d" / "f", v2)
         d.listed_at = 0.0
-        await c.opendir(d.ino)                 # anyone's ls of the directory
+        await c.handles.opendir(d.ino)                 # anyone's ls of the directory
         second = await tc.read(c, rfh, BS, BS)
-        await c.release(rfh)
+        await c.handles.release(rfh)
         print(first[:4], second[:4])
         assert first[:1] == second[:1], "one open read a mix of two versions"
     tc.run(core, test)

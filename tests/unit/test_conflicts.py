@@ -22,7 +22,7 @@ def other_writes(path, data: bytes) -> None:
 
 
 def save(cache, name: bytes, data: bytes, parent=None) -> None:
-    cache.release(write_file(cache, name, data, parent=parent), True)
+    cache.files.release(write_file(cache, name, data, parent=parent), True)
 
 
 def settled(core, **expected: int) -> None:
@@ -83,7 +83,7 @@ def test_unlink_and_setattr_of_names_already_gone_move_on(core):
     os.unlink(back / "f")
     os.unlink(back / "g")
     cache.unlink(cache.root, b"f")
-    cache.setattr(cache.lookup(cache.root, b"g"), mode=0o600)
+    cache.setattr(cache.names.lookup(cache.root, b"g"), mode=0o600)
     settled(core, gone=2)
     assert not (back / "g").exists()      # its next snapshot lands it again
 
@@ -93,16 +93,16 @@ def test_the_last_publisher_of_a_name_wins(core):
     save(cache, b"f", b"v1 from this node")
     core.drain()
     other_writes(back / "f", b"v2 from another node")
-    node = cache.lookup(cache.root, b"f")
-    cache.open(node, True, True)
-    cache.write(node, 0, b"v3 from this node")
-    cache.release(node, True)
+    node = cache.names.lookup(cache.root, b"f")
+    cache.files.open(node, True, True)
+    cache.files.write(node, 0, b"v3 from this node")
+    cache.files.release(node, True)
     settled(core, replaced=1)
     assert (back / "f").read_bytes() == b"v3 from this node"
     # this node's own versions replace each other without a conflict
-    cache.open(node, True, True)
-    cache.write(node, 0, b"v4")
-    cache.release(node, True)
+    cache.files.open(node, True, True)
+    cache.files.write(node, 0, b"v4")
+    cache.files.release(node, True)
     settled(core, replaced=1)
     assert (back / "f").read_bytes() == b"v4"
 
@@ -212,7 +212,7 @@ def test_a_file_renamed_after_another_writer_removed_it_leaves_the_view(core):
     cache.rename(cache.root, b"x", cache.root, b"y")
     core.drain()
     assert not (back / "y").exists()
-    cache.merge_listing(cache.root, *cache.relist_backing(cache.root))
+    cache.coherence.merge_listing(cache.root, *cache.coherence.relist_backing(cache.root))
     assert b"y" not in cache.root.children and b"x" not in cache.root.children
     assert core.flusher.repairs.conflicts.status()["by_kind"]["gone"] == 1
 

@@ -35,7 +35,7 @@ def test_a_listing_of_100000_pending_files_comes_in_pages_under_64_kib(core):
     names = set()
     for i in range(100_000):
         node = cache.create(dirs[i % 100], b"file-%06d-" % i + b"f" * 200, 0o644, 0, 0)
-        cache.open(node, True, False)                 # open for writing: dirty
+        cache.files.open(node, True, False)                 # open for writing: dirty
         names.add(node_path(node))
     files, pages = read_all(core)
     assert max(len(p) for p in pages) <= 65536 and len(pages) > 300
@@ -49,12 +49,12 @@ def test_the_pages_of_one_listing_agree_while_the_mount_changes(core):
     cache = core.cache
     for i in range(3000):
         node = cache.create(cache.root, b"f%05d-" % i + b"x" * 100, 0o644, 0, 0)
-        cache.open(node, True, False)
+        cache.files.open(node, True, False)
     get = lambda name: control.get(core.flusher, None, cache.root, name)   # noqa: E731
     first = json.loads(get(FILES))
     for i in range(500):                              # more files between two pages
         node = cache.create(cache.root, b"a%05d" % i, 0o644, 0, 0)
-        cache.open(node, True, False)
+        cache.files.open(node, True, False)
     files, page = list(first["files"]), first
     while page["next"]:
         page = json.loads(get(page["next"].encode()))
@@ -66,7 +66,7 @@ def test_the_pages_of_one_listing_agree_while_the_mount_changes(core):
 def test_a_gone_listing_says_so_and_other_users_get_no_page(core):
     cache = core.cache
     node = cache.create(cache.root, b"f", 0o644, 0, 0)
-    cache.open(node, True, False)
+    cache.files.open(node, True, False)
     with pytest.raises(OSError) as e:
         control.get(core.flusher, None, cache.root, FILES + b".0badcafe.10")
     assert e.value.errno == errno.EAGAIN

@@ -60,7 +60,7 @@ def test_create_write_release_read_lands_in_the_backing(h):
     async def test(core):
         fh, node = await create(core, b"f", mode=0o666)
         assert stat.S_IMODE(node.mode) == 0o644                  # the caller's umask
-        assert core.write_now(fh, 0, memoryview(data[:BS])) == BS  # the fast path
+        assert core.handles.write_now(fh, 0, memoryview(data[:BS])) == BS  # the fast path
         await write(core, fh, data[BS:], off=BS)
         assert await read(core, fh, len(data) + 10) == data
         assert (await core.getxattr(node.ino, control.STATE)) == b"dirty"
@@ -70,9 +70,9 @@ def test_create_write_release_read_lands_in_the_backing(h):
         seq = json.loads(await core.getxattr(ROOT, control.SEQ))
         assert seq == {"seq": h.cache.oplog.seq, "open_dirty": 0}
         assert (await core.lookup(ROOT, b"f")) is node
-        fr, direct, _ = await core.open(node.ino, os.O_RDONLY)
+        fr, direct, _ = await core.handles.open(node.ino, os.O_RDONLY)
         assert await read(core, fr, 100, off=BS) == data[BS:BS + 100]
-        await core.release(fr)
+        await core.handles.release(fr)
     run(h, test)
     assert (h.back / "f").read_bytes() == data
     assert stat.S_IMODE(os.stat(h.back / "f").st_mode) == 0o644
@@ -98,9 +98,9 @@ def test_namespace_operations_reach_the_backing_in_order(h):
         e = await core.mkdir(ROOT, b"e", 0o755, CALLER)
         await core.rmdir(ROOT, b"e")
         assert e.nlink == 0
-        dh = await core.opendir(d.ino)
-        assert [n for n, _ in core.dir_entries(dh)] == [b"g"]
-        core.releasedir(dh)
+        dh = await core.handles.opendir(d.ino)
+        assert [n for n, _ in core.handles.dir_entries(dh)] == [b"g"]
+        core.handles.releasedir(dh)
         await drain(h)
     run(h, test)
     assert sorted(os.listdir(h.back)) == ["d", "l"]
@@ -133,19 +133,19 @@ def test_a_reader_of_an_uncached_file_reads_the_backing_and_keeps_its_version(se
     async def test(core):
         node = await core.lookup(ROOT, b"ckpt")
         assert node.content is None
-        fr, _, _ = await core.open(node.ino, os.O_RDONLY)
+        fr, _, _ = await core.handles.open(node.ino, os.O_RDONLY)
         assert await read(core, fr, 2 * BS, off=BS) == old[BS:3 * BS]
         assert node.content is None                               # not copied into the cache
         await core.unlink(ROOT, b"ckpt")                         # deleted meanwhile...
         await drain(h)
         assert not (h.back / "ckpt").exists()
         assert await read(core, fr, 10) == old[:10]              # ...the reader still has it
-        await core.release(fr)
+        await core.handles.release(fr)
         sub = await core.lookup(ROOT, b"sub")                    # loaded on first use
         deep = await core.lookup(sub.ino, b"deep")
-        fd, _, _ = await core.open(deep.ino, os.O_RDONLY)
+        fd, _, _ = await core.handles.open(deep.ino, os.O_RDONLY)
         assert await read(core, fd, 100) == b"deep"
-        await core.release(fd)
+        await core.handles.release(fd)
     run(h, test)
 
 
@@ -155,17 +155,17 @@ def test_opening_for_writing_copies_the_backing_version_in(seeded):
 
     async def test(core):
         node = await core.lookup(ROOT, b"f")
-        fh, direct, _ = await core.open(node.ino, os.O_RDWR)
+        fh, direct, _ = await core.handles.open(node.ino, os.O_RDWR)
         # writers get direct_io only where the kernel keeps shared mmap of such files
         assert not direct and node.content is not None and h.store.used == 3 * BS
-        core.direct_io_mmap = lambda: True
-        fh2, direct, _ = await core.open(node.ino, os.O_RDWR)
+        core.handles.direct_io_mmap = lambda: True
+        fh2, direct, _ = await core.handles.open(node.ino, os.O_RDWR)
         assert direct
         await close(core, fh2)
         await write(core, fh, b"NEW", off=BS)
         await close(core, fh)
         await drain(h)
-        ft, _, _ = await core.open(node.ino, os.O_WRONLY | os.O_TRUNC)
+        ft, _, _ = await core.handles.open(node.ino, os.O_WRONLY | os.O_TRUNC)
         assert node.size == 0
         await write(core, ft, b"short")
         await close(core, ft)
@@ -183,7 +183,7 @@ def test_fsync_backing_waits_until_the_file_is_in_the_backing(h):
             done = trio.Event()
 
             async def fsync():
-                await core.fsync(fh)
+                await core.handles.fsync(fh)
                 done.set()
             n.start_soon(fsync)
             await trio.to_thread.run_sync(hang.entered.wait, 5)
@@ -204,7 +204,7 @@ def test_fsync_memory_returns_at_once(h):
         await write(core, fh, b"x")
         hang = h.backing.inject(hang=True)
         t = time.monotonic()
-        await core.fsync(fh)
+        await core.handles.fsync(fh)
         await core.fsyncdir()
         assert time.monotonic() - t < 0.1
         hang.release()
@@ -264,27 +264,27 @@ def test_preload(seeded):
         answer = json.loads(await core.getxattr(s.ino, control.PRELOAD))
         assert answer == {"size": len(small), "cached": True}
         assert s.content is not None and h.store.used == 4 * BS
-        assert bytes(h.cache.read(s, 0, CACHE)) == small
-        assert json.loads(await core.preload(s)) == answer        # again: nothing to do
+        assert bytes(h.cache.files.read(s, 0, CACHE)) == small
+        assert json.loads(await core.handles.preload(s)) == answer        # again: nothing to do
         assert h.store.used == 4 * BS
 
-        await raises(errno.EFBIG, core.preload, await core.lookup(ROOT, b"big"))
-        await raises(errno.EINVAL, core.preload, await core.lookup(ROOT, b"d"))
+        await raises(errno.EFBIG, core.handles.preload, await core.lookup(ROOT, b"big"))
+        await raises(errno.EINVAL, core.handles.preload, await core.lookup(ROOT, b"d"))
 
         fh, w = await create(core, b"w")                           # 8 blocks dirty, open
         await write(core, fh, b"w" * (8 * BS))
         m = await core.lookup(ROOT, b"mid")
         t = time.monotonic()
-        await raises(errno.ENOSPC, core.preload, m)                # 4 + 8 + 10 > 16
+        await raises(errno.ENOSPC, core.handles.preload, m)                # 4 + 8 + 10 > 16
         assert time.monotonic() - t < 0.2                          # never waits for the flusher
         assert m.content is None and h.store.used <= 12 * BS
         await close(core, fh)
         await drain(h)                                             # w is persisted: evictable
-        answer = json.loads(await core.preload(m))
+        answer = json.loads(await core.handles.preload(m))
         assert answer == {"size": len(mid), "cached": True}
-        fr, _, _ = await core.open(m.ino, os.O_RDONLY)
+        fr, _, _ = await core.handles.open(m.ino, os.O_RDONLY)
         assert await read(core, fr, CACHE) == mid                 # from the cache
-        await core.release(fr)
+        await core.handles.release(fr)
         assert w.content is None or s.content is None                # something was evicted
     run(h, test)
 
@@ -294,7 +294,7 @@ def test_preload_of_a_staged_file_reports_not_cached(h):
         fh, node = await create(core, b"big")
         await write(core, fh, pattern(CACHE + BS))                 # written through
         assert node.staged is not None
-        assert json.loads(await core.preload(node)) == {"size": CACHE + BS, "cached": False}
+        assert json.loads(await core.handles.preload(node)) == {"size": CACHE + BS, "cached": False}
         await close(core, fh)
         await drain(h)
     run(h, test)
@@ -305,20 +305,20 @@ def test_preload_of_a_staged_file_reports_not_cached(h):
 def test_errors_of_requests(h):
     async def test(core):
         await raises(errno.ENOENT, core.node, 999)
-        await raises(errno.EBADF, core.handle, 999)
-        await raises(errno.EBADF, core.read, 999, 0, 10)
-        await raises(errno.EBADF, core.write, 999, 0, b"x")
-        await raises(errno.EBADF, core.release, 999)
-        await raises(errno.EBADF, core.dir_entries, 999)
+        await raises(errno.EBADF, core.handles.handle, 999)
+        await raises(errno.EBADF, core.handles.read, 999, 0, 10)
+        await raises(errno.EBADF, core.handles.write, 999, 0, b"x")
+        await raises(errno.EBADF, core.handles.release, 999)
+        await raises(errno.EBADF, core.handles.dir_entries, 999)
         await raises(errno.ENOENT, core.getxattr, 999, b"user.x")
         await raises(errno.ENOENT, core.lookup, ROOT, b"missing")
         fh, f = await create(core, b"f")
         await raises(errno.EEXIST, create, core, b"f")
         await raises(errno.EPERM, create, core, b".acpfs-tmp-1-2")   # reserved names
         await raises(errno.EINVAL, core.readlink, f.ino)
-        await raises(errno.EISDIR, core.open, ROOT, os.O_RDONLY)
+        await raises(errno.EISDIR, core.handles.open, ROOT, os.O_RDONLY)
         await raises(errno.ENOTDIR, core.mkdir, f.ino, b"x", 0o755, CALLER)
-        await raises(errno.ENOTDIR, core.opendir, f.ino)
+        await raises(errno.ENOTDIR, core.handles.opendir, f.ino)
         await raises(errno.EINVAL, core.setattr, ROOT, size=0)
         d = await core.mkdir(ROOT, b"d", 0o755, CALLER)
         await core.mkdir(d.ino, b"sub", 0o755, CALLER)
@@ -336,8 +336,8 @@ def test_errors_of_requests(h):
         await raises(errno.ENODATA, core.removexattr, f.ino, b"user.none")
         status = json.loads(await core.getxattr(ROOT, control.STATUS))
         assert status["version"] == control.STATUS_VERSION and status["flusher_alive"]
-        await core.release(fh)
-        await raises(errno.EBADF, core.release, fh)              # released twice
+        await core.handles.release(fh)
+        await raises(errno.EBADF, core.handles.release, fh)              # released twice
         await drain(h)
     run(h, test)
 
@@ -404,19 +404,19 @@ def test_an_open_sees_another_writers_version_at_once(seeded):
 
     async def test(core):
         core.info.coherence_timeout = 3600.0
-        core.invalidate_attrs = forgot.append
+        core.loader.invalidate_attrs = forgot.append
         node = await core.lookup(ROOT, b"f")
-        fh, _, _ = await core.open(node.ino, os.O_RDONLY)
+        fh, _, _ = await core.handles.open(node.ino, os.O_RDONLY)
         assert await read(core, fh, 10) == b"oneoneoneo"
-        await core.release(fh)
+        await core.handles.release(fh)
         _replace(h.back / "f", b"three" * 300)
-        fh, _, _ = await core.open(node.ino, os.O_RDONLY)
+        fh, _, _ = await core.handles.open(node.ino, os.O_RDONLY)
         assert node.size == 1500 and forgot == [node.ino]
         assert await read(core, fh, 2000) == b"three" * 300
-        await core.release(fh)
+        await core.handles.release(fh)
         # a writer's open too: an append lands after the new version
         _replace(h.back / "f", b"four" * 10)
-        fa, _, _ = await core.open(node.ino, os.O_WRONLY | os.O_APPEND)
+        fa, _, _ = await core.handles.open(node.ino, os.O_WRONLY | os.O_APPEND)
         await write(core, fa, b"+tail", off=3)        # the kernel's offset from an old size
         await close(core, fa)
         await drain(h)
@@ -430,20 +430,20 @@ def test_a_version_replaced_while_open_here_answers_estale_and_moves_the_name(se
     async def test(core):
         core.info.coherence_timeout = 3600.0
         node = await core.lookup(ROOT, b"f")
-        old, _, _ = await core.open(node.ino, os.O_RDONLY)
+        old, _, _ = await core.handles.open(node.ino, os.O_RDONLY)
         _replace(h.back / "f", b"new" * 200)
-        await raises(errno.ESTALE, core.open, node.ino, os.O_RDONLY)
+        await raises(errno.ESTALE, core.handles.open, node.ino, os.O_RDONLY)
         fresh = await core.lookup(ROOT, b"f")          # what the kernel does on ESTALE
         assert fresh is not node and fresh.size == 600
-        fh, _, _ = await core.open(fresh.ino, os.O_RDONLY)
+        fh, _, _ = await core.handles.open(fresh.ino, os.O_RDONLY)
         assert await read(core, fh, 1000) == b"new" * 200
         assert await read(core, old, 1000) == b"old" * 100   # the old descriptor: its version
-        await core.release(fh)
-        await core.release(old)
+        await core.handles.release(fh)
+        await core.handles.release(old)
         assert node.ino not in h.cache.nodes               # dropped at its last close
         # a name removed elsewhere: ESTALE, then the lookup says ENOENT
         os.unlink(h.back / "f")
-        await raises(errno.ESTALE, core.open, fresh.ino, os.O_RDONLY)
+        await raises(errno.ESTALE, core.handles.open, fresh.ino, os.O_RDONLY)
         await raises(errno.ENOENT, core.lookup, ROOT, b"f")
     run(h, test)
 
@@ -457,7 +457,7 @@ def test_a_copy_of_another_version_than_checked_is_estale(seeded):
         core.info.coherence_timeout = 3600.0
         node = await core.lookup(ROOT, b"f")
         _replace(h.back / "f", b"b" * 300)               # after the check of the lookup
-        await raises(errno.ESTALE, core.preload, node)
+        await raises(errno.ESTALE, core.handles.preload, node)
         assert node.content is None and h.store.used == 0 * BS
     run(h, test)
 
@@ -468,16 +468,16 @@ def test_a_name_the_view_lacks_is_looked_up_and_opendir_relists_a_changed_direct
     async def test(core):
         core.info.coherence_timeout = 3600.0
         d = await core.lookup(ROOT, b"d")
-        fh = await core.opendir(d.ino)
-        assert [n for n, _ in core.dir_entries(fh)] == [b"mine"]
-        core.releasedir(fh)
+        fh = await core.handles.opendir(d.ino)
+        assert [n for n, _ in core.handles.dir_entries(fh)] == [b"mine"]
+        core.handles.releasedir(fh)
         (h.back / "d" / "theirs").write_bytes(b"t" * 7)
         assert (await core.lookup(d.ino, b"theirs")).size == 7
         (h.back / "d" / "more").write_bytes(b"x")
         os.unlink(h.back / "d" / "mine")
-        fh = await core.opendir(d.ino)
-        assert sorted(n for n, _ in core.dir_entries(fh)) == [b"more", b"theirs"]
-        core.releasedir(fh)
+        fh = await core.handles.opendir(d.ino)
+        assert sorted(n for n, _ in core.handles.dir_entries(fh)) == [b"more", b"theirs"]
+        core.handles.releasedir(fh)
         # this mount's own removal, still queued, is not looked up again
         await core.unlink(d.ino, b"theirs")
         await raises(errno.ENOENT, core.lookup, d.ino, b"theirs")

@@ -24,19 +24,19 @@ def test_the_link_count_never_falls_below_the_names_the_mount_has(tmp_path, make
     os.link(back / "a", back / "d" / "b")
     core = make_core("c")
     cache, root = core.cache, core.cache.root
-    node = cache.lookup(root, b"a")
+    node = cache.names.lookup(root, b"a")
     assert node.nlink == 2
     os.link(back / "a", back / "e" / "c")             # behind the mount's back
-    d = listed(cache, cache.lookup(root, b"d"))
-    e = listed(cache, cache.lookup(root, b"e"))
-    assert cache.lookup(d, b"b") is node and cache.lookup(e, b"c") is node
+    d = listed(cache, cache.names.lookup(root, b"d"))
+    e = listed(cache, cache.names.lookup(root, b"e"))
+    assert cache.names.lookup(d, b"b") is node and cache.names.lookup(e, b"c") is node
     assert node.nlink == 3
     cache.unlink(root, b"a")
     cache.unlink(d, b"b")
-    assert node.nlink == 1 and cache.lookup(e, b"c") is node
-    cache.open(node, True, True)
-    cache.write(node, 0, b"new")
-    cache.release(node, True)
+    assert node.nlink == 1 and cache.names.lookup(e, b"c") is node
+    cache.files.open(node, True, True)
+    cache.files.write(node, 0, b"new")
+    cache.files.release(node, True)
     core.drain()
     assert (back / "e" / "c").read_bytes() == b"new"
     assert not (back / "a").exists() and not (back / "d" / "b").exists()
@@ -47,20 +47,20 @@ def test_a_linked_file_renamed_over_stays_pending_until_the_rename_lands(core):
     rename is queued (a listing meanwhile must not touch its positions)."""
     cache, root = core.cache, core.cache.root
     f = write_file(cache, b"a", b"f")
-    cache.release(f, True)
+    cache.files.release(f, True)
     cache.link(f, root, b"b")
     core.drain()
     held = core.backing.inject("rename", hang=True)
     try:
         x = write_file(cache, b"x", b"x")            # open: never closed
         cache.rename(root, b"x", root, b"a")
-        assert not cache.quiescent(f)
+        assert not cache.coherence.quiescent(f)
     finally:
         held.release()
     core.drain()
-    assert cache.quiescent(f)
+    assert cache.coherence.quiescent(f)
     assert not (core.back / "a").exists() and (core.back / "b").read_bytes() == b"f"
-    cache.release(x, True)
+    cache.files.release(x, True)
     core.drain()
     assert (core.back / "a").read_bytes() == b"x"
 
@@ -69,7 +69,7 @@ def test_a_chmod_of_a_linked_file_whose_first_name_another_writer_removed(core):
     """The attributes land under the file's next name; its unlink then removes that one."""
     cache, root = core.cache, core.cache.root
     f = write_file(cache, b"a", b"f")
-    cache.release(f, True)
+    cache.files.release(f, True)
     cache.link(f, root, b"b")
     core.drain()
     os.unlink(core.back / "a")                       # another writer
@@ -91,12 +91,12 @@ def test_a_link_made_after_close_acknowledged_content_is_in_its_journal_record(m
     cache, root = core.cache, core.cache.root
     d = cache.mkdir(root, b"d", 0o755, 0, 0)
     f = write_file(cache, b"a", b"content")
-    cache.record_close(f)                            # FLUSH answered, no RELEASE yet
+    cache.files.record_close(f)                            # FLUSH answered, no RELEASE yet
     cache.link(f, d, b"b")
     left = jmod.read_leftover(str(core.cache_dir))
     last = [r for r in left.records if r.ino == f.ino and r.seq == 0][-1]
     assert (last.kind, last.path, last.links) == (jmod.FLUSHED, b"a", [b"d/b"])
-    cache.release(f, True)
+    cache.files.release(f, True)
 
 
 def test_a_new_version_lands_under_the_names_the_mount_does_not_know(tmp_path, make_core):
@@ -109,10 +109,10 @@ def test_a_new_version_lands_under_the_names_the_mount_does_not_know(tmp_path, m
     os.link(back / "a", back / "d" / "b")
     core = make_core("s")
     cache, root = core.cache, core.cache.root
-    node = cache.lookup(root, b"a")
-    cache.open(node, True, True)
-    cache.write(node, 0, b"new")
-    cache.release(node, True)
+    node = cache.names.lookup(root, b"a")
+    cache.files.open(node, True, True)
+    cache.files.write(node, 0, b"new")
+    cache.files.release(node, True)
     core.drain()
     assert (back / "a").read_bytes() == b"new" and (back / "d" / "b").read_bytes() == b"new"
     assert os.stat(back / "a").st_ino == os.stat(back / "d" / "b").st_ino

@@ -104,10 +104,10 @@ class LinksModel(HeldMachine):
     # -- rules: the mount --------------------------------------------------------------------
     def _write(self, node, data: bytes, trunc: bool) -> bytes:
         cache = self.cache
-        cache.open(node, True, trunc)
+        cache.files.open(node, True, trunc)
         off = 0 if trunc else node.size
-        cache.write(node, off, data)
-        cache.release(node, True)
+        cache.files.write(node, off, data)
+        cache.files.release(node, True)
         return data
 
     @rule(path=paths, data=contents)
@@ -116,9 +116,9 @@ class LinksModel(HeldMachine):
             return
         parent, name = self.where(path)
         node = self.cache.create(parent, name, MODE, 0, 0)
-        self.cache.open(node, True, False)
-        self.cache.write(node, 0, data)
-        self.cache.release(node, True)
+        self.cache.files.open(node, True, False)
+        self.cache.files.write(node, 0, data)
+        self.cache.files.release(node, True)
         self.names[path] = MFile(node, data)
         self.record(f"create {path}")
 
@@ -229,10 +229,10 @@ class LinksModel(HeldMachine):
     def model_is_the_mount(self):
         for path, f in self.names.items():
             parent, name = self.where(path)
-            node = self.cache.lookup(parent, name)
+            node = self.cache.names.lookup(parent, name)
             assert node is f.node, f"{path}: another node"
             assert node.nlink == len(self.names_of(f)), f"{path}: link count"
-            assert bytes(self.cache.read(node, 0, len(f.data) + 1)) == f.data, f"{path}: bytes"
+            assert bytes(self.cache.files.read(node, 0, len(f.data) + 1)) == f.data, f"{path}: bytes"
         for d in (self.cache.root, self.d):
             for name in d.children:
                 path = (b"d/" if d is self.d else b"") + name

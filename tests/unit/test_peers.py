@@ -304,7 +304,7 @@ def test_an_acknowledged_close_counts_in_the_frontier_until_it_is_applied(core):
             seen.append(cache.oplog.frontier())
         return op
     cache.oplog.push = checked
-    cache.release(node, True)
+    cache.files.release(node, True)
     assert seen and all(pending and front <= stamp for front, pending in seen), seen
     core.backing.clear()
     core.drain()
@@ -398,7 +398,7 @@ def test_a_change_queued_after_an_older_acknowledgement_waits_no_longer_than_it(
     first = cache.oplog.acked[z.ino][0]
     cache.mkdir(cache.root, b"d", 0o755, 0, 0)
     mkdir_stamp = cache.oplog.queue[-1].stamp
-    cache.release(z, True)                 # z queued after the mkdir
+    cache.files.release(z, True)                 # z queued after the mkdir
     core.drain()
     assert mkdir_stamp > first
     assert held[0] == first, (held, first, mkdir_stamp)    # the mkdir, lowered to z's
@@ -417,7 +417,7 @@ def test_a_file_closed_twice_before_it_is_queued_is_held_to_its_first_close(make
     cache.oplog.note_ack(z)                      # close(3) after dup2(3, 1)
     cache.oplog.note_ack(z)                      # the command's exit closes 1
     first, last = cache.oplog.acked[z.ino]
-    cache.release(z, True)
+    cache.files.release(z, True)
     assert first < last and cache.oplog.queue[-1].stamp == last
     core.drain()
     assert held[0] == first, (held, first, last)

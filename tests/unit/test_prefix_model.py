@@ -271,7 +271,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
         def _create(self, d: MDir, name: str, mode: int) -> MFile:
             """create and open for writing (FUSE's create)"""
             node = self.cache.create(d.node, name.encode(), mode, 0, 0)
-            self.cache.open(node, True, False)
+            self.cache.files.open(node, True, False)
             f = d.kids[name] = MFile(node, mode)
             f.open = True
             self.handles.add(f)
@@ -279,7 +279,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
 
         def _open(self, f: MFile, trunc: bool) -> None:
             assert f.node.content is not None, "the pool is large enough never to evict"
-            self.cache.open(f.node, True, trunc)
+            self.cache.files.open(f.node, True, trunc)
             f.open = True
             self.handles.add(f)
             if trunc and f.data:
@@ -287,14 +287,14 @@ def make_machine(base: Path, unpersisted_deletes: bool):
                 f.dirty = True
 
         def _write(self, f: MFile, off: int, data: bytes) -> None:
-            self.cache.write(f.node, off, data)
+            self.cache.files.write(f.node, off, data)
             if len(f.data) < off:
                 f.data.extend(bytes(off - len(f.data)))
             f.data[off:off + len(data)] = data
             f.dirty = True
 
         def _close(self, f: MFile, label: str) -> None:
-            self.cache.release(f.node, True)
+            self.cache.files.release(f.node, True)
             f.open = False
             self.handles.discard(f)
             if f.dirty and f.linked:
@@ -379,7 +379,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
                 return
             path, f, _, _ = fs[pick % len(fs)]
             assert f.node.content is not None, "the pool is large enough never to evict"
-            self.cache.truncate(f.node, size)
+            self.cache.files.truncate(f.node, size)
             f.data = f.data[:size] + bytearray(max(0, size - len(f.data)))
             f.dirty = True
             if not f.open:
@@ -596,7 +596,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
                         assert node.is_link and node.target == e.target.encode()
                     else:
                         assert node.is_reg and statmod.S_IMODE(node.mode) == e.mode, f"{path}{name}"
-                        got = self.cache.read(e.node, 0, len(e.data) + 1)
+                        got = self.cache.files.read(e.node, 0, len(e.data) + 1)
                         got = None if got is None else bytes(got)   # no view of the pool kept
                         assert got == bytes(e.data), f"{path}{name}: bytes"
                         assert node.dirty == e.dirty, f"{path}{name}: dirty"
@@ -674,7 +674,7 @@ def test_pointer_replaced_before_it_was_persisted(core):
     try:
         with cache.position_lock:            # every op is queued before the first is applied
             for data in (b"v1", b"v2"):
-                cache.release(write_file(cache, b"a.tmp", data), True)
+                cache.files.release(write_file(cache, b"a.tmp", data), True)
                 cache.rename(root, b"a.tmp", root, b"a")
         assert held.entered.wait(WAIT)
         f = ("file", "0o644")

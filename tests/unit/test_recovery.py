@@ -246,14 +246,14 @@ def killed_daemon(tmp_path, make_core):
     # applied before the crash: d/, d/f
     d = cache.mkdir(root, b"d", 0o755, 0, 0)
     f = write_file(cache, b"f", b"one" * 2000, parent=d)
-    cache.release(f, True)
+    cache.files.release(f, True)
     c.drain()
     c.applied_before = c.flusher.oplog.applied_seq
     assert (c.back / "d" / "f").read_bytes() == b"one" * 2000
 
     h = hold(c)
     g = write_file(cache, b"g", b"G" * (3 * BS + 7), parent=d)
-    cache.release(g, True)                                   # publish d/g
+    cache.files.release(g, True)                                   # publish d/g
     cache.setattr(g, mode=0o600)                             # chmod after the close
     e = cache.mkdir(root, b"e", 0o750, 0, 0)
     cache.set_xattr(e, b"user.k", b"v")
@@ -261,14 +261,14 @@ def killed_daemon(tmp_path, make_core):
     cache.symlink(root, b"l", b"e/f2", 0, 0)
     cache.unlink(root, b"old")
     k = write_file(cache, b"k", b"")                          # empty file
-    cache.release(k, True)
+    cache.files.release(k, True)
     hf = write_file(cache, b"h", b"H" * (2 * BS))            # close() answered (FLUSH), no
-    cache.record_close(hf)                                   # RELEASE before the kill
-    o = cache.lookup(root, b"o")                             # open for writing at the crash
-    cache.open(o, True, True)
-    cache.write(o, 0, b"unsaved")
+    cache.files.record_close(hf)                                   # RELEASE before the kill
+    o = cache.names.lookup(root, b"o")                             # open for writing at the crash
+    cache.files.open(o, True, True)
+    cache.files.write(o, 0, b"unsaved")
     tmp = write_file(cache, b"tmp", b"T" * BS)              # created and deleted: never lands
-    cache.release(tmp, True)
+    cache.files.release(tmp, True)
     cache.unlink(root, b"tmp")
     assert h.entered.wait(5)
     assert c.flusher.oplog.applied_seq == c.applied_before
@@ -362,9 +362,9 @@ def test_written_through_files_are_published_or_kept_aside(tmp_path, make_core, 
         fh, node = await create(core, b"big")
         await write(core, fh, big)
         assert node.staged is not None
-        core.flush(fh)                                 # close() answered; RELEASE never comes
+        core.handles.flush(fh)                                 # close() answered; RELEASE never comes
         o = await core.lookup(ROOT, b"open")
-        fo, _, _ = await core.open(o.ino, os.O_WRONLY | os.O_TRUNC)
+        fo, _, _ = await core.handles.open(o.ino, os.O_WRONLY | os.O_TRUNC)
         await write(core, fo, partial)
         assert o.staged is not None
         staged.extend([node.staged, o.staged])
@@ -397,7 +397,7 @@ def _killed_with_d_f_pending_and_d_moved_away(make_core):
     d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
     c.drain()
     h = hold(c)
-    cache.release(write_file(cache, b"f", b"acknowledged", parent=d), True)
+    cache.files.release(write_file(cache, b"f", b"acknowledged", parent=d), True)
     assert h.entered.wait(5)
     kill(c, h)
     os.rename(c.back / "d", c.back / "d.away")
@@ -434,14 +434,14 @@ def test_a_new_version_of_a_linked_file_cut_between_its_names_is_finished_by_the
     cache, root = c.cache, c.cache.root
     d = cache.mkdir(root, b"d", 0o755, 0, 0)
     f = write_file(cache, b"f", b"v1")
-    cache.release(f, True)
+    cache.files.release(f, True)
     cache.link(f, d, b"g")
     c.drain()
     assert os.stat(c.back / "f").st_ino == os.stat(c.back / "d" / "g").st_ino
     held = c.backing.inject("link", hang=True, errno=errno.EIO)   # between the names
-    cache.open(f, True, True)
-    cache.write(f, 0, b"v2 longer")
-    cache.release(f, True)
+    cache.files.open(f, True, True)
+    cache.files.write(f, 0, b"v2 longer")
+    cache.files.release(f, True)
     assert held.entered.wait(5)
     assert tree(c.back) == {"f": b"v2 longer", "d": "dir", "d/g": b"v1"}
     kill(c, held)
@@ -480,7 +480,7 @@ def test_content_to_keep_aside_while_the_backing_refuses_changes_is_queued_not_f
     assert "EPERM" in failing.error
     # the mount serves it meanwhile, from the pool
     parent, name, node = recovery.Replayer(r.cache, report, set()).resolve(os.fsencode(aside))
-    assert node is not None and bytes(r.cache.read(node, 0, 100)) == b"acknowledged"
+    assert node is not None and bytes(r.cache.files.read(node, 0, 100)) == b"acknowledged"
     assert not (c.back / ".acpfs-recovered").exists()
 
     r.flusher.stop(drain=False, timeout=10)             # killed again before it landed

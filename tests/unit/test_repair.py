@@ -27,7 +27,7 @@ def test_a_temporary_file_removed_before_its_publish_is_written_again(core):
     cache, back = core.cache, core.back
     held = core.backing.inject("publish", hang=True, times=1)
     node = write_file(cache, b"latest", b"step_2")
-    cache.release(node, True)
+    cache.files.release(node, True)
     assert held.entered.wait(WAIT)
     [tmp] = temps(back)                  # uploaded, about to be renamed into place
     os.unlink(back / tmp)                # removed behind acpfs's back
@@ -41,12 +41,12 @@ def test_a_temporary_file_removed_before_its_publish_is_written_again(core):
 def test_a_directory_moved_away_is_made_again_and_the_file_lands_in_it(core):
     cache, back = core.cache, core.back
     d = cache.mkdir(cache.root, b"d", 0o750, 0, 0)
-    cache.release(write_file(cache, b"old", b"persisted", parent=d), True)
+    cache.files.release(write_file(cache, b"old", b"persisted", parent=d), True)
     core.drain()
     held = core.backing.inject("write_temp", hang=True, times=1)   # the first: z
-    cache.release(write_file(cache, b"z", b"z"), True)   # holds the sequencer; uploads go on
+    cache.files.release(write_file(cache, b"z", b"z"), True)   # holds the sequencer; uploads go on
     assert held.entered.wait(WAIT)
-    cache.release(write_file(cache, b"f", b"acknowledged", parent=d), True)
+    cache.files.release(write_file(cache, b"f", b"acknowledged", parent=d), True)
     deadline = time.monotonic() + WAIT
     while not temps(back / "d"):                     # d/f is uploaded, waiting for its turn
         assert time.monotonic() < deadline
@@ -69,7 +69,7 @@ def test_ops_into_a_removed_directory_make_it_again(core, gone):
     shutil.rmtree(back / "a" / "b" if gone == "dir" else back / "a")
     cache.mkdir(b, b"c", 0o755, 0, 0)
     cache.symlink(b, b"l", b"c", 0, 0)
-    cache.release(write_file(cache, b"f", b"F" * (BS + 1), parent=b), True)
+    cache.files.release(write_file(cache, b"f", b"F" * (BS + 1), parent=b), True)
     core.drain()
     assert sorted(os.listdir(back / "a" / "b")) == ["c", "f", "l"]
     assert stat.S_IMODE(os.stat(back / "a" / "b").st_mode) == 0o700
@@ -78,14 +78,14 @@ def test_ops_into_a_removed_directory_make_it_again(core, gone):
 
 def test_a_rename_whose_source_was_removed_goes_on(core):
     cache, back = core.cache, core.back
-    cache.release(write_file(cache, b"a", b"A"), True)
+    cache.files.release(write_file(cache, b"a", b"A"), True)
     d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
     core.drain()
     os.unlink(back / "a")
     os.rmdir(back / "d")
     cache.rename(cache.root, b"a", cache.root, b"b")
     cache.rename(cache.root, b"d", cache.root, b"e")
-    cache.release(write_file(cache, b"x", b"X", parent=d), True)
+    cache.files.release(write_file(cache, b"x", b"X", parent=d), True)
     core.drain()
     assert sorted(os.listdir(back)) == ["e"]          # a's bytes are gone (not ours to invent)
     assert (back / "e" / "x").read_bytes() == b"X"      # the directory is the mount's again
@@ -126,7 +126,7 @@ def test_an_upload_cut_short_by_an_abort_is_not_recorded_as_applied(make_core):
     c = make_core("ab", journal=True)
     held = c.backing.inject("copy_extents", hang=True, times=1)
     node = write_file(c.cache, b"f", b"x" * (3 * BS))
-    c.cache.release(node, True)
+    c.cache.files.release(node, True)
     assert held.entered.wait(WAIT)
     c.flusher.abort.set()                        # what stop(drain=False) does
     held.release()
@@ -140,7 +140,7 @@ def test_a_chmod_in_a_removed_directory_makes_it_again(core):
     cache, back = core.cache, core.back
     d = cache.mkdir(cache.root, b"d", 0o750, 0, 0)
     f = write_file(cache, b"f", b"F", parent=d)
-    cache.release(f, True)
+    cache.files.release(f, True)
     core.drain()
     shutil.rmtree(back / "d")
     cache.setattr(f, mode=0o600)                 # its file is gone with the directory
@@ -157,7 +157,7 @@ def test_a_directory_renamed_after_its_parent_was_removed_is_made_again(core):
     core.drain()
     shutil.rmtree(back / "p")
     cache.rename(p, b"x", p, b"y")
-    cache.release(write_file(cache, b"f", b"into y", parent=x), True)
+    cache.files.release(write_file(cache, b"f", b"into y", parent=x), True)
     core.drain()
     assert (back / "p" / "y" / "f").read_bytes() == b"into y"
     assert core.flusher.failing_op() is None

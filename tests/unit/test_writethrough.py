@@ -48,7 +48,7 @@ def test_a_write_larger_than_the_free_cache_is_written_through(h):
         assert await read(core, fh, 2 * CACHE) == data      # read from the staged file
         assert await read(core, fh, 100, off=BS - 50) == data[BS - 50:BS + 50]
         assert await read(core, fh, 10, off=len(data)) == b""
-        assert core.write_now(fh, 0, memoryview(b"x")) is None   # staged: never the fast path
+        assert core.handles.write_now(fh, 0, memoryview(b"x")) is None   # staged: never the fast path
         await write(core, fh, b"tail", off=len(data))      # more writes go to the staged file
         assert h.store.used == 8 * BS
         assert not (h.back / "big").exists()                # not published before close
@@ -113,7 +113,7 @@ def test_a_writer_to_a_full_cache_gets_enospc_when_the_backing_hangs(h, where):
         async def writer(name, fh, off):
             t = time.monotonic()
             try:
-                await core.write(fh, off, b"w" * BS)
+                await core.handles.write(fh, off, b"w" * BS)
                 results[name] = ("written", time.monotonic() - t)
             except FsError as e:
                 results[name] = (e.errno, time.monotonic() - t)
@@ -194,8 +194,8 @@ def test_a_file_larger_than_half_the_cache_is_staged_when_opened_for_writing(tmp
 
     async def test(core):
         node = await core.lookup(ROOT, b"big")
-        fr, _, _ = await core.open(node.ino, os.O_RDONLY)            # a reader of the old version
-        fh, _, _ = await core.open(node.ino, os.O_RDWR)
+        fr, _, _ = await core.handles.open(node.ino, os.O_RDONLY)            # a reader of the old version
+        fh, _, _ = await core.handles.open(node.ino, os.O_RDWR)
         assert node.staged is not None and node.content is None
         assert h.store.used == 0 * BS                            # copied in the backing only
         await write(core, fh, b"NEW", off=BS)
@@ -203,7 +203,7 @@ def test_a_file_larger_than_half_the_cache_is_staged_when_opened_for_writing(tmp
         await close(core, fh)
         await drain(h)
         assert await read(core, fr, 3, off=BS) == b"NEW"          # the same file, changed
-        await core.release(fr)
+        await core.handles.release(fr)
     run(h, test)
     assert (back / "big").read_bytes() == old[:BS] + b"NEW" + old[BS + 3:]
     assert staged_files(h) == []
@@ -217,7 +217,7 @@ def test_fsync_backing_of_a_staged_file_makes_it_durable_in_place(h):
         await write(core, fh, data)
         assert node.staged is not None
         n = len([c for c in h.backing.calls if c[0] == "fsync"])
-        await core.fsync(fh)                                    # fsync of the staged file
+        await core.handles.fsync(fh)                                    # fsync of the staged file
         assert len([c for c in h.backing.calls if c[0] == "fsync"]) == n + 1
         assert not (h.back / "f").exists()                       # published at close only
         await close(core, fh)
@@ -235,7 +235,7 @@ def test_a_written_through_file_deleted_while_open_leaves_nothing(h):
         assert node.staged is not None
         await core.unlink(ROOT, b"gone")
         assert await read(core, fh, 10) == data[:10]             # still readable while open
-        await core.release(fh)
+        await core.handles.release(fh)
         await drain(h)
         for _ in range(200):                                     # the discard runs in a worker
             if not os.listdir(h.back):

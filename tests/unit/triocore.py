@@ -55,17 +55,17 @@ async def create(core: Core, name: bytes, parent: int = ROOT, mode: int = 0o644,
 async def write(core: Core, fh: int, data: bytes, off: int = 0, chunk: int = 1 << 20) -> None:
     for pos in range(0, len(data), chunk):
         piece = data[pos:pos + chunk]
-        assert await core.write(fh, off + pos, piece) == len(piece)
+        assert await core.handles.write(fh, off + pos, piece) == len(piece)
 
 
 async def read(core: Core, fh: int, size: int, off: int = 0) -> bytes:
-    return bytes(await core.read(fh, off, size))
+    return bytes(await core.handles.read(fh, off, size))
 
 
 async def close(core: Core, fh: int) -> None:
     """close(): FLUSH, then RELEASE."""
-    core.flush(fh)
-    await core.release(fh)
+    core.handles.flush(fh)
+    await core.handles.release(fh)
 
 
 async def drain(h, timeout: float = 10) -> None:

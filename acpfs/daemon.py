@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, NamedTuple, TypeVar
 
 from .config import format_size, ram_filesystem
 from .config import (DEFAULT_COHERENCE_TIMEOUT, DEFAULT_GLOBAL_ORDER, DEFAULT_MAX_CLOCK_SKEW,
@@ -112,6 +112,15 @@ def lock_cache_dir(cache_dir: str) -> int:
     return fd
 
 
+class StorePlan(NamedTuple):
+    """The content store a daemon opens (``Daemon._plan_recovery``)."""
+    cache_size: int
+    block_size: int
+    depth: int            # passthrough's stacking depth; 0: off
+    why_not: str          # why passthrough is off
+    memory_files: bool    # memory files (passthrough's store), else the pool
+
+
 class Daemon:
     """One daemon's life, in phases: ``build`` (the cache, the flusher, the journal),
     ``recover`` (replay what a dead daemon left), ``serve`` (the FUSE loop), ``drain``
@@ -127,19 +136,13 @@ class Daemon:
 
     def build(self) -> None:
         """Logging, locks, the mount record, the pool, and the core wired together."""
-        from . import journal, recovery
-        from .backing import Backing, new_instance
-        from .cache import Cache
-        from .control import MountInfo
-        from .core import Core
-        from .flusher import Flusher
-        from . import fastwrite, memfiles, passthrough
-        from .fs import KernelCacheNotices, invalidate_attrs_now
-        from .oplog import OpLog
-        from .peers import Peers
-        from .memfiles import MemFiles
-        from .pool import Pool
+        self._start()
+        plan = self._plan_recovery()
+        self._open_store(plan)
+        self._build_parts(plan.why_not)
 
+    def _start(self) -> None:
+        """Logging, the lock on the backing, the mount record, the cache directory held."""
         opts = self.opts
         setup_logging(opts)
         os.umask(0o077)
@@ -158,10 +161,15 @@ class Daemon:
             log.warning("%s", said)
             self.notify(f"warning {said}")
 
+    def _plan_recovery(self) -> StorePlan:
+        """What a dead daemon left (``replay``, ``dirty``), and the store this one opens: a
+        recovery keeps the store, size and block size the dead daemon's journal names;
+        passthrough (``depth``) as the options and the kernel allow."""
+        from . import fastwrite, journal, passthrough, recovery
+        from .pool import Pool
+        opts = self.opts
         left = self.left = journal.read_leftover(opts.cache_dir)
         self.replay, self.dirty = recovery.plan(left) if left else ([], [])
-        instance = new_instance()
-        predecessor = left.instance if left else None
         cache_size, block_size = opts.cache_size, opts.block_size
         depth, why_not = passthrough.plan(opts.passthrough, opts.cache_dir, fastwrite.extension())
         recovering = bool(self.replay or self.dirty)
@@ -186,21 +194,46 @@ class Daemon:
         files = (left.block_size == 0) if recovering else bool(depth)
         if depth and not files:
             depth, why_not = 0, "recovering a journal of the pool (passthrough from the next mount)"
+        return StorePlan(cache_size, block_size, depth, why_not, files)
+
+    def _open_store(self, plan: StorePlan) -> None:
+        """The kernel's passthrough, if on, and the content store: memory files with it, the
+        pool without; the dead daemon's block references claimed."""
+        from . import fastwrite, memfiles, passthrough, recovery
+        from .memfiles import MemFiles
+        from .pool import Pool
+        opts = self.opts
         ext = fastwrite.extension()
-        self.kernel = passthrough.Kernel(ext, why_not) if ext is not None and depth else None
-        if depth:
-            fastwrite.ask_passthrough(depth)
-        if files:
+        self.kernel = passthrough.Kernel(ext, plan.why_not) if ext is not None and plan.depth else None
+        if plan.depth:
+            fastwrite.ask_passthrough(plan.depth)
+        if plan.memory_files:
             remove_leftover(os.path.join(opts.cache_dir, "pool"))
-            self.store = MemFiles(opts.cache_dir, cache_size,
+            self.store = MemFiles(opts.cache_dir, plan.cache_size,
                                   unregister=self.kernel.unregister if self.kernel else None)
         else:
             log.info("kernel passthrough off: %s; every read and write goes through the daemon",
-                     why_not)
+                     plan.why_not)
             remove_leftover(os.path.join(opts.cache_dir, memfiles.DIRNAME))
-            self.store = Pool(os.path.join(opts.cache_dir, "pool"), cache_size, block_size,
+            self.store = Pool(os.path.join(opts.cache_dir, "pool"), plan.cache_size, plan.block_size,
                               progress=self._allocating, mlock=opts.mlock)
         self.store.claim_refs(recovery.claimed_content(self.replay))
+
+    def _build_parts(self, why_not: str) -> None:
+        """In order, each built whole: the backing, the journal, the op log, global order,
+        the cache, the flusher, the mount's information and the core."""
+        from . import fastwrite, journal
+        from .backing import Backing, new_instance
+        from .cache import Cache
+        from .control import MountInfo
+        from .core import Core
+        from .flusher import Flusher
+        from .fs import KernelCacheNotices, invalidate_attrs_now
+        from .oplog import OpLog
+        from .peers import Peers
+        opts, left = self.opts, self.left
+        instance = new_instance()
+        predecessor = left.instance if left else None
         # a new identity for this daemon's temporary files; the dead one's leftovers are ours
         self.backing = Backing(opts.backing, instance, predecessor)
         log.info("temporary files of this daemon: %s*", os.fsdecode(self.backing.mine))

@@ -32,7 +32,7 @@ def test_the_ops_of_a_namespace_change_carry_their_records(core):
     core.backing.inject("mkdir", hang=True)      # the first op holds every later one queued
     d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
     f = write_file(cache, b"f", b"x" * 10, parent=d)
-    cache.release(f, True)
+    cache.files.release(f, True)
     cache.link(f, cache.root, b"g")
     cache.rename(d, b"f", cache.root, b"h")
     cache.setattr(f, mode=0o600)

@@ -22,7 +22,7 @@ TEMP_PREFIX = b".acpfs-tmp-"
 # (``new_instance``: random, new at every start, kept in its journal) and <random> is 16 hex
 # digits from the system's CSPRNG. Nobody can predict a name, a daemon can tell its own
 # temporary files (and those of the dead daemon it recovers) from anyone else's, and it
-# never opens, reuses, renames or deletes another one (contract 9, issue 10.5).
+# never opens, reuses, renames or deletes another one (contract 9).
 # Files written through (too large for the cache) are staged in the daemon's own staging
 # directory at the backing root, ``.acpfs-tmp-<instance>-staging``, so that renaming or
 # removing their directory on the mount never touches them; the final rename into place is

@@ -81,7 +81,7 @@ class Coherence:
                 same.add_name(node, name)     # counted already, as a rule: nlink is the backing's
                 same.set_positions(same.positions() + [(node, name)])
                 same.nlink = max(same.nlink, st.st_nlink, len(same.names()))
-                node.children[name] = same  # type: ignore[index]
+                node.entries()[name] = same
                 self.kernel.forget_attrs(same.ino)
                 return same
         child = self.inodes.new_node(st.st_mode, st.st_uid, st.st_gid, node, name)
@@ -98,7 +98,7 @@ class Coherence:
         child.rdev = st.st_rdev
         if statmod.S_ISDIR(st.st_mode):
             child.nlink = 2
-        node.children[name] = child  # type: ignore[index]
+        node.entries()[name] = child
         return child
 
     # -- other writers of the backing (other nodes) ---------------------------------------
@@ -270,7 +270,7 @@ class Coherence:
                 or not self.quiescent(other) or not self.quiescent(node):
             return
         for d, name in other.names():
-            d.children[name] = node  # type: ignore[index]
+            d.entries()[name] = node
             node.add_name(d, name)
             self.kernel.forget_entry(d.ino, name)
         node.set_positions(node.positions() + [p for p in other.positions()
@@ -293,7 +293,7 @@ class Coherence:
     def removed_elsewhere(self, parent: Node, name: bytes, node: Node) -> None:
         """Another writer removed ``node`` (with all below it) from the backing: it leaves
         this mount's view (a file with other names keeps those)."""
-        del parent.children[name]  # type: ignore[union-attr]
+        del parent.entries()[name]
         self.kernel.forget_entry(parent.ino, name)
         stack = [(parent, name, node)]
         while stack:

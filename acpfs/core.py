@@ -115,7 +115,7 @@ class Core:
             raise err(errno.ENAMETOOLONG, "name longer than 255 bytes")
         # another node may have made or removed it since this directory was last looked at
         parent = await self.loader.refreshed(await self.dir(parent_ino))
-        node = parent.children.get(name)  # type: ignore[union-attr]
+        node = parent.entries().get(name)
         if node is None:
             return await self.loader.found_elsewhere(parent, name)
         # The kernel asks only once its entry ran out, or to be sure (before a create, link,
@@ -131,7 +131,7 @@ class Core:
         except OSError as e:
             if e.errno != errno.ESTALE:
                 raise
-        node = parent.children.get(name)  # type: ignore[union-attr]   # what the check left there
+        node = parent.entries().get(name)   # what the check left there
         if node is None:
             raise err(errno.ENOENT)
         return node
@@ -182,7 +182,7 @@ class Core:
         as a lookup would, so that the name is removed whichever version it holds now (as
         an NFS server removes the name), never kept as 'newer than this node's'."""
         parent = await self.dir(parent_ino)
-        node = parent.children.get(name)  # type: ignore[union-attr]
+        node = parent.entries().get(name)
         if node is not None and node.is_reg:
             try:
                 await self.loader.revalidated(node, at_open=True, forget=False)
@@ -200,7 +200,7 @@ class Core:
                      noreplace: bool) -> None:
         p1 = await self.dir(old_parent)
         p2 = await self.dir(new_parent)
-        target = p2.children.get(new_name)  # type: ignore[union-attr]
+        target = p2.entries().get(new_name)
         if target is not None and target.is_dir:
             await self.loader.loaded(target)
         self.names.rename(p1, old_name, p2, new_name, noreplace=noreplace)

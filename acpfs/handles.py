@@ -104,7 +104,7 @@ class Handles:
         loader = self.loader
         node = await loader.refreshed(await loader.loaded(self.inodes.known(ino)), at_open=True)
         fh = self._new_fh()
-        self.dirs[fh] = list(node.children.items())  # type: ignore[union-attr]
+        self.dirs[fh] = list(node.entries().items())
         return fh
 
     def dir_entries(self, fh: int) -> list[tuple[bytes, Node]]:

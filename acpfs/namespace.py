@@ -211,7 +211,7 @@ class Namespace:
         self.oplog.push(Rmdir(node, parent, name, path))
 
     def _remove(self, parent: Node, name: bytes, node: Node) -> None:
-        del parent.children[name]  # type: ignore[union-attr]
+        del parent.entries()[name]
         parent.mtime = parent.ctime = now_ns()
         if node.links:   # one of several names: the file stays, under the others
             node.rename_name((parent, name), None)
@@ -256,7 +256,7 @@ class Namespace:
                     raise err(errno.ENOTEMPTY)
             self._remove(p2, n2, target)
         src_path = name_path(p1, n1)
-        del p1.children[n1]  # type: ignore[union-attr]
+        del p1.entries()[n1]
         kids2[n2] = node
         node.rename_name((p1, n1), (p2, n2))
         t = now_ns()

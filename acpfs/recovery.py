@@ -110,7 +110,7 @@ def plan(left: Leftover) -> tuple[list[Record], list[Record]]:
                 return p
             for rec in moved:
                 rec.path = carried(rec.path)
-                rec.links = [carried(p) for p in rec.links]  # type: ignore[misc]
+                rec.links = [c for c in map(carried, rec.links) if c is not None]
         elif r.kind in (FLUSHED, DIRTY) and last[r.ino] == i:
             rec = dataclasses.replace(r)
             moved.append(rec)
@@ -154,12 +154,12 @@ class Replayer:
         node = self.cache.root
         for d in dirs:
             node = self._loaded(node)
-            child = node.children.get(d)  # type: ignore[union-attr]
+            child = node.entries().get(d)
             if child is None or not child.is_dir:
                 return None, name, None
             node = child
         self._loaded(node)
-        return node, name, node.children.get(name)  # type: ignore[union-attr]
+        return node, name, node.entries().get(name)
 
     def skip(self, rec: Record, why: str, level: int = logging.INFO) -> None:
         self.report.skipped += 1
@@ -378,7 +378,7 @@ class Replayer:
         where = self._aside_folder()
         name = flat = flat_name(shown)
         n = 0
-        while name in where.children:  # type: ignore[operator]
+        while name in where.entries():
             n += 1                     # content kept aside never replaces other content
             name = flat + b"~%d" % n
         node = cache.create(where, name, rec.mode or 0o600, rec.uid or 0, rec.gid or 0)
@@ -403,7 +403,7 @@ class Replayer:
         root = self._loaded(cache.root)
         top = None
         for name in (RECOVERED_DIR, RECOVERED_DIR + mine):
-            there = root.children.get(name)  # type: ignore[union-attr]
+            there = root.entries().get(name)
             if there is None:
                 top = cache.mkdir(root, name, 0o1777, uid, gid)
                 break
@@ -413,7 +413,7 @@ class Replayer:
             log.warning("%r in the backing is not a directory: keeping aside in %r instead",
                         os.fsdecode(name), os.fsdecode(RECOVERED_DIR + mine))
         folder = self.stamp + mine
-        there = top.children.get(folder) if top is not None else None  # type: ignore[union-attr]
+        there = top.entries().get(folder) if top is not None else None
         if top is None or (there is not None and not there.is_dir):
             taken = [RECOVERED_DIR] if top is None else [top.name, folder]
             raise OSError(errno.EEXIST, "no folder to keep content aside in: "

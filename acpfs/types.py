@@ -168,6 +168,12 @@ class Node:
         self.links: list[tuple[Node, bytes]] | None = None
         self.backing_links: list[tuple[Node, bytes]] | None = None
 
+    def entries(self) -> Children:
+        """The entries of a directory whose listing is loaded (requests on a directory
+        load it first; ``children`` is None until then, and for anything but a directory)."""
+        assert self.children is not None, f"directory {self.name!r} not loaded"
+        return self.children
+
     @property
     def is_dir(self) -> bool:
         return statmod.S_ISDIR(self.mode)

@@ -348,7 +348,7 @@ class WriteThrough:
         no staging of it under way."""
         return node.staged is None and node.ino not in self.slots
 
-    def write_now(self, node: Node, off: int, data: memoryview) -> int | None:
+    def write_now(self, node: Node, off: int, data: bytes | memoryview) -> int | None:
         """A write that needs no waiting: into the cache, or None when it must wait (for free
         space or a staged file: ``write``)."""
         if not self.in_cache(node):
@@ -359,7 +359,7 @@ class WriteThrough:
             return None
 
     async def write(self, node: Node, off: int, buf: bytes) -> int:
-        n = self.write_now(node, off, buf)  # type: ignore[arg-type]
+        n = self.write_now(node, off, buf)
         if n is not None:
             return n
         files = self.files

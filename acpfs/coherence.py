@@ -251,7 +251,7 @@ class Coherence:
         node.size = st.st_size
         stat_times(node, st)
         node.backing_version = (st.st_ino, st.st_size, st.st_mtime_ns)
-        node.versions += 1    # readers that open it again read the new version
+        node.generation += 1    # readers that open it again read the new version
         self._meet(node, st)
         self.kernel.forget_attrs(node.ino)
 

@@ -50,7 +50,7 @@ UNSHARED_POLL = 0.005   # s between looks at a memory file an upload still holds
 
 class Handle:
     """An open file."""
-    __slots__ = ("node", "writable", "append", "backing_fd", "backing_version", "kill_priv",
+    __slots__ = ("node", "writable", "append", "backing_fd", "generation", "kill_priv",
                  "passthrough", "opened_seq")
 
     def __init__(self, node: Node, writable: bool, append: bool = False,
@@ -62,7 +62,7 @@ class Handle:
         self.append = append         # opened with O_APPEND
         self.kill_priv = kill_priv   # opened by a user other than root: its writes clear setuid
         self.backing_fd = -1         # the backing copy, for files not in the cache
-        self.backing_version = 0     # Node.versions when backing_fd was opened
+        self.generation = 0          # Node.generation when backing_fd was opened
 
 
 
@@ -242,7 +242,7 @@ class Handles:
         if data is not None:
             self.files.touch(node)
             return data
-        if h.backing_fd < 0 or (h.backing_version != node.versions and node.nlink):
+        if h.backing_fd < 0 or (h.generation != node.generation and node.nlink):
             await self._open_backing(h)
         return await trio.to_thread.run_sync(self.backing.read, h.backing_fd, size, off)
 
@@ -250,11 +250,11 @@ class Handles:
         """(Re)open the backing copy of the handle's file for reading; ``verify``: the very
         version the mount knows, else ESTALE (an open looks the name up again)."""
         node = h.node
-        version = node.versions   # read before: a publish meanwhile only reopens once more
+        version = node.generation   # read before: a publish meanwhile only reopens once more
         fd = await trio.to_thread.run_sync(self.files.open_backing_copy, node, verify)
         if h.backing_fd >= 0:
             self.backing.close_fd(h.backing_fd)
-        h.backing_fd, h.backing_version = fd, version
+        h.backing_fd, h.generation = fd, version
 
     def write_now(self, fh: int, off: int, data: memoryview) -> int | None:
         """A WRITE straight from libfuse's buffer: bytes written, or None to take the async

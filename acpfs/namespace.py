@@ -7,7 +7,7 @@ Two owners, in the order they are built:
 ``root``, the files met under several names in the backing, by backing inode (``linked``:
 written by ``Coherence`` as listings meet names, and by the flusher after a publish of a
 linked file; a dropped node leaves it), and the backing positions of the nodes
-(``Node.backing_parent``/``backing_name``/``backing_links``, ``Node.versions``) with the
+(``Node.backing_parent``/``backing_name``/``backing_links``, ``Node.generation``) with the
 lock that guards them (``position_lock``). A path in the backing is computed
 (``backing_path``) and used with it held, so that the flusher never moves a directory
 under a reader's feet. Lock order: ``position_lock``, then the op log's ``lock``.

@@ -137,7 +137,7 @@ class Publisher:
                 node.set_positions([first] + [p for p in node.positions()
                                               if p[0] is not first[0] or p[1] != first[1]])
                 node.backing_version, node.checked_at = version, time.monotonic()
-                node.versions += 1
+                node.generation += 1
                 if op.links:   # names of it that listings meet later join it (Cache._attach)
                     cache.linked[version[0]] = node
 

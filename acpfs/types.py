@@ -113,7 +113,7 @@ class Node:
     __slots__ = ("ino", "mode", "uid", "gid", "size", "atime", "mtime", "ctime", "parent", "name",
                  "children", "target", "content", "backing_parent", "backing_name",
                  "writers", "appenders", "opens", "nlink", "lookups", "dirty", "dirty_since",
-                 "publish_ops", "last_seq", "xattrs", "staged", "versions", "journal_state",
+                 "publish_ops", "last_seq", "xattrs", "staged", "generation", "journal_state",
                  "journal_content", "passthrough_opens", "open_copy", "truncated", "listed_at", "listed_version", "backing_version", "checked_at", "rdev",
                  "links", "backing_links")
 
@@ -149,7 +149,8 @@ class Node:
         # a writer passed through, open long: (name of the staged copy of its memory file in
         # the backing, the memory file's (size, mtime, ctime) copied); WriteThrough owns it
         self.open_copy: tuple[bytes, Any] | None = None
-        self.versions = 0                                # versions published (readers' backing fds)
+        self.generation = 0                              # bumped when its backing copy changes:
+                                                         # readers reopen theirs (Handles.read)
         self.journal_state = JournalState.NONE           # (lock) its last journal record
         self.journal_content: Any = None                 # (lock) content held for a FLUSHED record
         self.truncated = False                           # shrunk since its last snapshot

@@ -65,7 +65,6 @@ class MountInfo:
     recovery: dict | None = None   # what this daemon recovered from a dead one (recovery.py)
     # paths the recovery kept aside -> the seq of their publish (Recovered.aside_seqs)
     recovery_aside: dict[str, int] = dataclasses.field(default_factory=dict)
-    peers: Any = None              # global order (peers.Peers); None when off
     # the kernel's passthrough state (passthrough.Kernel.state), None where not asked for
     passthrough: Callable[[], dict] | None = None
     # FUSE requests the daemon handled, by kind (fs.py): what passthrough leaves to it
@@ -189,7 +188,7 @@ def status(fl: Flusher, info: MountInfo) -> dict[str, Any]:
         persisted_files, persisted_bytes = fl.persisted_files, fl.persisted_bytes
         used, peak = store.used, store.peak
         cached_files = sum(1 for n in cache.nodes.values() if n.content is not None and n.size)
-        peers = info.peers.status(fl.held) if info.peers is not None else None
+        peers = fl.order.status() if fl.order is not None else None
     oldest = min([n.dirty_since for n in cache.dirty_nodes] + [op.since for op in queue[:1]],
                  default=None)
     recovery = info.recovery

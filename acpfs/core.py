@@ -15,8 +15,9 @@ that own the request-side state:
 
 ``Core`` itself answers the requests on names (lookup, mkdir, unlink, rename, setattr,
 ...), the extended attributes and control attributes (``control``), statfs (owning the
-last answer and the call in flight), and the waits of global order (``acknowledged``,
-``_queue_late_acks``). The namespace and cached content are ``cache``'s.
+last answer and the call in flight), and content acknowledged by a close whose RELEASE does
+not come (``_queue_late_acks``; the waits of global order are ``order``'s, globalorder.py).
+The namespace and cached content are ``cache``'s.
 
 Errors are ``types.FsError`` (an errno); anything else raised here is a bug.
 """
@@ -36,14 +37,13 @@ from . import control
 from .handles import PRIV_BITS, Handles
 from .loader import Loader
 from .longopen import LongOpen
-from .oplog import UNIT
 from .types import Node, err, node_path
 from .writethrough import Background, WriteThrough
 
 if TYPE_CHECKING:
     from .flusher import Flusher
     from .passthrough import Kernel
-    from .peers import Peers
+    from .globalorder import GlobalOrder
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +63,14 @@ class Caller(Protocol):
 
 class Core:
     def __init__(self, flusher: Flusher, info: control.MountInfo, *,
-                 peers: Peers | None = None, kernel: Kernel | None = None,
+                 order: GlobalOrder | None = None, kernel: Kernel | None = None,
                  direct_io_mmap: Callable[[], bool] = lambda: False,
                  invalidate_attrs: Callable[[int], None] = lambda ino: None) -> None:
         self.flusher = flusher   # status and the control attributes
         self.cache = cache = flusher.cache
         self.oplog = cache.oplog
         self.inodes, self.files, self.names = cache.inodes, cache.files, cache.names
-        self.peers = peers     # global order (peers.py); None: off
+        self.order = order     # global order (globalorder.py); None: off
         self.kernel = kernel   # passthrough (passthrough.py); None: every request comes here
         self.backing = cache.backing
         self.info = info
@@ -259,11 +259,11 @@ class Core:
         after LATE_ACK seconds instead, as at a RELEASE."""
         while True:
             await trio.sleep(LATE_ACK / 2)
-            peers, oplog = self.peers, self.oplog
-            if peers is None or not oplog.acked:
+            order, oplog = self.order, self.oplog
+            if order is None or not oplog.acked:
                 continue
             with oplog.lock:
-                live = bool(peers.live())
+                live = bool(order.peers.live())
                 late = [ino for ino, (first, _) in oplog.acked.items()
                         if time.time() - first > LATE_ACK]
             for ino in late if live else ():
@@ -277,31 +277,6 @@ class Core:
                 log.info("%s: closed by one process, still open in another: queued now",
                          node_path(node))
                 self.files.snapshot(node)
-
-    async def acknowledged(self) -> None:
-        """Global order (peers.py), for a request that acknowledged a change: answered once
-        (1) the node's record no longer promises that nothing is pending under the change's
-        stamp (``Peers.announce``; or that promise has run out), and (2) while other nodes
-        are live, this node's clock is the tolerated skew past the stamp (commit wait), so
-        that whatever another node does after the answer is stamped later, even by a clock
-        that is behind."""
-        peers = self.peers
-        if peers is None:
-            return
-        with self.oplog.lock:
-            stamp = self.oplog.last_stamp
-            until = peers.commit_until(stamp)
-            promised = peers.promised
-        if promised > stamp:
-            # bounded by the promise itself: a backing that hangs costs at most that long
-            with trio.move_on_at(trio.current_time() + promised + peers.skew - time.time()):
-                await trio.to_thread.run_sync(peers.announce, abandon_on_cancel=True)
-                promised = 0.0
-            if promised:
-                until = max(until, promised + peers.skew + UNIT)
-        delay = until - time.time()
-        if delay > 0:
-            await trio.sleep(delay)
 
     # -- the backing's numbers -------------------------------------------------------------
     async def statfs(self) -> os.statvfs_result:

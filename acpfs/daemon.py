@@ -230,6 +230,7 @@ class Daemon:
         from .flusher import Flusher
         from .fs import KernelCacheNotices, invalidate_attrs_now
         from .oplog import OpLog
+        from .globalorder import GlobalOrder
         from .peers import Peers
         opts, left = self.opts, self.left
         instance = new_instance()
@@ -252,13 +253,14 @@ class Daemon:
         front = self._records(self.peers, lambda: self.peers.find_predecessor(predecessor)) \
             if self.peers is not None else None
         cache = self.cache = Cache(self.oplog, self.backing, self.store, KernelCacheNotices())
-        self.flusher = Flusher(self.oplog, cache, self.backing, self.peers, opts.flush_workers)
+        order = GlobalOrder(self.peers, self.oplog) if self.peers is not None else None
+        self.flusher = Flusher(self.oplog, cache, self.backing, order, opts.flush_workers)
         self.info = MountInfo(opts.mountpoint, opts.backing, opts.cache_dir, opts.log_file,
                               opts.fsync_backing, opts.flush_workers, opts.cache_full_timeout,
                               opts.persist_open_after, coherence_timeout=opts.coherence_timeout,
                               passthrough=self.kernel.state if self.kernel is not None else
-                              (lambda: {"on": False, "why_not": why_not}), peers=self.peers)
-        self.core = Core(self.flusher, self.info, peers=self.peers, kernel=self.kernel,
+                              (lambda: {"on": False, "why_not": why_not}))
+        self.core = Core(self.flusher, self.info, order=order, kernel=self.kernel,
                          direct_io_mmap=fastwrite.direct_io_mmap,
                          invalidate_attrs=invalidate_attrs_now)
         if self.peers is not None:

@@ -22,8 +22,9 @@ skip). A void op's upload stops early and its temporary file is removed before t
 sequencer moves past it. A failing op keeps its place and ``status`` shows the error, so
 nothing queued after it can overtake it and nothing is ever dropped.
 
-Owns the sequencer thread, the hold of global order (``held``) and the counters of what
-was persisted; the op log's lock guards them (lock).
+Owns the sequencer thread and the counters of what was persisted; the op log's lock guards
+them (lock). Before it applies an op, the sequencer waits for global order
+(``GlobalOrder.hold``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from .config import DEFAULT_FLUSH_WORKERS
 from .oplog import OpLog
 from .ops import Link, Make, Mknod, Mkdir, Op, Publish, Remove, Rename, Rmdir, SetAttr, SetXattr, \
     Symlink, Unlink
-from .peers import UP, Peers
+from .globalorder import GlobalOrder
 from .publishing import Publisher
 from .repairs import Repairs, kind_of, version_of
 from .retry import describe
@@ -56,15 +57,15 @@ log = logging.getLogger(__name__)
 
 
 class Flusher:
-    """Applies the op log's queue to the backing; owns the sequencer, the hold of global
-    order and the counters of what was persisted."""
+    """Applies the op log's queue to the backing; owns the sequencer and the counters of
+    what was persisted."""
 
-    def __init__(self, oplog: OpLog, cache: Cache, backing: Backing, peers: Peers | None,
+    def __init__(self, oplog: OpLog, cache: Cache, backing: Backing, order: GlobalOrder | None,
                  workers: int = DEFAULT_FLUSH_WORKERS) -> None:
         self.oplog = oplog
         self.cache = cache
         self.backing = backing
-        self.peers = peers   # global order (peers.py); None: off, this node orders its own
+        self.order = order   # global order (globalorder.py); None: off, this node orders its own
         self.workers = max(1, workers)
         self.window = 4 * self.workers   # queued ops whose uploads may run ahead of the head
         self.lock = oplog.lock
@@ -81,7 +82,6 @@ class Flusher:
         self.persisted_files = 0
         self.persisted_bytes = 0
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
-        self.held: dict | None = None   # (lock) the op waiting for other nodes, for status
 
     def start(self) -> None:
         self.thread.start()
@@ -124,8 +124,8 @@ class Flusher:
                     if not queue or self.abort.is_set():
                         return
                     op = queue[0]
-                    if self.peers is not None and op.state != OpState.VOID:
-                        self._wait_for_other_nodes(op)
+                    if self.order is not None and op.state != OpState.VOID:
+                        self.order.hold(op, self.abort, self._launch)
                 self._apply(op)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("%s %s: %s (seq %d)", op.kind, op.path, op.state, op.seq)
@@ -138,60 +138,6 @@ class Flusher:
         except BaseException:
             log.exception("flusher crashed; changes are no longer persisted")
             raise
-
-    def _wait_for_other_nodes(self, op: Op) -> None:
-        """Global order (hold lock): wait until no live peer can still have to persist
-        something it acknowledged before ``op`` (``Peers.cleared``); uploads go on meanwhile."""
-        peers = self.peers
-        assert peers is not None
-        since = time.time()
-        warned = False
-        # Invariant (no waiting in a circle): a node's frontier is never behind the stamp
-        # its head op is held to. Changes are queued in the order they were acknowledged
-        # (Core.flush), so the head holds the oldest stamp but (1) for a file written
-        # through, queued at its RELEASE after a change made meanwhile, and (2) for a file
-        # closed more than once before it was queued (a copy of its descriptor closed
-        # first, as a shell's redirection does): its frontier is its first close, its
-        # stamp the last. Either way the head waits only for what the other nodes
-        # acknowledged before this node's oldest pending change (docs/design.md). Held to
-        # its last close instead, two such files on two nodes waited for each other.
-        stamp = min(op.stamp, self.oplog.frontier()[0])
-        while True:
-            ok = peers.cleared(stamp)
-            if ok is True:
-                break
-            if self.abort.is_set():
-                raise Aborted()
-            now = time.time()
-            if now - since > peers.lease:
-                # a safety valve: the rule admits no circle, but a hold is never longer than
-                # a lease, whatever holds it (docs/semantics.md, section 11)
-                log.warning("global order: %s %r held for %.0f s, longer than the lease: it "
-                            "goes on without waiting further", op.kind, op.path, now - since)
-                break
-            self.held = {"op": str(op.kind), "path": op.path, "since": since,
-                         "waiting_for": None if ok is None else ok.record.label,
-                         "instance": None if ok is None else ok.record.instance}
-            if ok is not None and not warned and now - since > 10:
-                warned = True
-                r = ok.record
-                # an idle record acknowledged nothing pending: its promise ran out, and it
-                # has not been renewed since
-                why = (f"which has not persisted what it acknowledged {now - r.frontier:.0f} s "
-                       "ago" if r.state == UP else f"whose record (idle: nothing pending) has "
-                       f"not been renewed for {now - r.heartbeat:.0f} s")
-                log.warning("global order: %s %r has waited %.0f s for node %s (%s), %s; it "
-                            "goes on once that node catches up, or after its lease (%.0f s) if "
-                            "it stops renewing its record", op.kind, op.path, now - since,
-                            r.label, r.instance, why, peers.lease)
-            peers.kick()
-            self._launch()
-            self.lock.wait(0.5)
-        if self.held is not None:
-            self.held = None
-            if warned:
-                log.warning("global order: %s %r goes on after %.1f s", op.kind, op.path,
-                            time.time() - since)
 
     def _launch(self) -> None:
         """Start uploads of queued snapshots whose directory exists in the backing, and the

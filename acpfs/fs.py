@@ -66,13 +66,14 @@ def replies(fn: Callable) -> Callable:
 
 def acknowledges(fn: Callable) -> Callable:
     """A handler whose request may acknowledge a change (one stamped meanwhile: OpLog.next_stamp):
-    answered after the commit wait of global order (Core.acknowledged)."""
+    answered after the commit wait of global order (GlobalOrder.acknowledged)."""
     @functools.wraps(fn)
     async def wrapper(self: Operations, *args: Any) -> Any:
         before = self.core.oplog.last_stamp
         out = await fn(self, *args)
-        if self.core.oplog.last_stamp != before:
-            await self.core.acknowledged()
+        order = self.core.order
+        if order is not None and self.core.oplog.last_stamp != before:
+            await order.acknowledged()
         return out
     return wrapper
 

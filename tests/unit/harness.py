@@ -9,6 +9,7 @@ from pathlib import Path
 
 from acpfs.cache import Cache
 from acpfs.flusher import Flusher
+from acpfs.globalorder import GlobalOrder
 from acpfs.journal import Journal
 from acpfs.memfiles import MemFiles
 from acpfs.oplog import OpLog
@@ -51,7 +52,8 @@ class Parts:
                                self.backing.instance) if journal else None
         self.oplog = OpLog(self.store, self.journal)
         self.cache = Cache(self.oplog, self.backing, self.store)
-        self.flusher = Flusher(self.oplog, self.cache, self.backing, peers, workers=workers)
+        order = GlobalOrder(peers, self.oplog) if peers is not None else None
+        self.flusher = Flusher(self.oplog, self.cache, self.backing, order, workers=workers)
         self.flusher.start()
         self.cache.attach_listing(self.cache.root, self.cache.list_backing(self.cache.root))
 

@@ -123,7 +123,7 @@ class TreeReads:
         """Up to ``want`` names of the file with inode ``ino`` in the backing tree, other than
         those in ``skip`` ((directory components, name) pairs): a walk that follows no
         symlink and skips acpfs's own entries. Costs a stat per entry: only for a file with
-        more names in the backing than the mount knows (Flusher._unknown_names)."""
+        more names in the backing than the mount knows (Publisher.unknown_names)."""
         out: list[tuple[Comps, bytes]] = []
         stack: list[Comps] = [[]]
         while stack and len(out) < want:

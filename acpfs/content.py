@@ -17,7 +17,7 @@ gives one back. Bytes that a second reference holds never change: a write to sha
 content goes to a copy (the pool copies the blocks it writes; memory files copy the file).
 
 Every call that takes or frees space, or changes a reference count, is made with
-``Cache.lock`` held; ``read`` and ``source`` may run in worker threads on a handle they hold.
+``OpLog.lock`` held; ``read`` and ``source`` may run in worker threads on a handle they hold.
 """
 
 from __future__ import annotations

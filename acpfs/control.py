@@ -61,7 +61,7 @@ class MountInfo:
     flush_workers: int
     cache_full_timeout: float
     persist_open_after: float
-    coherence_timeout: float = DEFAULT_COHERENCE_TIMEOUT   # see Core.refreshed
+    coherence_timeout: float = DEFAULT_COHERENCE_TIMEOUT   # see Loader.refreshed
     recovery: dict | None = None   # what this daemon recovered from a dead one (recovery.py)
     # paths the recovery kept aside -> the seq of their publish (Recovered.aside_seqs)
     recovery_aside: dict[str, int] = dataclasses.field(default_factory=dict)

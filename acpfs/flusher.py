@@ -11,7 +11,7 @@ left in the way is met by ``Repairs``; every backing call is retried until it su
 Ordering invariant (contract 4): an op is applied only after every op queued before it has
 been applied; ``OpLog.applied_seq`` is the seq of the last applied op, so the backing
 always shows a state of the mount's history. The only uploads skipped are snapshots whose
-very next op removes their file (``Cache._cancel``), which takes the backing from the state
+very next op removes their file (``Files.cancel``), which takes the backing from the state
 before the snapshot straight to the one after the removal. The one exception: a new version
 of a file with several names (hard links) lands under them one after the other
 (``Publisher.publish_links``), so names still to come hold the version before for that
@@ -308,7 +308,7 @@ class Flusher:
                 self.backing.rename(src, pos[1], dcomps, name)
             except OSError as e:
                 if e.errno != errno.ENOENT or (isinstance(e, MissingDir) and e.comps is not src):
-                    raise   # a missing destination directory: _restore_dirs makes it
+                    raise   # a missing destination directory: Repairs.restore_dirs makes it
                 if not isinstance(e, MissingDir) and self.backing.exists(src, pos[1]):
                     raise   # not the source: the destination went away meanwhile; retried
                 # The source is gone from the backing, removed by something else. Everything
@@ -325,7 +325,7 @@ class Flusher:
                     self.backing.mkdir(dcomps, name, node.mode, node.uid, node.gid)
                     node.move_position(pos, (dst, name))
                 else:             # absent: leaves the view at the next listing
-                                  # (Cache.merge_listing), unless a snapshot lands it again
+                                  # (Coherence.merge_listing), unless a snapshot lands it again
                     node.move_position(pos, None)
             else:
                 node.move_position(pos, (dst, name))

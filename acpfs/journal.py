@@ -9,7 +9,7 @@ process but not the machine):
 
 File contents are not copied into the journal: a record names the pool blocks that hold
 them, and those blocks are immutable while a record needs them (snapshots hold references,
-see ``cache.Snapshot``). So recovery needs the pool file, the journal and the applied
+see ``types.Snapshot``). So recovery needs the pool file, the journal and the applied
 counter, and finds all three in the cache directory.
 
 Records (``Record``, encoded as ``marshal`` tuples, each framed by its length and a CRC32;
@@ -22,7 +22,7 @@ the fields a record may have after them (a content record of a file with hard li
 other names).
 
 Invariants:
-- A record is written before the FUSE request that caused it is answered; ``Cache.lock``
+- A record is written before the FUSE request that caused it is answered; ``OpLog.lock``
   serializes appends, so the file holds them in seq order.
 - ``applied`` is written before the op's block references are dropped, so every block named
   by a record with seq > applied still holds the bytes the record describes.

@@ -2,7 +2,7 @@
 
 Each cached file's bytes live in a file of their own, ``<cache dir>/files/<id>`` (tmpfs by
 default). The kernel reads, writes and maps them directly for opens that the daemon passes
-through (``Core.open``: FUSE_PASSTHROUGH, ``backing_id``), and the daemon uses the same
+through (``Handles.open``: FUSE_PASSTHROUGH, ``backing_id``), and the daemon uses the same
 descriptor for what it still does itself (reads and writes of opens it serves, uploads,
 truncate, fallocate). Memory files are named files, not memfds, so that the journal can
 name them (``ref``: ``[id]``) and a daemon killed with SIGKILL leaves them for the next one.
@@ -52,9 +52,9 @@ class MemFile:
         self.charged = 0       # (lock) bytes counted in MemFiles.used
         self.backing_id = 0    # the kernel's id for it (FUSE_DEV_IOC_BACKING_OPEN); 0: none
         self.seen: tuple[int, int, int] | None = None   # (size, mtime, ctime) at the last look
-                                                         # (Cache.sync_content)
+                                                         # (Files.sync_content)
         self.snapped: tuple[int, int, int] | None = None   # seen, at the last snapshot of
-                                                           # its file while open (Cache.snapshot)
+                                                           # its file while open (Files.snapshot)
 
 
 def _pages(n: int) -> int:

@@ -133,7 +133,7 @@ class OpLog:
 
     def void_last(self, node: Node) -> None:
         """``node`` leaves the namespace and the op that removes it is queued next: its last
-        snapshot, if it is the newest op and not applied yet, is skipped (Cache._cancel)."""
+        snapshot, if it is the newest op and not applied yet, is skipped (Files.cancel)."""
         if node.publish_ops:
             last = node.publish_ops[-1]
             with self.lock:

@@ -297,7 +297,7 @@ class Peers:
 
         Invariant: a predecessor's record says "left" only after this node's own record is
         written (``enter``), carrying the predecessor's frontier while its changes are
-        replayed (``Cache.recovery_stamp``). Removing the record instead was not enough: a
+        replayed (``OpLog.recovery_stamp``). Removing the record instead was not enough: a
         node keeps a record missing from its listing for a lease (it may be in the middle of
         a rename), so the other nodes waited a whole lease for a daemon that a restart had
         replaced in under a second (systemd's ``Restart=on-failure`` after a SIGKILL held

@@ -11,7 +11,7 @@ while the file keeps being written: a write to a block whose count is above one 
 it first (copy on write, ``write``).
 
 Invariants: ``used_blocks == count of refcount > 0 == nblocks - len(free)``; the caller
-holds ``Cache.lock`` for every call but ``read``, ``fill`` and ``source``. A byte of a
+holds ``OpLog.lock`` for every call but ``read``, ``fill`` and ``source``. A byte of a
 block past the end of its file is zero (``truncate`` and ``_new_block``), so growing a
 file never exposes stale data.
 """

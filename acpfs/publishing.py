@@ -6,7 +6,7 @@ writer left there, ``Repairs.make_way``), then gives the new version each other 
 file has: those it had when queued (``publish_links``: a hard link renamed over the version
 before, one name after the other) and those another node linked that this node does not
 know (``unknown_names``). ``link`` also applies a link op. Everything here runs on the
-sequencer thread, backing paths under ``Cache.position_lock``.
+sequencer thread, backing paths under ``Inodes.position_lock``.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class Publisher:
                                               if p[0] is not first[0] or p[1] != first[1]])
                 node.backing_version, node.checked_at = version, time.monotonic()
                 node.generation += 1
-                if op.links:   # names of it that listings meet later join it (Cache._attach)
+                if op.links:   # names of it that listings meet later join it (Coherence._attach)
                     cache.linked[version[0]] = node
 
         def repair(exc: BaseException) -> None:
@@ -178,8 +178,8 @@ class Publisher:
     def publish_unknown_names(self, op: Publish, names: list[tuple[Comps, bytes]],
                                seen: Version | None) -> None:
         """The new version of a linked file, now under its first name, goes under each of its
-        names that this node does not know (``_unknown_names``), one after the other as in
-        ``_publish_links``; a name that no longer holds the version before (``seen``) was
+        names that this node does not know (``unknown_names``), one after the other as in
+        ``publish_links``; a name that no longer holds the version before (``seen``) was
         changed by another writer meanwhile and is left to it."""
         cache = self.cache
         todo = list(names)
@@ -226,7 +226,7 @@ class Publisher:
         temporary name and renamed into place, so that the name goes from what stood there
         straight to the file. ``seen``: the version this node left at the name itself. With
         no source left (none yet, or all removed by another writer) nothing is done: the
-        node's next publish lands under every name it has then (``Op.links``)."""
+        node's next publish lands under every name it has then (``Publish.links``)."""
         node = op.node
         dcomps = self.cache.backing_path(dst)
         for pos in sources:
@@ -236,7 +236,7 @@ class Publisher:
                 self.backing.link(src, pos[1], dcomps, name)
             except FileNotFoundError as e:
                 if isinstance(e, MissingDir) and e.comps is not src:
-                    raise       # the destination's directory: _restore_dirs makes it
+                    raise       # the destination's directory: Repairs.restore_dirs makes it
                 if self.backing.exists(src, pos[1]):
                     raise
                 self.repairs.conflicts.note("gone", op.path, f"links this {kind_of(node)} from "
@@ -256,5 +256,5 @@ class Publisher:
             if node.position_at(dst, name) is None:
                 node.set_positions(node.positions() + [(dst, name)])
             if node.is_reg and node.backing_version is not None:
-                self.cache.linked[node.backing_version[0]] = node   # as in _apply_publish
+                self.cache.linked[node.backing_version[0]] = node   # as in _land
             return

@@ -2,7 +2,7 @@
 not hold what this node left there (docs/semantics.md, conflicts; docs/design.md).
 
 Owns ``conflicts`` (conflicts.py: every conflict met, for status and the log) and the ways
-around them, each called by the flusher with ``Cache.position_lock`` held: making way for an
+around them, each called by the flusher with ``Inodes.position_lock`` held: making way for an
 op's entry (``make_way``: adopt, move aside or replace what stands at its name), removing
 only what this node knows (``remove``), noting a copy gone (``gone``), and making again a
 directory removed behind acpfs's back (``restore_dirs``). Nothing here waits or retries:

@@ -1,4 +1,4 @@
-"""The types every part of the core shares: nodes, staged files, snapshots, operations, and
+"""The types every part of the core shares: nodes, staged files, snapshots, and
 the enums that name op kinds, op states and journal states.
 
 Nothing here does I/O or imports another acpfs module, so ``cache``, ``flusher``,
@@ -58,7 +58,7 @@ class OpKind(str, enum.Enum):
 
 class OpState(enum.Enum):
     """queued -> uploading -> finalizing -> done; queued/uploading -> void when the op right
-    after it removes its file before it was persisted (``Cache._cancel``)."""
+    after it removes its file before it was persisted (``Files.cancel``)."""
     QUEUED = "queued"
     UPLOADING = "uploading"
     FINALIZING = "finalizing"
@@ -106,8 +106,8 @@ class Children(dict):
 class Node:
     """One file, directory or symlink of the mount's view.
 
-    Fields marked (lock) change only under ``Cache.lock``; fields marked (position lock)
-    only under ``Cache.position_lock``, by the sequencer thread; all others belong to the
+    Fields marked (lock) change only under ``OpLog.lock``; fields marked (position lock)
+    only under ``Inodes.position_lock``, by the sequencer thread; all others belong to the
     trio thread.
     """
     __slots__ = ("ino", "mode", "uid", "gid", "size", "atime", "mtime", "ctime", "parent", "name",
@@ -165,7 +165,7 @@ class Node:
         # hard links: the names beyond (parent, name), and the positions in the backing
         # beyond (backing_parent, backing_name) (position lock); None while there are none.
         # Invariant: nlink >= 1 + len(links) while a file is in the mount; more where the
-        # backing has names of it in directories not listed yet (Cache._attach).
+        # backing has names of it in directories not listed yet (Coherence._attach).
         self.links: list[tuple[Node, bytes]] | None = None
         self.backing_links: list[tuple[Node, bytes]] | None = None
 
@@ -306,11 +306,11 @@ class Staged:
         self.users = 0        # (lock) calls on fd in flight
         self.closing = False  # (lock) close when the last user is done
         # fd is open for reading only: a recovery found the backing refusing writes; the
-        # publish opens it again for writing first (Flusher._write_upload)
+        # publish opens it again for writing first (Uploads.writable_staged)
         self.read_only = False
 
     def close(self, close_fd) -> None:
-        """Close now, or when the last call in flight ends (hold Cache.lock)."""
+        """Close now, or when the last call in flight ends (hold OpLog.lock)."""
         self.closing = True
         if self.users:
             return

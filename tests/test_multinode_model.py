@@ -19,7 +19,7 @@ names are one inode, made by ``stat`` of names the kernel knows, waits the timeo
 directory), and checks which names are one inode on every node and in the backing (the
 seeds in LINK_SEEDS; ``MODEL_SEED`` runs one of your choice, ``MODEL_LINKS=1`` adds links
 to the first test). A new version of a linked file lands under the names the publishing
-node does not know too (found by inode in the backing, Flusher._unknown_names); a name of
+node does not know too (found by inode in the backing, Publisher.unknown_names); a name of
 it that another node removed or replaced alone leaves the file at the next open or lookup.
 """
 
@@ -207,7 +207,7 @@ def run_model(make_nodes, workers, seed: int, links: bool) -> None:
 
 
 # Seeds of the converge test (MODEL_SEED runs one of your choice). Seeds 2 and 635963647 failed
-# before a file renamed after another node removed it left the view (Cache.merge_listing).
+# before a file renamed after another node removed it left the view (Coherence.merge_listing).
 CONVERGE_SEEDS = [1, 2, 3, 411547727, 635963647]
 
 

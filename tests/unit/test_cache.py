@@ -134,7 +134,7 @@ def test_applied_seq_moves_only_after_the_op_is_finished(core):
 
 
 def test_merging_the_backing_listing_shows_others_changes_and_keeps_own_pending_ones(make_core):
-    """Close-to-open coherence (Cache.merge_listing): entries another writer made appear,
+    """Close-to-open coherence (Coherence.merge_listing): entries another writer made appear,
     entries it removed disappear, and this mount's own pending changes win."""
     c = make_core("m")
     cache, back = c.cache, c.back
@@ -209,7 +209,7 @@ def test_directory_link_counts_follow_random_namespace_changes(core):
 
 
 def test_a_name_is_known_exactly_when_the_directory_walk_says_so(core):
-    """``Cache._name_known`` (one name, without walking the directory) agrees with
+    """``Coherence._name_known`` (one name, without walking the directory) agrees with
     ``_known_names`` (every name of the directory) at random points of random renames,
     links, removals and creates, while the flusher is held part of the time, so that ops
     are queued, in flight and applied."""

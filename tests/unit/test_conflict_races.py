@@ -117,7 +117,7 @@ def test_F_no_entry_is_made_in_a_directory_removed_elsewhere(core):
     assert core.flusher.failing_op() is None
 
 
-# C: Core.revalidated applies a stat taken before this node's own publish landed
+# C: Loader.revalidated applies a stat taken before this node's own publish landed
 def test_C_revalidate_applies_a_stat_older_than_its_own_publish(core):
     cache, back = core.cache, core.back
     go = threading.Event()

@@ -66,9 +66,9 @@ def test_a_full_cache_writes_the_largest_open_file_through_and_only_it(h):
     """Found writing this tier: fails. ``WriteThrough.with_space`` picks a victim at the top
     of each pass after its sleep, before trying ``fn`` again. When the first victim (a) has
     been written through during that sleep, there is room for b's write, but the pass first
-    picks another victim: b itself (its failed ``Cache.write`` even padded its block list
-    with holes, so it ranks as a 6-block candidate), and b, a small file whose write now
-    fits, is written through and goes on at the backing's speed."""
+    picks another victim: b itself (its failed write, ``Cache.write`` then, even padded its
+    block list with holes, so it ranks as a 6-block candidate), and b, a small file whose
+    write now fits, is written through and goes on at the backing's speed."""
     a_data = pattern(12 * BS, seed=1)
     b_data = pattern(6 * BS, seed=2)
 

@@ -79,7 +79,7 @@ def plan(mode: str, cache_dir: str, ext: ModuleType | None) -> tuple[int, str]:
 
 
 class Kernel:
-    """The passthrough calls of the C extension, for ``Core`` and ``MemFiles``."""
+    """The passthrough calls of the C extension, for ``Handles`` and ``MemFiles``."""
 
     def __init__(self, ext: ModuleType, why_not: str = "") -> None:
         self.ext = ext

@@ -2,7 +2,8 @@
 
 ``daemon.run`` calls ``recover`` before it mounts, when the cache directory holds a journal
 (``journal.read_leftover``). The journal's pending records are replayed, in order, through
-the same ``Cache`` methods a FUSE request would call, onto a cache loaded from the backing:
+the same methods a FUSE request would call (``Namespace``'s and ``Files``', by way of the
+``Cache`` forwards), onto a cache loaded from the backing:
 the backing already shows the history up to ``applied``, so replaying the rest rebuilds the
 dead daemon's view, and queues every pending change again (new seqs, same order) for the
 new flusher. File contents are not copied: replayed files take over what the records name in the
@@ -30,7 +31,7 @@ Which records are replayed:
   are logged at ERROR with the file's path, and listed in the status document.
 
 Setting aside makes nothing in the backing during the recovery: the file is made in the
-mount, under ``.acpfs-recovered/<time>-<instance>/``, through the same ``Cache`` methods
+mount, under ``.acpfs-recovered/<time>-<instance>/``, through the same cache methods
 (mkdir, create, snapshot), so it is one more pending change, journaled in the new journal
 and published by the flusher like any other. Invariant: a backing that refuses changes
 (read-only, immutable, out of quota) never stops the mount; the set-aside is retried in the

@@ -49,7 +49,7 @@ class GlobalOrder:
         warned = False
         # Invariant (no waiting in a circle): a node's frontier is never behind the stamp
         # its head op is held to. Changes are queued in the order they were acknowledged
-        # (Core.flush), so the head holds the oldest stamp but (1) for a file written
+        # (Handles.flush), so the head holds the oldest stamp but (1) for a file written
         # through, queued at its RELEASE after a change made meanwhile, and (2) for a file
         # closed more than once before it was queued (a copy of its descriptor closed
         # first, as a shell's redirection does): its frontier is its first close, its

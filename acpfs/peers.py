@@ -467,7 +467,7 @@ class Peers:
         ``announce``: a change acknowledged with a stamp under the promise is answered only
         after the record says "up" again (or once the promise has run out). ``promised`` is
         set under the lock together with the frontier, so that a change stamped after it
-        sees it (``Core.acknowledged``)."""
+        sees it (``GlobalOrder.acknowledged``)."""
         with self._wlock:
             with self.lock:
                 front, pending = self.frontier()

@@ -19,8 +19,9 @@ the sequencer waits on it). Lock order: ``Inodes.position_lock``, then the op lo
 know nothing of FUSE or trio: ``core`` and ``writethrough`` call them, the unit tests drive
 them directly.
 
-``Cache`` itself owns nothing: it builds the four and keeps, as one-line forwards to their
-owners, the names that the flusher, recovery and control call on it.
+``Cache`` itself owns nothing: it builds the four, and callers reach each through it
+(``cache.files.write``, ``cache.names.rename``, ...), so a call says whose state it
+changes.
 """
 
 from __future__ import annotations
@@ -34,12 +35,6 @@ from .oplog import OpLog
 from .types import KernelNotices
 
 
-def _forward(part: str, name: str) -> property:
-    """``cache.<name>`` is ``cache.<part>.<name>``."""
-    return property(lambda self: getattr(getattr(self, part), name),
-                    doc=f"``{part}.{name}``")
-
-
 class Cache:
     def __init__(self, oplog: OpLog, backing: Backing, store: Store,
                  kernel: KernelNotices = KernelNotices()) -> None:
@@ -51,29 +46,3 @@ class Cache:
         self.files = Files(oplog, self.inodes, backing, store)
         self.names = Namespace(oplog, self.inodes, self.files, kernel)
         self.coherence = Coherence(oplog, backing, self.inodes, self.files, self.names, kernel)
-
-    # -- what the flusher, recovery and control call on the cache ---------------------------
-    root = _forward("inodes", "root")
-    nodes = _forward("inodes", "nodes")
-    linked = _forward("inodes", "linked")
-    position_lock = _forward("inodes", "position_lock")
-    present = _forward("inodes", "present")
-    backing_path = _forward("inodes", "backing_path")
-    list_backing = _forward("coherence", "list_backing")
-    attach_listing = _forward("coherence", "attach_listing")
-    create = _forward("names", "create")
-    mkdir = _forward("names", "mkdir")
-    symlink = _forward("names", "symlink")
-    mknod = _forward("names", "mknod")
-    unlink = _forward("names", "unlink")
-    rmdir = _forward("names", "rmdir")
-    rename = _forward("names", "rename")
-    link = _forward("names", "link")
-    setattr = _forward("names", "setattr")
-    set_xattr = _forward("names", "set_xattr")
-    lru = _forward("files", "lru")
-    dirty_nodes = _forward("files", "dirty_nodes")
-    snapshot = _forward("files", "snapshot")
-    note_persisted = _forward("files", "note_persisted")
-    state_of = _forward("files", "state_of")
-    subtree_seq = _forward("files", "subtree_seq")

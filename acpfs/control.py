@@ -80,11 +80,11 @@ def get(flusher: Flusher, info: MountInfo, node: Node, name: bytes, trusted: boo
     document has its paths left out: ``hide_names``)."""
     cache = flusher.cache
     if name == STATE:
-        return cache.state_of(node).encode()
+        return cache.files.state_of(node).encode()
     if name == SEQ:
-        seq, open_dirty = cache.subtree_seq(node)
+        seq, open_dirty = cache.files.subtree_seq(node)
         return json.dumps({"seq": seq, "open_dirty": open_dirty}).encode()
-    if node is cache.root:
+    if node is cache.inodes.root:
         if name == STATUS:
             doc = status(flusher, info)
             return json.dumps(doc if trusted else hide_names(doc), separators=(",", ":")).encode()
@@ -178,7 +178,7 @@ def status(fl: Flusher, info: MountInfo) -> dict[str, Any]:
     cache, oplog = fl.cache, fl.oplog
     now = time.time()
     store = cache.store
-    dirty_bytes = sum(n.size for n in cache.dirty_nodes)
+    dirty_bytes = sum(n.size for n in cache.files.dirty_nodes)
     with oplog.lock:
         queue = list(oplog.queue)
         applied = oplog.applied_seq
@@ -187,9 +187,9 @@ def status(fl: Flusher, info: MountInfo) -> dict[str, Any]:
         in_flight = fl.uploads.running
         persisted_files, persisted_bytes = fl.persisted_files, fl.persisted_bytes
         used, peak = store.used, store.peak
-        cached_files = sum(1 for n in cache.nodes.values() if n.content is not None and n.size)
+        cached_files = sum(1 for n in cache.inodes.nodes.values() if n.content is not None and n.size)
         peers = fl.order.status() if fl.order is not None else None
-    oldest = min([n.dirty_since for n in cache.dirty_nodes] + [op.since for op in queue[:1]],
+    oldest = min([n.dirty_since for n in cache.files.dirty_nodes] + [op.since for op in queue[:1]],
                  default=None)
     recovery = info.recovery
     if recovery is not None:
@@ -219,7 +219,7 @@ def status(fl: Flusher, info: MountInfo) -> dict[str, Any]:
                     "coherence_timeout_s": info.coherence_timeout},
         "cache": {"used_bytes": used, "limit_bytes": store.limit, "peak_used_bytes": peak,
                   "block_size": store.unit, "cached_files": cached_files, "store": store.kind},
-        "dirty": {"files": len(cache.dirty_nodes), "bytes": dirty_bytes},
+        "dirty": {"files": len(cache.files.dirty_nodes), "bytes": dirty_bytes},
         "flushing": {"files": flushing_files, "bytes": queued_bytes, "in_flight": in_flight},
         "queue": {"pending_ops": len(queue), "applied_seq": applied, "last_seq": oplog.seq},
         "persisted_since_mount": {"files": persisted_files, "bytes": persisted_bytes},
@@ -242,7 +242,7 @@ def pending_files(cache: Cache) -> list[dict[str, Any]]:
     """Every file of the mount not yet persisted: dirty, or queued; sorted by path."""
     out = []
     seen = set()
-    for node in list(cache.dirty_nodes):
+    for node in list(cache.files.dirty_nodes):
         seen.add(node.ino)
         out.append(node)
     with cache.oplog.lock:
@@ -251,6 +251,6 @@ def pending_files(cache: Cache) -> list[dict[str, Any]]:
         if op.kind == OpKind.PUBLISH and op.node.ino not in seen and op.state != OpState.VOID:
             seen.add(op.node.ino)
             out.append(op.node)
-    files = [{"path": node_path(n), "state": cache.state_of(n), "size": n.size} for n in out]
+    files = [{"path": node_path(n), "state": cache.files.state_of(n), "size": n.size} for n in out]
     files.sort(key=lambda f: f["path"])
     return files

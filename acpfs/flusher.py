@@ -150,7 +150,7 @@ class Flusher:
             if running >= 2 * self.workers:
                 break
             if isinstance(op, Publish) and op.state == OpState.QUEUED and op.future is None \
-                    and self.cache.present(op.parent):
+                    and self.cache.inodes.present(op.parent):
                 self.uploads.start(op)
                 running += 1
 
@@ -170,7 +170,7 @@ class Flusher:
             self.persisted_files += 1
             self.persisted_bytes += op.nbytes
             self._rate.append((time.time(), op.nbytes))
-            self.cache.note_persisted(node)
+            self.cache.files.note_persisted(node)
 
     # -- applying each kind of op (hold position_lock while the backing changes) ----------
     def _apply(self, op: Op) -> None:
@@ -180,7 +180,7 @@ class Flusher:
                   repair: Callable[[BaseException], None]) -> None:
         """Apply an op other than a publish: ``run`` (under position_lock) until it succeeds."""
         def locked() -> None:
-            with self.cache.position_lock:
+            with self.cache.inodes.position_lock:
                 run()
         self.attempts.until_done(locked, op, op.kind, repair)
         op.state = OpState.DONE
@@ -190,7 +190,7 @@ class Flusher:
         cache, backing, node = self.cache, self.backing, op.node
 
         def run() -> None:
-            comps = cache.backing_path(op.parent)
+            comps = cache.inodes.backing_path(op.parent)
             self.repairs.make_way(op, comps, op.name, None)
             if isinstance(op, Mkdir):
                 backing.mkdir(comps, op.name, op.mode, op.uid, op.gid)
@@ -222,7 +222,7 @@ class Flusher:
                     and self._holds(node, pos):
                 self._move_last_copy(op, pos, links[0])
             elif pos is not None:
-                self.repairs.remove(op.path, self.cache.backing_path(pos[0]), pos[1], node)
+                self.repairs.remove(op.path, self.cache.inodes.backing_path(pos[0]), pos[1], node)
                 node.move_position(pos, None)
 
         def repair(exc: BaseException) -> None:
@@ -243,7 +243,7 @@ class Flusher:
         node = op.node
 
         def run() -> None:
-            if node is self.cache.root:
+            if node is self.cache.inodes.root:
                 assert isinstance(op, SetXattr)   # the root's attributes are the backing's own
                 self.backing.set_xattr([], b".", op.key, op.value)
             elif node.backing_parent is not None:
@@ -264,7 +264,7 @@ class Flusher:
     def _set_attrs(self, op: SetAttr | SetXattr, parent: Node) -> None:
         """Apply a setattr or xattr op to the node's place in the backing (hold position_lock)."""
         node = op.node
-        comps = self.cache.backing_path(parent)
+        comps = self.cache.inodes.backing_path(parent)
         if isinstance(op, SetAttr):
             self.backing.setattr(comps, node.backing_name, node.is_link or node.is_special,
                                  op.mode, op.uid, op.gid, op.times)
@@ -299,10 +299,10 @@ class Flusher:
         cache = self.cache
         node, dst, name, replaced = op.node, op.parent, op.name, op.replaced
         there = replaced is not None and replaced.position_at(dst, name) is not None
-        dcomps = cache.backing_path(dst)
+        dcomps = cache.inodes.backing_path(dst)
         pos = node.position_at(op.src, op.src_name)
         if pos is not None:
-            src = cache.backing_path(pos[0])
+            src = cache.inodes.backing_path(pos[0])
             self.repairs.make_way(op, dcomps, name, replaced if there else None)
             try:
                 self.backing.rename(src, pos[1], dcomps, name)
@@ -337,7 +337,7 @@ class Flusher:
     def _holds(self, node: Node, pos: tuple[Node, bytes]) -> bool:
         """Does the backing hold this node's version at ``pos`` (hold position_lock)? Not when
         another writer replaced it there since: that file is theirs, never moved as ours."""
-        st = self.backing.stat_entry(self.cache.backing_path(pos[0]), pos[1])
+        st = self.backing.stat_entry(self.cache.inodes.backing_path(pos[0]), pos[1])
         return st is not None and statmod.S_ISREG(st.st_mode) and version_of(st) == node.backing_version
 
     def _move_last_copy(self, op: Unlink, pos: tuple[Node, bytes], keep: tuple[Node, bytes]) -> None:
@@ -346,7 +346,7 @@ class Flusher:
         it keeps, which is the state the mount has after the unlink; removed, the file would
         be in the mount alone (hold position_lock)."""
         cache = self.cache
-        dcomps = cache.backing_path(keep[0])
+        dcomps = cache.inodes.backing_path(keep[0])
         self.repairs.make_way(op, dcomps, keep[1], None)
-        self.backing.rename(cache.backing_path(pos[0]), pos[1], dcomps, keep[1])
+        self.backing.rename(cache.inodes.backing_path(pos[0]), pos[1], dcomps, keep[1])
         op.node.move_position(pos, keep)

@@ -113,9 +113,9 @@ class Publisher:
             if redo:
                 self.uploads.redo(op)
                 redo = False
-            with cache.position_lock:
+            with cache.inodes.position_lock:
                 node = op.node
-                comps = cache.backing_path(op.parent)
+                comps = cache.inodes.backing_path(op.parent)
                 mine = node.position_at(op.parent, op.name) is not None
                 self.repairs.make_way(op, comps, op.name, node if mine else None)
                 if mine and unknown is None:
@@ -139,7 +139,7 @@ class Publisher:
                 node.backing_version, node.checked_at = version, time.monotonic()
                 node.generation += 1
                 if op.links:   # names of it that listings meet later join it (Coherence._attach)
-                    cache.linked[version[0]] = node
+                    cache.inodes.linked[version[0]] = node
 
         def repair(exc: BaseException) -> None:
             nonlocal redo
@@ -164,7 +164,7 @@ class Publisher:
         if st is None or not statmod.S_ISREG(st.st_mode) or st.st_nlink <= len(known) \
                 or version_of(st) != node.backing_version:
             return []
-        mine = {(tuple(self.cache.backing_path(d)), name) for d, name in known}
+        mine = {(tuple(self.cache.inodes.backing_path(d)), name) for d, name in known}
         found = self.backing.find_names(st.st_ino, st.st_nlink - len(known), mine)
         if len(found) + len(known) < st.st_nlink:
             missing = st.st_nlink - len(known) - len(found)
@@ -185,8 +185,8 @@ class Publisher:
         todo = list(names)
 
         def run() -> None:
-            with cache.position_lock:
-                src = cache.backing_path(op.parent)
+            with cache.inodes.position_lock:
+                src = cache.inodes.backing_path(op.parent)
                 while todo:
                     dcomps, name = todo[0]
                     st = self.backing.stat_entry(dcomps, name)
@@ -207,7 +207,7 @@ class Publisher:
         todo = list(op.links or ())
 
         def run() -> None:
-            with cache.position_lock:
+            with cache.inodes.position_lock:
                 while todo:
                     d, name = todo[0]
                     # the name keeps its position (the version before) until it is replaced
@@ -228,9 +228,9 @@ class Publisher:
         no source left (none yet, or all removed by another writer) nothing is done: the
         node's next publish lands under every name it has then (``Publish.links``)."""
         node = op.node
-        dcomps = self.cache.backing_path(dst)
+        dcomps = self.cache.inodes.backing_path(dst)
         for pos in sources:
-            src = self.cache.backing_path(pos[0])
+            src = self.cache.inodes.backing_path(pos[0])
             self.repairs.make_way(op, dcomps, name, None, seen)
             try:
                 self.backing.link(src, pos[1], dcomps, name)
@@ -256,5 +256,5 @@ class Publisher:
             if node.position_at(dst, name) is None:
                 node.set_positions(node.positions() + [(dst, name)])
             if node.is_reg and node.backing_version is not None:
-                self.cache.linked[node.backing_version[0]] = node   # as in _land
+                self.cache.inodes.linked[node.backing_version[0]] = node   # as in _land
             return

@@ -141,8 +141,8 @@ class Replayer:
 
     def _loaded(self, node: Node) -> Node:
         if node.children is None:
-            listing = retry(lambda: self.cache.list_backing(node), f"listing {node_path(node)!r}")
-            self.cache.attach_listing(node, listing)
+            listing = retry(lambda: self.cache.coherence.list_backing(node), f"listing {node_path(node)!r}")
+            self.cache.coherence.attach_listing(node, listing)
         return node
 
     def resolve(self, path: bytes | None) -> tuple[Node | None, bytes, Node | None]:
@@ -150,9 +150,9 @@ class Replayer:
         if path is None:
             return None, b"", None
         if path == b"":
-            return None, b"", self.cache.root
+            return None, b"", self.cache.inodes.root
         *dirs, name = path.split(b"/")
-        node = self.cache.root
+        node = self.cache.inodes.root
         for d in dirs:
             node = self._loaded(node)
             child = node.entries().get(d)
@@ -193,7 +193,7 @@ class Replayer:
         if target is not None and target.is_dir:
             self._loaded(target)
         try:
-            self.cache.rename(p1, n1, p2, n2)
+            self.cache.names.rename(p1, n1, p2, n2)
         except OSError as e:
             self.skip(rec, e.strerror or str(e))
 
@@ -206,7 +206,7 @@ class Replayer:
         if there is not None:
             self.skip(rec, "already present" if there is node else "another file has the name")
             return
-        self.cache.link(node, p2, n2)
+        self.cache.names.link(node, p2, n2)
 
     def _make(self, rec: Record) -> None:
         """mkdir, mknod, symlink."""
@@ -220,12 +220,12 @@ class Replayer:
         assert rec.uid is not None and rec.gid is not None
         if rec.kind == OpKind.MKDIR:
             assert rec.mode is not None
-            self.cache.mkdir(parent, name, rec.mode, rec.uid, rec.gid)
+            self.cache.names.mkdir(parent, name, rec.mode, rec.uid, rec.gid)
         elif rec.kind == OpKind.MKNOD:
             assert rec.mode is not None
-            self.cache.mknod(parent, name, rec.mode, rec.size, rec.uid, rec.gid)
+            self.cache.names.mknod(parent, name, rec.mode, rec.size, rec.uid, rec.gid)
         else:
-            self.cache.symlink(parent, name, rec.target, rec.uid, rec.gid)
+            self.cache.names.symlink(parent, name, rec.target, rec.uid, rec.gid)
 
     def _remove(self, rec: Record) -> None:
         """unlink, rmdir."""
@@ -240,7 +240,7 @@ class Replayer:
             self.skip(rec, "saved straight to the backing after the daemon died", logging.WARNING)
             return
         try:
-            (self.cache.rmdir if rmdir else self.cache.unlink)(parent, name)
+            (self.cache.names.rmdir if rmdir else self.cache.names.unlink)(parent, name)
         except OSError as e:
             self.skip(rec, e.strerror or str(e))
 
@@ -250,7 +250,7 @@ class Replayer:
             self.skip(rec, "gone, or saved straight to the backing after the daemon died")
             return
         times = rec.times
-        self.cache.setattr(node, mode=rec.mode, uid=rec.uid, gid=rec.gid,
+        self.cache.names.setattr(node, mode=rec.mode, uid=rec.uid, gid=rec.gid,
                            atime=times[0] if times else None, mtime=times[1] if times else None)
 
     def _set_xattr(self, rec: Record) -> None:
@@ -261,7 +261,7 @@ class Replayer:
         if node.xattrs is None:
             node.xattrs = retry(lambda: self._read_xattrs(node), f"reading xattrs of {rec.path!r}")
         try:
-            self.cache.set_xattr(node, rec.key, rec.value)
+            self.cache.names.set_xattr(node, rec.key, rec.value)
         except OSError as e:
             self.skip(rec, e.strerror or str(e))
 
@@ -275,12 +275,12 @@ class Replayer:
 
     def _read_xattrs(self, node: Node) -> dict[bytes, bytes]:
         cache = self.cache
-        with cache.position_lock:
-            if node is cache.root:
+        with cache.inodes.position_lock:
+            if node is cache.inodes.root:
                 return cache.backing.read_xattrs([], None)
             if node.backing_parent is None:
                 return {}
-            return cache.backing.read_xattrs(cache.backing_path(node.backing_parent), node.backing_name)
+            return cache.backing.read_xattrs(cache.inodes.backing_path(node.backing_parent), node.backing_name)
 
     def content(self, rec: Record) -> None:
         """A file's content at its last close: make it the file's content, queue it."""
@@ -310,7 +310,7 @@ class Replayer:
             return
         assert rec.mode is not None and rec.uid is not None and rec.gid is not None
         if node is None:
-            node = cache.create(parent, name, rec.mode, rec.uid, rec.gid)
+            node = cache.names.create(parent, name, rec.mode, rec.uid, rec.gid)
         self._relink(rec, node)
         self._publish(node, rec, staged)
         self.report.files += 1
@@ -329,7 +329,7 @@ class Replayer:
         with cache.oplog.lock:
             if node.content is not None:
                 cache.store.drop(node.content)
-            cache.lru.pop(node.ino, None)
+            cache.files.lru.pop(node.ino, None)
             content = cache.store.adopt(rec.blocks)
             if staged is not None:
                 cache.store.drop(content)   # the staged file holds the content
@@ -340,7 +340,7 @@ class Replayer:
         node.atime, node.mtime = rec.times
         node.xattrs = dict(rec.xattrs)
         node.dirty = True
-        cache.snapshot(node)
+        cache.files.snapshot(node)
 
     def _relink(self, rec: Record, node: Node) -> None:
         """The file's other names when its content was acknowledged (hard links): each one
@@ -357,8 +357,8 @@ class Replayer:
                           "there)", logging.WARNING)
                 continue
             if there is not None:
-                self.cache.unlink(parent, name)
-            self.cache.link(node, parent, name)
+                self.cache.names.unlink(parent, name)
+            self.cache.names.link(node, parent, name)
 
     def keep_aside(self, rec: Record, staged: Staged | None, why: str) -> None:
         """Content whose close() was acknowledged cannot go where the mount had it: keep it
@@ -382,7 +382,7 @@ class Replayer:
         while name in where.entries():
             n += 1                     # content kept aside never replaces other content
             name = flat + b"~%d" % n
-        node = cache.create(where, name, rec.mode or 0o600, rec.uid or 0, rec.gid or 0)
+        node = cache.names.create(where, name, rec.mode or 0o600, rec.uid or 0, rec.gid or 0)
         self._publish(node, rec, staged)
         aside = node_path(node)
         self.report.kept_aside.append(aside)
@@ -401,12 +401,12 @@ class Replayer:
         cache = self.cache
         uid, gid = os.geteuid(), os.getegid()
         mine = b"-" + cache.backing.instance.encode()
-        root = self._loaded(cache.root)
+        root = self._loaded(cache.inodes.root)
         top = None
         for name in (RECOVERED_DIR, RECOVERED_DIR + mine):
             there = root.entries().get(name)
             if there is None:
-                top = cache.mkdir(root, name, 0o1777, uid, gid)
+                top = cache.names.mkdir(root, name, 0o1777, uid, gid)
                 break
             if there.is_dir:
                 top = self._loaded(there)
@@ -419,7 +419,7 @@ class Replayer:
             taken = [RECOVERED_DIR] if top is None else [top.name, folder]
             raise OSError(errno.EEXIST, "no folder to keep content aside in: "
                           f"{os.fsdecode(b'/'.join(taken))!r} is not a directory in the backing")
-        self.aside_dir = cache.mkdir(top, folder, 0o700, uid, gid) if there is None \
+        self.aside_dir = cache.names.mkdir(top, folder, 0o700, uid, gid) if there is None \
             else self._loaded(there)
         return self.aside_dir
 

@@ -48,7 +48,7 @@ class Repairs:
         parent = node.backing_parent
         assert parent is not None   # the caller changed it there
         if node.is_dir:
-            self.backing.mkdir(self.cache.backing_path(parent), node.backing_name,
+            self.backing.mkdir(self.cache.inodes.backing_path(parent), node.backing_name,
                                node.mode, node.uid, node.gid)
         else:   # that name only: a file with others is changed there (the caller goes on)
             node.move_position((parent, node.backing_name), None)
@@ -62,10 +62,10 @@ class Repairs:
         if not isinstance(exc, MissingDir):
             return
         cache = self.cache
-        with cache.position_lock:
+        with cache.inodes.position_lock:
             chain: list[Node] = []
             n: Node | None = where
-            while n is not cache.root:
+            while n is not cache.inodes.root:
                 if n is None:
                     return   # not in the backing yet: an earlier op makes it
                 chain.append(n)

@@ -86,8 +86,8 @@ class Uploads:
             self.backing.finish_temp(snap.staged.fd, snap.size, snap.mode, snap.uid, snap.gid,
                                      snap.times, snap.xattrs)
             return True
-        with cache.position_lock:
-            dfd = self.backing.open_dir(cache.backing_path(op.parent))
+        with cache.inodes.position_lock:
+            dfd = self.backing.open_dir(cache.inodes.backing_path(op.parent))
         tmpname = self.backing.temp_name()   # fresh each attempt: created exclusively
         try:
             with cache.store.source(snap.content, snap.size) as (src_fd, extents):
@@ -118,8 +118,8 @@ class Uploads:
                 self.backing.close_fd(op.dir_fd)
                 op.dir_fd = -1
                 try:   # still there by name if only its descriptor went stale (a remount)
-                    with self.cache.position_lock:
-                        dfd = self.backing.open_dir(self.cache.backing_path(op.parent))
+                    with self.cache.inodes.position_lock:
+                        dfd = self.backing.open_dir(self.cache.inodes.backing_path(op.parent))
                     try:
                         self.backing.remove_temp(dfd, op.temp_name)
                     finally:

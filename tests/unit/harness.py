@@ -55,7 +55,7 @@ class Parts:
         order = GlobalOrder(peers, self.oplog) if peers is not None else None
         self.flusher = Flusher(self.oplog, self.cache, self.backing, order, workers=workers)
         self.flusher.start()
-        self.cache.attach_listing(self.cache.root, self.cache.list_backing(self.cache.root))
+        self.cache.coherence.attach_listing(self.cache.inodes.root, self.cache.coherence.list_backing(self.cache.inodes.root))
 
     def drain(self, seq: int | None = None, timeout: float = 30) -> None:
         seq = self.oplog.seq if seq is None else seq
@@ -75,7 +75,7 @@ class Parts:
 
 def write_file(cache: Cache, name: bytes, data: bytes, parent=None):
     """Create ``name`` and write ``data`` into it; the file stays open for writing."""
-    node = cache.create(parent or cache.root, name, 0o644, 0, 0)
+    node = cache.names.create(parent or cache.inodes.root, name, 0o644, 0, 0)
     cache.files.open(node, True, False)
     cache.files.write(node, 0, data)
     return node

@@ -29,7 +29,7 @@ def core(core):
 def test_snapshot_is_immune_to_later_writes(core):
     cache, flusher, back = core
     node = write_file(cache, b"f", b"A" * (3 * BS))
-    with cache.position_lock:        # hold the flusher so the snapshot stays queued
+    with cache.inodes.position_lock:        # hold the flusher so the snapshot stays queued
         cache.files.release(node, True)
         cache.files.open(node, True, False)
         cache.files.write(node, BS, b"B" * BS)   # must copy the shared block, not change the snapshot
@@ -64,10 +64,10 @@ def test_full_pool_evicts_persisted_files_first(core):
 
 def test_unlinked_before_persisted_is_never_uploaded(core):
     cache, flusher, back = core
-    with cache.position_lock:        # hold the flusher back
+    with cache.inodes.position_lock:        # hold the flusher back
         node = write_file(cache, b"gone", b"g" * BS)
         cache.files.release(node, True)
-        cache.unlink(cache.root, b"gone")
+        cache.names.unlink(cache.inodes.root, b"gone")
     drain(flusher, cache.oplog.seq)
     assert not (back / "gone").exists()
     assert not [n for n in os.listdir(back) if n.startswith(".acpfs-tmp-")]
@@ -83,7 +83,7 @@ def test_rename_of_a_never_closed_file_leaves_the_name_empty_until_its_close(cor
     cache.files.release(old, True)
     drain(flusher, cache.oplog.seq)
     new = write_file(cache, b"latest.tmp", b"new")   # still open: not in the backing
-    cache.rename(cache.root, b"latest.tmp", cache.root, b"latest")
+    cache.names.rename(cache.inodes.root, b"latest.tmp", cache.inodes.root, b"latest")
     drain(flusher, cache.oplog.seq)
     assert sorted(os.listdir(back)) == []
     cache.files.release(new, True)
@@ -98,10 +98,10 @@ def test_unlinked_after_later_changes_is_published_then_removed(make_core):
     cache, flusher, back = c.cache, c.flusher, c.back
     held = c.backing.inject("unlink", hang=True)
     try:
-        with cache.position_lock:        # every op is queued before the first is applied
+        with cache.inodes.position_lock:        # every op is queued before the first is applied
             cache.files.release(write_file(cache, b"model", b"m" * BS), True)
             cache.files.release(write_file(cache, b"latest", b"s1"), True)
-            cache.unlink(cache.root, b"model")
+            cache.names.unlink(cache.inodes.root, b"model")
         assert held.entered.wait(20)
         assert sorted(os.listdir(back)) == ["latest", "model"]
         assert (back / "model").read_bytes() == b"m" * BS
@@ -126,7 +126,7 @@ def test_applied_seq_moves_only_after_the_op_is_finished(core):
     flusher._finish = watched
     for i in range(5):
         cache.files.release(write_file(cache, b"f%d" % i, b"x" * BS), True)
-    cache.mkdir(cache.root, b"d", 0o755, 0, 0)
+    cache.names.mkdir(cache.inodes.root, b"d", 0o755, 0, 0)
     drain(flusher, cache.oplog.seq)
     assert len(seen) == 6
     assert all(applied < seq for seq, applied in seen), seen
@@ -138,7 +138,7 @@ def test_merging_the_backing_listing_shows_others_changes_and_keeps_own_pending_
     entries it removed disappear, and this mount's own pending changes win."""
     c = make_core("m")
     cache, back = c.cache, c.back
-    d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
+    d = cache.names.mkdir(cache.inodes.root, b"d", 0o755, 0, 0)
     for name in (b"mine", b"clean", b"dirty"):
         cache.files.release(write_file(cache, name, name, parent=d), True)
     c.drain()
@@ -148,8 +148,8 @@ def test_merging_the_backing_listing_shows_others_changes_and_keeps_own_pending_
     dirty = cache.names.lookup(d, b"dirty")
     cache.files.open(dirty, True, False)
     cache.files.write(dirty, 0, b"changed")
-    with cache.position_lock:                        # the flusher applies nothing meanwhile
-        cache.unlink(d, b"mine")                     # this mount's removal, still queued
+    with cache.inodes.position_lock:                        # the flusher applies nothing meanwhile
+        cache.names.unlink(d, b"mine")                     # this mount's removal, still queued
         relisting = _relist(cache, d)
     cache.coherence.merge_listing(d, *relisting)
     assert sorted(d.children) == [b"dirty", b"theirs"]
@@ -177,33 +177,33 @@ def test_directory_link_counts_follow_random_namespace_changes(core):
     from acpfs.fs import dir_links
     cache, flusher, back = core
     rng = random.Random(7)
-    dirs = [cache.root]
+    dirs = [cache.inodes.root]
     for _ in range(600):
         d = rng.choice(dirs)
-        if d.parent is None and d is not cache.root:
+        if d.parent is None and d is not cache.inodes.root:
             dirs.remove(d)
             continue
         name = b"n%d" % rng.randrange(12)
         op = rng.choice(("mkdir", "create", "rename", "remove"))
         try:
             if op == "mkdir":
-                dirs.append(cache.mkdir(d, name, 0o755, 0, 0))
+                dirs.append(cache.names.mkdir(d, name, 0o755, 0, 0))
             elif op == "create":
-                cache.create(d, name, 0o644, 0, 0)
+                cache.names.create(d, name, 0o644, 0, 0)
             elif op == "rename":
                 node, to = cache.names.lookup(d, name), rng.choice(dirs)
                 up = to
                 while up is not None and up is not node:   # the kernel refuses a directory
                     up = up.parent                         # into itself (EINVAL)
                 if up is None:
-                    cache.rename(d, name, to, b"n%d" % rng.randrange(12))
+                    cache.names.rename(d, name, to, b"n%d" % rng.randrange(12))
             else:
                 node = cache.names.lookup(d, name)
-                (cache.rmdir if node.is_dir else cache.unlink)(d, name)
+                (cache.names.rmdir if node.is_dir else cache.names.unlink)(d, name)
         except OSError:
             pass    # EEXIST, ENOENT, ENOTEMPTY, EISDIR, ENOTDIR, EINVAL: nothing changed
         for x in dirs:
-            if x.children is not None and (x.parent is not None or x is cache.root):
+            if x.children is not None and (x.parent is not None or x is cache.inodes.root):
                 assert dir_links(x) == 2 + sum(c.is_dir for c in x.children.values())
     assert any(dir_links(x) > 2 for x in dirs)
 
@@ -218,9 +218,9 @@ def test_a_name_is_known_exactly_when_the_directory_walk_says_so(core):
     rng = random.Random(11)
     backing = cache.backing
     held = None
-    d1 = cache.mkdir(cache.root, b"d1", 0o755, 0, 0)
-    d2 = cache.mkdir(cache.root, b"d2", 0o755, 0, 0)
-    dirs = [cache.root, d1, d2]
+    d1 = cache.names.mkdir(cache.inodes.root, b"d1", 0o755, 0, 0)
+    d2 = cache.names.mkdir(cache.inodes.root, b"d2", 0o755, 0, 0)
+    dirs = [cache.inodes.root, d1, d2]
     names = [b"n%d" % i for i in range(6)]
     most = 0
     try:
@@ -239,15 +239,15 @@ def test_a_name_is_known_exactly_when_the_directory_walk_says_so(core):
                     node = write_file(cache, name, b"x" * rng.randrange(1, 5000), parent=d)
                     cache.files.release(node, True)
                 elif op == "rename":
-                    cache.rename(d, name, rng.choice(dirs), rng.choice(names))
+                    cache.names.rename(d, name, rng.choice(dirs), rng.choice(names))
                 elif op == "link":
-                    cache.link(cache.names.lookup(d, name), rng.choice(dirs), rng.choice(names))
+                    cache.names.link(cache.names.lookup(d, name), rng.choice(dirs), rng.choice(names))
                 elif not cache.names.lookup(d, name).is_dir:
-                    cache.unlink(d, name)
+                    cache.names.unlink(d, name)
             except OSError:
                 pass
             most = max(most, len(flusher.oplog.queue))
-            with cache.position_lock:
+            with cache.inodes.position_lock:
                 for x in dirs:
                     known = cache.coherence._known_names(x)[0]
                     for n in names:

@@ -31,11 +31,11 @@ def _drain_or_stuck(core, timeout=3.0):
 # A: unlink of a symlink removes another writer's regular file (no type check for links)
 def test_A_unlink_of_symlink_keeps_another_writers_file(core):
     cache, back = core.cache, core.back
-    cache.symlink(cache.root, b"latest", b"step_1", 0, 0)
+    cache.names.symlink(cache.inodes.root, b"latest", b"step_1", 0, 0)
     core.drain()
     os.unlink(back / "latest")
     (back / "latest").write_bytes(b"another node's file")      # another kind of entry
-    cache.unlink(cache.root, b"latest")
+    cache.names.unlink(cache.inodes.root, b"latest")
     core.drain()
     print(core.flusher.repairs.conflicts.status())
     assert (back / "latest").exists(), "another node's regular file was removed"
@@ -43,11 +43,11 @@ def test_A_unlink_of_symlink_keeps_another_writers_file(core):
 
 def test_A2_unlink_of_symlink_keeps_another_writers_newer_symlink(core):
     cache, back = core.cache, core.back
-    cache.symlink(cache.root, b"latest", b"step_1", 0, 0)
+    cache.names.symlink(cache.inodes.root, b"latest", b"step_1", 0, 0)
     core.drain()
     os.unlink(back / "latest")
     os.symlink("step_9", back / "latest")
-    cache.unlink(cache.root, b"latest")
+    cache.names.unlink(cache.inodes.root, b"latest")
     core.drain()
     assert os.path.islink(back / "latest"), "another node's newer symlink was removed"
 
@@ -58,13 +58,13 @@ def test_B_setattr_times_adopts_another_writers_version(core):
     save(cache, b"f", b"v1")
     core.drain()
     other_writes(back / "f", b"v2 from another node, longer")
-    node = cache.names.lookup(cache.root, b"f")
-    cache.setattr(node, atime=10**18, mtime=10**18)        # touch -d / os.utime
+    node = cache.names.lookup(cache.inodes.root, b"f")
+    cache.names.setattr(node, atime=10**18, mtime=10**18)        # touch -d / os.utime
     core.drain()
     st = os.stat(back / "f")
     print("node.backing_version", node.backing_version, "backing", (st.st_ino, st.st_size, st.st_mtime_ns))
     # the listing of its directory no longer sees anything new: the view stays v1 (size 2)
-    _relist_merge(cache, cache.root)
+    _relist_merge(cache, cache.inodes.root)
     print("node.size after listing", node.size, "backing size", st.st_size)
     assert node.size == st.st_size, "this node's view keeps the stale size for good"
 
@@ -74,9 +74,9 @@ def test_B2_then_unlink_removes_the_other_writers_version(core):
     save(cache, b"f", b"v1")
     core.drain()
     other_writes(back / "f", b"v2 from another node, longer")
-    node = cache.names.lookup(cache.root, b"f")
-    cache.setattr(node, atime=10**18, mtime=10**18)
-    cache.unlink(cache.root, b"f")
+    node = cache.names.lookup(cache.inodes.root, b"f")
+    cache.names.setattr(node, atime=10**18, mtime=10**18)
+    cache.names.unlink(cache.inodes.root, b"f")
     core.drain()
     print(core.flusher.repairs.conflicts.status()["by_kind"])
     assert (back / "f").exists(), "v2 (another node's) removed, no 'kept'"
@@ -100,19 +100,19 @@ def test_E_a_file_named_like_the_conflicts_folder_wedges_nothing(core):
 # the op has no backing path, and the sequencer retries it for ever
 def test_F_no_entry_is_made_in_a_directory_removed_elsewhere(core):
     cache, back = core.cache, core.back
-    d = cache.mkdir(cache.root, b"step_1", 0o755, 0, 0)
-    sub = cache.mkdir(d, b"sub", 0o755, 0, 0)
+    d = cache.names.mkdir(cache.inodes.root, b"step_1", 0o755, 0, 0)
+    sub = cache.names.mkdir(d, b"sub", 0o755, 0, 0)
     save(cache, b"a", b"a", parent=sub)
     core.drain()
     d.lookups = sub.lookups = 1          # the kernel holds them (a cwd, an open dir fd)
     shutil.rmtree(back / "step_1")         # another node's rotation
-    _relist_merge(cache, cache.root)
-    assert b"step_1" not in cache.root.children
+    _relist_merge(cache, cache.inodes.root)
+    assert b"step_1" not in cache.inodes.root.children
     with pytest.raises(OSError) as e:                          # openat(dirfd, O_CREAT) in it
         save(cache, b"late", b"acknowledged", parent=sub)
     assert e.value.errno == errno.ENOENT                       # as in a directory removed here
     with pytest.raises(OSError):
-        cache.mkdir(sub, b"x", 0o755, 0, 0)
+        cache.names.mkdir(sub, b"x", 0o755, 0, 0)
     core.drain()
     assert core.flusher.failing_op() is None
 
@@ -152,7 +152,7 @@ def test_C_revalidate_applies_a_stat_older_than_its_own_publish(core):
             await c.getattr(node.ino)          # a stat or lookup of the file
         print("size in view", node.size, "backing", os.stat(back / "f").st_size)
         size_ok = node.size == os.stat(back / "f").st_size
-        cache.unlink(cache.root, b"f")
+        cache.names.unlink(cache.inodes.root, b"f")
         await tc.drain(core)
         print(core.flusher.repairs.conflicts.status()["by_kind"])
         print("backing still has f:", (back / "f").exists())
@@ -168,7 +168,7 @@ def test_D_open_reader_switches_versions_mid_read(core):
 
     async def test(c):
         c.info.coherence_timeout = 0.0
-        d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
+        d = cache.names.mkdir(cache.inodes.root, b"d", 0o755, 0, 0)
         fh, node = await tc.create(c, b"f", parent=d.ino)
         await tc.write(c, fh, v1)
         await tc.close(c, fh)
@@ -176,7 +176,7 @@ def test_D_open_reader_switches_versions_mid_read(core):
         with cache.oplog.lock:                       # evicted: read from the backing
             cache.store.drop(node.content)
             node.content = None
-            cache.lru.pop(node.ino, None)
+            cache.files.lru.pop(node.ino, None)
         rfh, _, _ = await c.handles.open(node.ino, os.O_RDONLY)
         first = await tc.read(c, rfh, BS, 0)
         other_writes(back / "d" / "f", v2)

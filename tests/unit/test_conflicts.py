@@ -29,8 +29,8 @@ def settled(core, **expected: int) -> None:
     """The queue drained, no op failing, a later change still lands, and exactly the
     conflicts ``expected`` (kind: count) were counted."""
     cache = core.cache
-    if b"latest" in cache.root.children:
-        cache.unlink(cache.root, b"latest")
+    if b"latest" in cache.inodes.root.children:
+        cache.names.unlink(cache.inodes.root, b"latest")
     save(cache, b"latest", b"after")
     core.drain()
     assert core.flusher.failing_op() is None
@@ -52,12 +52,12 @@ def aside(core) -> list[str]:
 
 def test_rmdir_of_a_directory_holding_files_it_never_had_leaves_them_there(core):
     cache, back = core.cache, core.back
-    d = cache.mkdir(cache.root, b"step_1", 0o755, 0, 0)
+    d = cache.names.mkdir(cache.inodes.root, b"step_1", 0o755, 0, 0)
     save(cache, b"rank0", b"mine", parent=d)
     core.drain()
     (back / "step_1" / "rank1").write_bytes(b"another node's shard")   # after this node listed it
-    cache.unlink(d, b"rank0")
-    cache.rmdir(cache.root, b"step_1")
+    cache.names.unlink(d, b"rank0")
+    cache.names.rmdir(cache.inodes.root, b"step_1")
     settled(core, not_empty=1)
     assert os.listdir(back / "step_1") == ["rank1"]
     assert (back / "step_1" / "rank1").read_bytes() == b"another node's shard"
@@ -70,7 +70,7 @@ def test_unlink_leaves_a_version_it_never_saw_in_place(core):
     save(cache, b"f", b"v1 from this node")
     core.drain()
     other_writes(back / "f", b"v2 from another node")
-    cache.unlink(cache.root, b"f")
+    cache.names.unlink(cache.inodes.root, b"f")
     settled(core, kept=1)
     assert (back / "f").read_bytes() == b"v2 from another node"
 
@@ -82,8 +82,8 @@ def test_unlink_and_setattr_of_names_already_gone_move_on(core):
     core.drain()
     os.unlink(back / "f")
     os.unlink(back / "g")
-    cache.unlink(cache.root, b"f")
-    cache.setattr(cache.names.lookup(cache.root, b"g"), mode=0o600)
+    cache.names.unlink(cache.inodes.root, b"f")
+    cache.names.setattr(cache.names.lookup(cache.inodes.root, b"g"), mode=0o600)
     settled(core, gone=2)
     assert not (back / "g").exists()      # its next snapshot lands it again
 
@@ -93,7 +93,7 @@ def test_the_last_publisher_of_a_name_wins(core):
     save(cache, b"f", b"v1 from this node")
     core.drain()
     other_writes(back / "f", b"v2 from another node")
-    node = cache.names.lookup(cache.root, b"f")
+    node = cache.names.lookup(cache.inodes.root, b"f")
     cache.files.open(node, True, True)
     cache.files.write(node, 0, b"v3 from this node")
     cache.files.release(node, True)
@@ -113,7 +113,7 @@ def test_a_rename_over_a_name_another_writer_replaced_wins_too(core):
     core.drain()
     other_writes(back / "ptr", b"step_7 (another node)")
     save(cache, b"ptr.tmp", b"step_2")
-    cache.rename(cache.root, b"ptr.tmp", cache.root, b"ptr")
+    cache.names.rename(cache.inodes.root, b"ptr.tmp", cache.inodes.root, b"ptr")
     settled(core, replaced=1)
     assert (back / "ptr").read_bytes() == b"step_2"
 
@@ -131,7 +131,7 @@ def test_a_file_published_where_another_writer_made_a_directory_moves_it_aside(c
 def test_a_directory_made_where_another_writer_put_a_file_moves_it_aside(core):
     cache, back = core.cache, core.back
     (back / "d").write_bytes(b"theirs")
-    d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
+    d = cache.names.mkdir(cache.inodes.root, b"d", 0o755, 0, 0)
     save(cache, b"f", b"mine", parent=d)
     settled(core, moved_aside=1)
     assert (back / "d" / "f").read_bytes() == b"mine"
@@ -142,7 +142,7 @@ def test_ranks_making_the_same_directory_is_no_conflict(core):
     cache, back = core.cache, core.back
     (back / "step_2").mkdir()
     (back / "step_2" / "rank1").write_bytes(b"theirs")
-    d = cache.mkdir(cache.root, b"step_2", 0o755, 0, 0)
+    d = cache.names.mkdir(cache.inodes.root, b"step_2", 0o755, 0, 0)
     save(cache, b"rank0", b"mine", parent=d)
     settled(core)
     assert sorted(os.listdir(back / "step_2")) == ["rank0", "rank1"]
@@ -150,7 +150,7 @@ def test_ranks_making_the_same_directory_is_no_conflict(core):
 
 def test_a_directory_removed_by_another_writer_is_made_again_for_what_lands_in_it(core):
     cache, back = core.cache, core.back
-    d = cache.mkdir(cache.root, b"d", 0o750, 0, 0)
+    d = cache.names.mkdir(cache.inodes.root, b"d", 0o750, 0, 0)
     save(cache, b"a", b"a", parent=d)
     core.drain()
     shutil.rmtree(back / "d")
@@ -161,7 +161,7 @@ def test_a_directory_removed_by_another_writer_is_made_again_for_what_lands_in_i
 
 def test_a_directory_replaced_by_a_file_is_made_again_and_the_file_kept_aside(core):
     cache, back = core.cache, core.back
-    d = cache.mkdir(cache.root, b"d", 0o750, 0, 0)
+    d = cache.names.mkdir(cache.inodes.root, b"d", 0o750, 0, 0)
     core.drain()
     os.rmdir(back / "d")
     (back / "d").write_bytes(b"theirs")
@@ -173,15 +173,15 @@ def test_a_directory_replaced_by_a_file_is_made_again_and_the_file_kept_aside(co
 
 def test_a_directory_renamed_over_a_directory_another_writer_filled_moves_it_aside(core):
     cache, back = core.cache, core.back
-    src = cache.mkdir(cache.root, b"tmpdir", 0o755, 0, 0)
+    src = cache.names.mkdir(cache.inodes.root, b"tmpdir", 0o755, 0, 0)
     save(cache, b"f", b"mine", parent=src)
     core.drain()
     (back / "final").mkdir()
     (back / "final" / "g").write_bytes(b"theirs")
     (back / "empty").mkdir()
-    cache.rename(cache.root, b"tmpdir", cache.root, b"final")
-    other = cache.mkdir(cache.root, b"other", 0o755, 0, 0)
-    cache.rename(cache.root, b"other", cache.root, b"empty")   # empty: replaced, as rename(2) does
+    cache.names.rename(cache.inodes.root, b"tmpdir", cache.inodes.root, b"final")
+    other = cache.names.mkdir(cache.inodes.root, b"other", 0o755, 0, 0)
+    cache.names.rename(cache.inodes.root, b"other", cache.inodes.root, b"empty")   # empty: replaced, as rename(2) does
     settled(core, moved_aside=1)
     assert os.listdir(back / "final") == ["f"]
     assert aside(core) == ["final", "final/g"]
@@ -193,8 +193,8 @@ def test_a_symlink_made_where_another_writer_put_a_file_replaces_it(core):
     cache, back = core.cache, core.back
     (back / "ln").write_bytes(b"theirs")
     (back / "same").symlink_to("target")
-    cache.symlink(cache.root, b"ln", b"target", 0, 0)
-    cache.symlink(cache.root, b"same", b"target", 0, 0)    # the same symlink: no conflict
+    cache.names.symlink(cache.inodes.root, b"ln", b"target", 0, 0)
+    cache.names.symlink(cache.inodes.root, b"same", b"target", 0, 0)    # the same symlink: no conflict
     settled(core, replaced=1)
     assert os.readlink(back / "ln") == "target"
     assert os.readlink(back / "same") == "target"
@@ -209,11 +209,11 @@ def test_a_file_renamed_after_another_writer_removed_it_leaves_the_view(core):
     save(cache, b"x", b"content")
     core.drain()
     os.unlink(back / "x")                               # another node removed it
-    cache.rename(cache.root, b"x", cache.root, b"y")
+    cache.names.rename(cache.inodes.root, b"x", cache.inodes.root, b"y")
     core.drain()
     assert not (back / "y").exists()
-    cache.coherence.merge_listing(cache.root, *cache.coherence.relist_backing(cache.root))
-    assert b"y" not in cache.root.children and b"x" not in cache.root.children
+    cache.coherence.merge_listing(cache.inodes.root, *cache.coherence.relist_backing(cache.inodes.root))
+    assert b"y" not in cache.inodes.root.children and b"x" not in cache.inodes.root.children
     assert core.flusher.repairs.conflicts.status()["by_kind"]["gone"] == 1
 
 
@@ -223,6 +223,6 @@ def test_a_special_file_the_backing_refuses_stays_in_the_mount_and_the_queue_mov
     import errno
     import stat
     core.backing.inject("mknod", errno=errno.EPERM)
-    core.cache.mknod(core.cache.root, b"dev", stat.S_IFCHR | 0o600, os.makedev(1, 3), 0, 0)
+    core.cache.names.mknod(core.cache.inodes.root, b"dev", stat.S_IFCHR | 0o600, os.makedev(1, 3), 0, 0)
     settled(core, refused=1)
-    assert not (core.back / "dev").exists() and b"dev" in core.cache.root.children
+    assert not (core.back / "dev").exists() and b"dev" in core.cache.inodes.root.children

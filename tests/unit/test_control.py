@@ -16,7 +16,7 @@ from acpfs.types import node_path
 
 
 def read_all(core, trusted=True):
-    get = lambda name: control.get(core.flusher, None, core.cache.root, name, trusted)  # noqa: E731
+    get = lambda name: control.get(core.flusher, None, core.cache.inodes.root, name, trusted)  # noqa: E731
     raw = get(FILES)
     pages = [raw]
     page = json.loads(raw)
@@ -31,10 +31,10 @@ def read_all(core, trusted=True):
 
 def test_a_listing_of_100000_pending_files_comes_in_pages_under_64_kib(core):
     cache = core.cache
-    dirs = [cache.mkdir(cache.root, b"dir-%03d-" % i + b"d" * 240, 0o755, 0, 0) for i in range(100)]
+    dirs = [cache.names.mkdir(cache.inodes.root, b"dir-%03d-" % i + b"d" * 240, 0o755, 0, 0) for i in range(100)]
     names = set()
     for i in range(100_000):
-        node = cache.create(dirs[i % 100], b"file-%06d-" % i + b"f" * 200, 0o644, 0, 0)
+        node = cache.names.create(dirs[i % 100], b"file-%06d-" % i + b"f" * 200, 0o644, 0, 0)
         cache.files.open(node, True, False)                 # open for writing: dirty
         names.add(node_path(node))
     files, pages = read_all(core)
@@ -48,12 +48,12 @@ def test_a_listing_of_100000_pending_files_comes_in_pages_under_64_kib(core):
 def test_the_pages_of_one_listing_agree_while_the_mount_changes(core):
     cache = core.cache
     for i in range(3000):
-        node = cache.create(cache.root, b"f%05d-" % i + b"x" * 100, 0o644, 0, 0)
+        node = cache.names.create(cache.inodes.root, b"f%05d-" % i + b"x" * 100, 0o644, 0, 0)
         cache.files.open(node, True, False)
-    get = lambda name: control.get(core.flusher, None, cache.root, name)   # noqa: E731
+    get = lambda name: control.get(core.flusher, None, cache.inodes.root, name)   # noqa: E731
     first = json.loads(get(FILES))
     for i in range(500):                              # more files between two pages
-        node = cache.create(cache.root, b"a%05d" % i, 0o644, 0, 0)
+        node = cache.names.create(cache.inodes.root, b"a%05d" % i, 0o644, 0, 0)
         cache.files.open(node, True, False)
     files, page = list(first["files"]), first
     while page["next"]:
@@ -65,17 +65,17 @@ def test_the_pages_of_one_listing_agree_while_the_mount_changes(core):
 
 def test_a_gone_listing_says_so_and_other_users_get_no_page(core):
     cache = core.cache
-    node = cache.create(cache.root, b"f", 0o644, 0, 0)
+    node = cache.names.create(cache.inodes.root, b"f", 0o644, 0, 0)
     cache.files.open(node, True, False)
     with pytest.raises(OSError) as e:
-        control.get(core.flusher, None, cache.root, FILES + b".0badcafe.10")
+        control.get(core.flusher, None, cache.inodes.root, FILES + b".0badcafe.10")
     assert e.value.errno == errno.EAGAIN
-    one = json.loads(control.get(core.flusher, None, cache.root, FILES))
+    one = json.loads(control.get(core.flusher, None, cache.inodes.root, FILES))
     for name in (FILES, FILES + b".00000000.0"):
         with pytest.raises(OSError) as e:
-            control.get(core.flusher, None, cache.root, name, trusted=False)
+            control.get(core.flusher, None, cache.inodes.root, name, trusted=False)
         assert e.value.errno == errno.EACCES
     assert one["total"] == 1 and one["next"] is None
     for _ in range(control.Listings.MAX + 2):         # only the newest few are kept
-        control.get(core.flusher, None, cache.root, FILES)
+        control.get(core.flusher, None, cache.inodes.root, FILES)
     assert len(control.listings._kept) <= control.Listings.MAX

@@ -352,7 +352,7 @@ def test_a_forgotten_inode_is_enoent(h):
         await raises(errno.ENOENT, core.node, f.ino)
         core.forget(12345, 1)                                    # unknown: ignored
         core.forget(ROOT, 1)                                     # the root is never forgotten
-        assert core.node(ROOT) is h.cache.root
+        assert core.node(ROOT) is h.cache.inodes.root
         await drain(h)
     run(h, test)
 
@@ -440,7 +440,7 @@ def test_a_version_replaced_while_open_here_answers_estale_and_moves_the_name(se
         assert await read(core, old, 1000) == b"old" * 100   # the old descriptor: its version
         await core.handles.release(fh)
         await core.handles.release(old)
-        assert node.ino not in h.cache.nodes               # dropped at its last close
+        assert node.ino not in h.cache.inodes.nodes               # dropped at its last close
         # a name removed elsewhere: ESTALE, then the lookup says ENOENT
         os.unlink(h.back / "f")
         await raises(errno.ESTALE, core.handles.open, fresh.ino, os.O_RDONLY)

@@ -9,7 +9,7 @@ from harness import write_file
 
 
 def listed(cache, d):
-    cache.attach_listing(d, cache.list_backing(d))
+    cache.coherence.attach_listing(d, cache.coherence.list_backing(d))
     return d
 
 
@@ -23,7 +23,7 @@ def test_the_link_count_never_falls_below_the_names_the_mount_has(tmp_path, make
     (back / "a").write_bytes(b"old")
     os.link(back / "a", back / "d" / "b")
     core = make_core("c")
-    cache, root = core.cache, core.cache.root
+    cache, root = core.cache, core.cache.inodes.root
     node = cache.names.lookup(root, b"a")
     assert node.nlink == 2
     os.link(back / "a", back / "e" / "c")             # behind the mount's back
@@ -31,8 +31,8 @@ def test_the_link_count_never_falls_below_the_names_the_mount_has(tmp_path, make
     e = listed(cache, cache.names.lookup(root, b"e"))
     assert cache.names.lookup(d, b"b") is node and cache.names.lookup(e, b"c") is node
     assert node.nlink == 3
-    cache.unlink(root, b"a")
-    cache.unlink(d, b"b")
+    cache.names.unlink(root, b"a")
+    cache.names.unlink(d, b"b")
     assert node.nlink == 1 and cache.names.lookup(e, b"c") is node
     cache.files.open(node, True, True)
     cache.files.write(node, 0, b"new")
@@ -45,15 +45,15 @@ def test_the_link_count_never_falls_below_the_names_the_mount_has(tmp_path, make
 def test_a_linked_file_renamed_over_stays_pending_until_the_rename_lands(core):
     """x (never closed) renamed over a, one of the names of f: f is not quiescent while that
     rename is queued (a listing meanwhile must not touch its positions)."""
-    cache, root = core.cache, core.cache.root
+    cache, root = core.cache, core.cache.inodes.root
     f = write_file(cache, b"a", b"f")
     cache.files.release(f, True)
-    cache.link(f, root, b"b")
+    cache.names.link(f, root, b"b")
     core.drain()
     held = core.backing.inject("rename", hang=True)
     try:
         x = write_file(cache, b"x", b"x")            # open: never closed
-        cache.rename(root, b"x", root, b"a")
+        cache.names.rename(root, b"x", root, b"a")
         assert not cache.coherence.quiescent(f)
     finally:
         held.release()
@@ -67,17 +67,17 @@ def test_a_linked_file_renamed_over_stays_pending_until_the_rename_lands(core):
 
 def test_a_chmod_of_a_linked_file_whose_first_name_another_writer_removed(core):
     """The attributes land under the file's next name; its unlink then removes that one."""
-    cache, root = core.cache, core.cache.root
+    cache, root = core.cache, core.cache.inodes.root
     f = write_file(cache, b"a", b"f")
     cache.files.release(f, True)
-    cache.link(f, root, b"b")
+    cache.names.link(f, root, b"b")
     core.drain()
     os.unlink(core.back / "a")                       # another writer
-    cache.setattr(f, mode=0o600)
+    cache.names.setattr(f, mode=0o600)
     core.drain()
     assert oct(os.stat(core.back / "b").st_mode & 0o777) == oct(0o600)
-    cache.unlink(root, b"a")
-    cache.unlink(root, b"b")
+    cache.names.unlink(root, b"a")
+    cache.names.unlink(root, b"b")
     core.drain()
     assert not (core.back / "b").exists()
     assert core.flusher.repairs.conflicts.status()["by_kind"]["gone"] == 1
@@ -88,11 +88,11 @@ def test_a_link_made_after_close_acknowledged_content_is_in_its_journal_record(m
     the file's last record names both names, so the replay lands the content under both."""
     from acpfs import journal as jmod
     core = make_core("j", journal=True)
-    cache, root = core.cache, core.cache.root
-    d = cache.mkdir(root, b"d", 0o755, 0, 0)
+    cache, root = core.cache, core.cache.inodes.root
+    d = cache.names.mkdir(root, b"d", 0o755, 0, 0)
     f = write_file(cache, b"a", b"content")
     cache.files.record_close(f)                            # FLUSH answered, no RELEASE yet
-    cache.link(f, d, b"b")
+    cache.names.link(f, d, b"b")
     left = jmod.read_leftover(str(core.cache_dir))
     last = [r for r in left.records if r.ino == f.ino and r.seq == 0][-1]
     assert (last.kind, last.path, last.links) == (jmod.FLUSHED, b"a", [b"d/b"])
@@ -108,7 +108,7 @@ def test_a_new_version_lands_under_the_names_the_mount_does_not_know(tmp_path, m
     (back / "a").write_bytes(b"old")
     os.link(back / "a", back / "d" / "b")
     core = make_core("s")
-    cache, root = core.cache, core.cache.root
+    cache, root = core.cache, core.cache.inodes.root
     node = cache.names.lookup(root, b"a")
     cache.files.open(node, True, True)
     cache.files.write(node, 0, b"new")

@@ -60,14 +60,14 @@ class LinksModel(HeldMachine):
         self.setup(self.base / f"ex{STATS['examples']}")
         STATS["examples"] += 1
         self.names: dict[str, MFile] = {}
-        self.d = self.cache.mkdir(self.cache.root, b"d", 0o755, 0, 0)
+        self.d = self.cache.names.mkdir(self.cache.inodes.root, b"d", 0o755, 0, 0)
         self.history: list[tuple[dict, dict, str]] = [({}, {}, "start"),
                                                       ({"d": ("dir", oct(0o755))}, {}, "mkdir d")]
 
     # -- the model ---------------------------------------------------------------------------
     def where(self, path: str):
         d, _, name = path.rpartition("/")
-        return (self.d if d else self.cache.root), name.encode()
+        return (self.d if d else self.cache.inodes.root), name.encode()
 
     def names_of(self, f: MFile) -> list[str]:
         return sorted(p for p, g in self.names.items() if g is f)
@@ -115,7 +115,7 @@ class LinksModel(HeldMachine):
         if path in self.names:
             return
         parent, name = self.where(path)
-        node = self.cache.create(parent, name, MODE, 0, 0)
+        node = self.cache.names.create(parent, name, MODE, 0, 0)
         self.cache.files.open(node, True, False)
         self.cache.files.write(node, 0, data)
         self.cache.files.release(node, True)
@@ -143,7 +143,7 @@ class LinksModel(HeldMachine):
         if dst in self.names:
             return
         parent, name = self.where(dst)
-        self.cache.link(f.node, parent, name)
+        self.cache.names.link(f.node, parent, name)
         self.names[dst] = f
         STATS["links"] += 1
         self.record(f"link {src} {dst}")
@@ -152,7 +152,7 @@ class LinksModel(HeldMachine):
     @rule(pick=picks)
     def unlink(self, pick):
         path = self.pick(pick)
-        self.cache.unlink(*self.where(path))
+        self.cache.names.unlink(*self.where(path))
         del self.names[path]
         self.record(f"unlink {path}")
 
@@ -163,7 +163,7 @@ class LinksModel(HeldMachine):
         f = self.names[src]
         if src == dst:
             return
-        self.cache.rename(*self.where(src), *self.where(dst))
+        self.cache.names.rename(*self.where(src), *self.where(dst))
         if self.names.get(dst) is not f:      # two names of one file: nothing happens
             del self.names[src]
             self.names[dst] = f
@@ -233,7 +233,7 @@ class LinksModel(HeldMachine):
             assert node is f.node, f"{path}: another node"
             assert node.nlink == len(self.names_of(f)), f"{path}: link count"
             assert bytes(self.cache.files.read(node, 0, len(f.data) + 1)) == f.data, f"{path}: bytes"
-        for d in (self.cache.root, self.d):
+        for d in (self.cache.inodes.root, self.d):
             for name in d.children:
                 path = (b"d/" if d is self.d else b"") + name
                 assert path.decode() in self.names or path == b"d", f"{path!r}: not in the model"

@@ -30,15 +30,15 @@ def test_the_ops_of_a_namespace_change_carry_their_records(core):
     layout gives their kind (the journal writes only those)."""
     cache = core.cache
     core.backing.inject("mkdir", hang=True)      # the first op holds every later one queued
-    d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
+    d = cache.names.mkdir(cache.inodes.root, b"d", 0o755, 0, 0)
     f = write_file(cache, b"f", b"x" * 10, parent=d)
     cache.files.release(f, True)
-    cache.link(f, cache.root, b"g")
-    cache.rename(d, b"f", cache.root, b"h")
-    cache.setattr(f, mode=0o600)
-    cache.set_xattr(f, b"user.k", b"v")
-    cache.symlink(cache.root, b"s", b"h", 0, 0)
-    cache.unlink(cache.root, b"g")
+    cache.names.link(f, cache.inodes.root, b"g")
+    cache.names.rename(d, b"f", cache.inodes.root, b"h")
+    cache.names.setattr(f, mode=0o600)
+    cache.names.set_xattr(f, b"user.k", b"v")
+    cache.names.symlink(cache.inodes.root, b"s", b"h", 0, 0)
+    cache.names.unlink(cache.inodes.root, b"g")
     seen = set()
     for op in list(core.oplog.queue):
         rec = op.record(cache.store.ref)

@@ -396,7 +396,7 @@ def test_a_change_queued_after_an_older_acknowledgement_waits_no_longer_than_it(
     z = write_file(cache, b"z", b"z" * 100)
     cache.oplog.note_ack(z)                      # close() of z acknowledged, RELEASE not yet
     first = cache.oplog.acked[z.ino][0]
-    cache.mkdir(cache.root, b"d", 0o755, 0, 0)
+    cache.names.mkdir(cache.inodes.root, b"d", 0o755, 0, 0)
     mkdir_stamp = cache.oplog.queue[-1].stamp
     cache.files.release(z, True)                 # z queued after the mkdir
     core.drain()

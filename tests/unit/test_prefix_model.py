@@ -181,7 +181,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
             self.broken = False
             self.setup(base / f"ex{next(_counter)}")
             LIVE.append(self.core)
-            self.root = MDir(self.cache.root, 0)
+            self.root = MDir(self.cache.inodes.root, 0)
             self.cancelled: list[str] = []      # files removed with a snapshot still queued
             self.queued: list = []
             self.history: list[tuple[dict, str]] = [({}, "start")]
@@ -270,7 +270,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
         # -- calls into the cache, mirrored in the model ---------------------------------------
         def _create(self, d: MDir, name: str, mode: int) -> MFile:
             """create and open for writing (FUSE's create)"""
-            node = self.cache.create(d.node, name.encode(), mode, 0, 0)
+            node = self.cache.names.create(d.node, name.encode(), mode, 0, 0)
             self.cache.files.open(node, True, False)
             f = d.kids[name] = MFile(node, mode)
             f.open = True
@@ -305,9 +305,9 @@ def make_machine(base: Path, unpersisted_deletes: bool):
             e = d.kids[name]
             self._before_removal(e)
             if isinstance(e, MDir):
-                self.cache.rmdir(d.node, name.encode())
+                self.cache.names.rmdir(d.node, name.encode())
             else:
-                self.cache.unlink(d.node, name.encode())
+                self.cache.names.unlink(d.node, name.encode())
             self._forget(d, name)
             self.record(label)
 
@@ -395,7 +395,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
             path, e, _, _ = es[pick % len(es)]
             if isinstance(e, MDir):
                 mode |= 0o700
-            self.cache.setattr(e.node, mode=mode)
+            self.cache.names.setattr(e.node, mode=mode)
             e.mode = mode
             if isinstance(e, MFile) and not e.dirty:
                 e.vis = (mode, e.vis[1])
@@ -408,7 +408,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
             path, d = self.pick_dir(parent)
             if name in d.kids:
                 return
-            node = self.cache.mkdir(d.node, name.encode(), mode, 0, 0)
+            node = self.cache.names.mkdir(d.node, name.encode(), mode, 0, 0)
             d.kids[name] = MDir(node, mode)
             self.record(f"mkdir {path}/{name}")
 
@@ -418,7 +418,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
             path, d = self.pick_dir(parent)
             if name in d.kids:
                 return
-            node = self.cache.symlink(d.node, name.encode(), to.encode(), 0, 0)
+            node = self.cache.names.symlink(d.node, name.encode(), to.encode(), 0, 0)
             d.kids[name] = MLink(node, to)
             self.record(f"symlink {path}/{name} -> {to}")
 
@@ -479,7 +479,7 @@ def make_machine(base: Path, unpersisted_deletes: bool):
                 if not self.deletable(t):
                     return False
             self._before_removal(t)
-            self.cache.rename(sd.node, sname.encode(), d.node, name.encode())
+            self.cache.names.rename(sd.node, sname.encode(), d.node, name.encode())
             if t is not None:
                 self._forget(d, name)
             del sd.kids[sname]
@@ -653,10 +653,10 @@ def test_mkdir_lands_with_the_mode_it_was_made_with(core):
     cache = core.cache
     held = core.backing.inject("mkdir", path="e", hang=True)
     try:
-        with cache.position_lock:            # every op is queued before the first is applied
-            d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
-            cache.mkdir(cache.root, b"e", 0o755, 0, 0)
-            cache.setattr(d, mode=0o700)
+        with cache.inodes.position_lock:            # every op is queued before the first is applied
+            d = cache.names.mkdir(cache.inodes.root, b"d", 0o755, 0, 0)
+            cache.names.mkdir(cache.inodes.root, b"e", 0o755, 0, 0)
+            cache.names.setattr(d, mode=0o700)
         assert held.entered.wait(WAIT)
         assert oct(statmod.S_IMODE((core.back / "d").stat().st_mode)) == oct(0o755)
     finally:
@@ -669,13 +669,13 @@ def test_pointer_replaced_before_it_was_persisted(core):
     """The smallest case of the first model test: write a.tmp, rename it over a, twice. The
     first a is replaced before it was persisted, so its upload is skipped; while the second
     rename is held, the backing has a.tmp (the new content) and no a at all."""
-    cache, root = core.cache, core.cache.root
+    cache, root = core.cache, core.cache.inodes.root
     held = core.backing.inject("rename", hang=True)
     try:
-        with cache.position_lock:            # every op is queued before the first is applied
+        with cache.inodes.position_lock:            # every op is queued before the first is applied
             for data in (b"v1", b"v2"):
                 cache.files.release(write_file(cache, b"a.tmp", data), True)
-                cache.rename(root, b"a.tmp", root, b"a")
+                cache.names.rename(root, b"a.tmp", root, b"a")
         assert held.entered.wait(WAIT)
         f = ("file", "0o644")
         history = [{}, {"a.tmp": (*f, b"v1")}, {"a": (*f, b"v1")},

@@ -241,10 +241,10 @@ def killed_daemon(tmp_path, make_core):
     (back / "o").write_bytes(b"o before")
     c = make_core("a", journal=True)
     cache = c.cache
-    root = cache.root
+    root = cache.inodes.root
 
     # applied before the crash: d/, d/f
-    d = cache.mkdir(root, b"d", 0o755, 0, 0)
+    d = cache.names.mkdir(root, b"d", 0o755, 0, 0)
     f = write_file(cache, b"f", b"one" * 2000, parent=d)
     cache.files.release(f, True)
     c.drain()
@@ -254,12 +254,12 @@ def killed_daemon(tmp_path, make_core):
     h = hold(c)
     g = write_file(cache, b"g", b"G" * (3 * BS + 7), parent=d)
     cache.files.release(g, True)                                   # publish d/g
-    cache.setattr(g, mode=0o600)                             # chmod after the close
-    e = cache.mkdir(root, b"e", 0o750, 0, 0)
-    cache.set_xattr(e, b"user.k", b"v")
-    cache.rename(d, b"f", e, b"f2")                          # a persisted file moves
-    cache.symlink(root, b"l", b"e/f2", 0, 0)
-    cache.unlink(root, b"old")
+    cache.names.setattr(g, mode=0o600)                             # chmod after the close
+    e = cache.names.mkdir(root, b"e", 0o750, 0, 0)
+    cache.names.set_xattr(e, b"user.k", b"v")
+    cache.names.rename(d, b"f", e, b"f2")                          # a persisted file moves
+    cache.names.symlink(root, b"l", b"e/f2", 0, 0)
+    cache.names.unlink(root, b"old")
     k = write_file(cache, b"k", b"")                          # empty file
     cache.files.release(k, True)
     hf = write_file(cache, b"h", b"H" * (2 * BS))            # close() answered (FLUSH), no
@@ -269,7 +269,7 @@ def killed_daemon(tmp_path, make_core):
     cache.files.write(o, 0, b"unsaved")
     tmp = write_file(cache, b"tmp", b"T" * BS)              # created and deleted: never lands
     cache.files.release(tmp, True)
-    cache.unlink(root, b"tmp")
+    cache.names.unlink(root, b"tmp")
     assert h.entered.wait(5)
     assert c.flusher.oplog.applied_seq == c.applied_before
     kill(c, h)
@@ -304,7 +304,7 @@ def test_recover_replays_what_a_killed_daemon_left(tmp_path, make_core, restart)
     check_backing(c.back)
     assert not (c.cache_dir / jmod.RECOVERING).exists()
     # every block still held is a cached file's (the claimed ones went to the replayed files)
-    assert r.store.used == sum(r.store.nbytes(n.content) for n in r.cache.nodes.values() if n.content is not None)
+    assert r.store.used == sum(r.store.nbytes(n.content) for n in r.cache.inodes.nodes.values() if n.content is not None)
 
 
 def test_a_recovered_daemon_killed_again_before_persisting_is_recovered_again(
@@ -394,7 +394,7 @@ def _killed_with_d_f_pending_and_d_moved_away(make_core):
     then lost d (renamed to d.away behind acpfs's back): its content must be kept aside."""
     c = make_core("k", journal=True)
     cache = c.cache
-    d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
+    d = cache.names.mkdir(cache.inodes.root, b"d", 0o755, 0, 0)
     c.drain()
     h = hold(c)
     cache.files.release(write_file(cache, b"f", b"acknowledged", parent=d), True)
@@ -431,11 +431,11 @@ def test_a_new_version_of_a_linked_file_cut_between_its_names_is_finished_by_the
     inodes). The replay gives the file its name d/g back from the journal (a content record
     carries a file's other names) and lands the new version under both, one inode again."""
     c = make_core("a", journal=True)
-    cache, root = c.cache, c.cache.root
-    d = cache.mkdir(root, b"d", 0o755, 0, 0)
+    cache, root = c.cache, c.cache.inodes.root
+    d = cache.names.mkdir(root, b"d", 0o755, 0, 0)
     f = write_file(cache, b"f", b"v1")
     cache.files.release(f, True)
-    cache.link(f, d, b"g")
+    cache.names.link(f, d, b"g")
     c.drain()
     assert os.stat(c.back / "f").st_ino == os.stat(c.back / "d" / "g").st_ino
     held = c.backing.inject("link", hang=True, errno=errno.EIO)   # between the names

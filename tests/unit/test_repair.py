@@ -40,7 +40,7 @@ def test_a_temporary_file_removed_before_its_publish_is_written_again(core):
 
 def test_a_directory_moved_away_is_made_again_and_the_file_lands_in_it(core):
     cache, back = core.cache, core.back
-    d = cache.mkdir(cache.root, b"d", 0o750, 0, 0)
+    d = cache.names.mkdir(cache.inodes.root, b"d", 0o750, 0, 0)
     cache.files.release(write_file(cache, b"old", b"persisted", parent=d), True)
     core.drain()
     held = core.backing.inject("write_temp", hang=True, times=1)   # the first: z
@@ -63,12 +63,12 @@ def test_a_directory_moved_away_is_made_again_and_the_file_lands_in_it(core):
 @pytest.mark.parametrize("gone", ["dir", "parents"])
 def test_ops_into_a_removed_directory_make_it_again(core, gone):
     cache, back = core.cache, core.back
-    a = cache.mkdir(cache.root, b"a", 0o755, 0, 0)
-    b = cache.mkdir(a, b"b", 0o700, 0, 0)
+    a = cache.names.mkdir(cache.inodes.root, b"a", 0o755, 0, 0)
+    b = cache.names.mkdir(a, b"b", 0o700, 0, 0)
     core.drain()
     shutil.rmtree(back / "a" / "b" if gone == "dir" else back / "a")
-    cache.mkdir(b, b"c", 0o755, 0, 0)
-    cache.symlink(b, b"l", b"c", 0, 0)
+    cache.names.mkdir(b, b"c", 0o755, 0, 0)
+    cache.names.symlink(b, b"l", b"c", 0, 0)
     cache.files.release(write_file(cache, b"f", b"F" * (BS + 1), parent=b), True)
     core.drain()
     assert sorted(os.listdir(back / "a" / "b")) == ["c", "f", "l"]
@@ -79,12 +79,12 @@ def test_ops_into_a_removed_directory_make_it_again(core, gone):
 def test_a_rename_whose_source_was_removed_goes_on(core):
     cache, back = core.cache, core.back
     cache.files.release(write_file(cache, b"a", b"A"), True)
-    d = cache.mkdir(cache.root, b"d", 0o755, 0, 0)
+    d = cache.names.mkdir(cache.inodes.root, b"d", 0o755, 0, 0)
     core.drain()
     os.unlink(back / "a")
     os.rmdir(back / "d")
-    cache.rename(cache.root, b"a", cache.root, b"b")
-    cache.rename(cache.root, b"d", cache.root, b"e")
+    cache.names.rename(cache.inodes.root, b"a", cache.inodes.root, b"b")
+    cache.names.rename(cache.inodes.root, b"d", cache.inodes.root, b"e")
     cache.files.release(write_file(cache, b"x", b"X", parent=d), True)
     core.drain()
     assert sorted(os.listdir(back)) == ["e"]          # a's bytes are gone (not ours to invent)
@@ -138,13 +138,13 @@ def test_an_upload_cut_short_by_an_abort_is_not_recorded_as_applied(make_core):
 
 def test_a_chmod_in_a_removed_directory_makes_it_again(core):
     cache, back = core.cache, core.back
-    d = cache.mkdir(cache.root, b"d", 0o750, 0, 0)
+    d = cache.names.mkdir(cache.inodes.root, b"d", 0o750, 0, 0)
     f = write_file(cache, b"f", b"F", parent=d)
     cache.files.release(f, True)
     core.drain()
     shutil.rmtree(back / "d")
-    cache.setattr(f, mode=0o600)                 # its file is gone with the directory
-    cache.setattr(d, mode=0o700)
+    cache.names.setattr(f, mode=0o600)                 # its file is gone with the directory
+    cache.names.setattr(d, mode=0o700)
     core.drain()
     assert stat.S_IMODE(os.stat(back / "d").st_mode) == 0o700
     assert core.flusher.failing_op() is None
@@ -152,11 +152,11 @@ def test_a_chmod_in_a_removed_directory_makes_it_again(core):
 
 def test_a_directory_renamed_after_its_parent_was_removed_is_made_again(core):
     cache, back = core.cache, core.back
-    p = cache.mkdir(cache.root, b"p", 0o755, 0, 0)
-    x = cache.mkdir(p, b"x", 0o755, 0, 0)
+    p = cache.names.mkdir(cache.inodes.root, b"p", 0o755, 0, 0)
+    x = cache.names.mkdir(p, b"x", 0o755, 0, 0)
     core.drain()
     shutil.rmtree(back / "p")
-    cache.rename(p, b"x", p, b"y")
+    cache.names.rename(p, b"x", p, b"y")
     cache.files.release(write_file(cache, b"f", b"into y", parent=x), True)
     core.drain()
     assert (back / "p" / "y" / "f").read_bytes() == b"into y"

@@ -1,4 +1,4 @@
-"""Requests that meet a written-through file (a spill: too large for the cache, staged in
+"""Requests that meet a written-through file (too large for the cache, its content staged in
 the backing) while its staging file is being cut, copied or published.
 
 A slow backing holds each window open for real: the backing is ``tests/faultfs.py``, told to

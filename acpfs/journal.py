@@ -29,7 +29,8 @@ Invariants:
 - The journal is cut back to its header only when no op is queued (all are in the backing:
   the sequencer says so through ``applied(seq, idle=True)``), by the next append, which
   first writes again the "dirty"/"flushed" records of files still in those states
-  (``live_records``); appends run on the FUSE thread, which owns the paths.
+  (``append``'s ``live``: ``OpLog._live_records``); appends run on the FUSE thread, which
+  owns the paths.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from .config import (DEFAULT_COHERENCE_TIMEOUT, DEFAULT_GLOBAL_ORDER, DEFAULT_MA
                      DEFAULT_PASSTHROUGH, DEFAULT_PEER_HEARTBEAT, DEFAULT_PEER_LEASE)
 from .private import open_private, secure_dir, write_mount_record
 from .retry import describe
+from .sdnotify import STATUS_EVERY, Notifier
 
 if TYPE_CHECKING:
     from .flusher import Flusher
@@ -126,9 +127,10 @@ class Daemon:
     ``recover`` (replay what a dead daemon left), ``serve`` (the FUSE loop), ``drain``
     (persist everything), ``close``. ``run`` strings them together."""
 
-    def __init__(self, opts: Options, notify: Callable[[str], None]) -> None:
+    def __init__(self, opts: Options, notify: Callable[[str], None], systemd: Notifier) -> None:
         self.opts = opts
         self.notify = notify   # progress and warning lines for the 'mount' command, then 'ready'
+        self.systemd = systemd   # readiness, status and stopping for a Type=notify unit
         self.replay: list = []
         self.dirty: list = []
         self.left = None
@@ -358,6 +360,7 @@ class Daemon:
         fastwrite.install(ops.write_now, ops.fallocate_now)
         log.info("mounted %s over %s", opts.mountpoint, opts.backing)
         self.notify("ready")
+        self.systemd.ready(f"serving {opts.mountpoint}; {self.summary()}")
 
         async def main() -> None:
             async with trio.open_nursery() as nursery:
@@ -376,6 +379,8 @@ class Daemon:
                     set_read_ahead(opts.mountpoint)
                 nursery.start_soon(read_ahead)
                 nursery.start_soon(watch_detached, opts.mountpoint)
+                if self.systemd.on:
+                    nursery.start_soon(self._tell_systemd)
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
                 nursery.cancel_scope.cancel()
 
@@ -387,13 +392,33 @@ class Daemon:
             pyfuse3.close(unmount=True)
             log.info("unmounted %s", opts.mountpoint)
 
+    async def _tell_systemd(self) -> None:
+        import trio
+        while True:
+            await trio.sleep(STATUS_EVERY)
+            self.systemd.status(f"serving {self.opts.mountpoint}; {self.summary()}")
+
+    def summary(self) -> str:
+        """One line of what is unsaved, for systemd's STATUS (and ``systemctl status``)."""
+        fl, files = self.flusher, self.cache.files
+        with fl.lock:
+            ops, queued = len(fl.oplog.queue), fl.oplog.queued_bytes
+        dirty = list(files.dirty_nodes)
+        failing = fl.failing_op()
+        return (f"{len(dirty)} files ({format_size(sum(n.size for n in dirty))}) unsaved, "
+                f"{ops} operations ({format_size(queued)}) to persist, "
+                f"{format_size(int(fl.rate()))}/s" +
+                (f"; failing: {failing.path}: {failing.error}" if failing else ""))
+
     def drain(self) -> bool:
         """Queue what is still unsaved and wait until the flusher has persisted it all."""
+        self.systemd.stopping(f"persisting before exit; {self.summary()}")
         n = self.cache.files.snapshot_open_files()
         if n:
             log.warning("%d files were still open for writing at unmount; persisting what was "
                         "written to them", n)
-        return drain(self.flusher)
+        return drain(self.flusher,
+                     lambda: self.systemd.extend(f"persisting before exit; {self.summary()}"))
 
     def close(self, drained: bool) -> int:
         """Release everything; the cache directory goes only when everything is persisted."""
@@ -416,8 +441,15 @@ class Daemon:
 
 
 def run(opts: Options, notify: Callable[[str], None]) -> int:
-    """Mount and serve until unmounted; ``notify`` gets progress lines, then 'ready'."""
-    daemon = Daemon(opts, notify)
+    """Mount and serve until unmounted; ``notify`` gets progress lines, then 'ready'; so
+    does systemd, where it asked (``NOTIFY_SOCKET``, sdnotify.py)."""
+    systemd = Notifier.from_environment()
+
+    def progress(msg: str) -> None:
+        notify(msg)
+        if msg.startswith("progress "):
+            systemd.status(msg[len("progress "):])
+    daemon = Daemon(opts, progress, systemd)
     daemon.build()
     daemon.recover()
     try:
@@ -491,8 +523,9 @@ def set_read_ahead(mountpoint: str) -> None:
         log.debug("cannot set %s: %s", path, e)
 
 
-def drain(flusher: Flusher) -> bool:
-    """Wait for the flusher to persist everything; a second signal aborts."""
+def drain(flusher: Flusher, progress: Callable[[], None] = lambda: None) -> bool:
+    """Wait for the flusher to persist everything, calling ``progress`` every STATUS_EVERY
+    seconds meanwhile; a second signal aborts."""
     stop = threading.Event()
 
     def on_signal(signum, frame) -> None:
@@ -505,10 +538,13 @@ def drain(flusher: Flusher) -> bool:
     pending = len(flusher.oplog.queue)
     if pending:
         log.info("draining: %d operations (%s) to persist", pending, format_size(flusher.oplog.queued_bytes))
-    last = time.monotonic()
+    last = told = time.monotonic()
     while not stop.is_set():
         if flusher.stop(drain=True, timeout=0.2):
             return True
+        if time.monotonic() - told > STATUS_EVERY:
+            told = time.monotonic()
+            progress()
         if not flusher.thread.is_alive():
             log.error("the flusher died with %d operations left", len(flusher.oplog.queue))
             return False

@@ -1,0 +1,100 @@
+"""systemd readiness (acpfs/sdnotify.py, systemd/acpfs@.service): a foreground mount under
+a real NOTIFY_SOCKET listener says READY=1 only once the mount is live, reports what is
+unsaved in STATUS=, and at stop says STOPPING=1 and asks for more time while it persists."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from conftest import ACPFS, is_mounted
+
+
+def listen(kind: str, tmp_path) -> tuple[socket.socket, str]:
+    """A datagram socket as systemd opens one, and the NOTIFY_SOCKET value naming it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    if kind == "abstract":
+        name = f"acpfs-test-{os.getpid()}-{time.monotonic_ns()}"
+        sock.bind("\0" + name)
+        return sock, "@" + name
+    path = str(tmp_path / "notify.sock")
+    sock.bind(path)
+    return sock, path
+
+
+def fields(datagram: bytes) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in datagram.decode().split("\n") if line)
+
+
+def receive(sock: socket.socket, until, timeout: float) -> list[dict[str, str]]:
+    """Messages until one satisfies ``until`` (that one included)."""
+    got = []
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no such message in {timeout} s; got {got}"
+        sock.settimeout(left)
+        msg = fields(sock.recv(4096))
+        got.append(msg)
+        if until(msg):
+            return got
+
+
+@pytest.mark.parametrize("kind", ["abstract", "path"])
+def test_a_notify_mount_is_ready_only_when_live_and_waits_for_its_data_at_stop(make_mount,
+                                                                              tmp_path, kind):
+    sock, address = listen(kind, tmp_path)
+    m = make_mount(mount=False)
+    env = dict(os.environ, NOTIFY_SOCKET=address)
+    p = subprocess.Popen(ACPFS + m.args() + ["--foreground"], env=env, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        first = receive(sock, lambda f: "READY" in f, 60)
+        assert is_mounted(m.mnt)              # READY=1 comes with a live mount, never before
+        ready = first[-1]
+        assert ready["READY"] == "1" and f"serving {m.mnt}" in ready["STATUS"]
+        m.pid = p.pid
+        (m.mnt / "f").write_bytes(b"x" * 100_000)
+        # STATUS= goes on while it serves, saying what is unsaved or being persisted
+        later = receive(sock, lambda f: "STATUS" in f and "READY" not in f, 10)
+        assert "unsaved" in later[-1]["STATUS"] and "to persist" in later[-1]["STATUS"]
+        p.send_signal(signal.SIGTERM)
+        stop = receive(sock, lambda f: "STOPPING" in f, 30)[-1]
+        assert stop["STOPPING"] == "1" and int(stop["EXTEND_TIMEOUT_USEC"]) >= 10_000_000
+        assert "persisting before exit" in stop["STATUS"]
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        assert (m.back / "f").read_bytes() == b"x" * 100_000
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        sock.close()
+
+
+def test_a_notify_socket_nobody_listens_on_does_not_stop_the_mount(make_mount, tmp_path):
+    m = make_mount(mount=False)
+    env = dict(os.environ, NOTIFY_SOCKET=str(tmp_path / "nobody.sock"))
+    p = subprocess.Popen(ACPFS + m.args() + ["--foreground"], env=env, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        deadline = time.time() + 60
+        while not is_mounted(m.mnt) and time.time() < deadline:
+            time.sleep(0.05)
+        assert is_mounted(m.mnt)
+        m.pid = p.pid
+        (m.mnt / "g").write_bytes(b"y" * 1000)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0
+        assert err.count("cannot notify systemd") == 1     # said once, then quiet
+        assert (m.back / "g").read_bytes() == b"y" * 1000
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -476,10 +476,70 @@ def start_daemon(opts, lock) -> int:
                   f"(log: {opts.log_file})")
 
 
+HEALTHY, DEGRADED, DOWN = 0, 1, 2   # exit status of 'acpfs status --check'
+
+
+def health(doc: dict[str, Any], max_unsaved_age: float | None) -> tuple[int, list[str]]:
+    """A mount's health from its status document: (HEALTHY, DEGRADED or DOWN, the reasons)."""
+    if doc.get("stale"):
+        return DOWN, ["its daemon is gone (stale mount)"]
+    why = []
+    if not doc["flusher_alive"]:
+        why.append("the flusher is dead: nothing is persisted")
+    for e in doc["errors"][:3]:
+        why.append(f"{e['op']} {safe(e['path'])} failing for {_age(time.time() - e['since'])} "
+                   f"({e['attempts']} attempts): {e['reason']}")
+    if doc.get("journal_error"):
+        why.append(f"journal cannot be written: {doc['journal_error']}")
+    age = doc.get("oldest_dirty_age_s")
+    if max_unsaved_age is not None and age is not None and age > max_unsaved_age:
+        why.append(f"unsaved data {_age(age)} old (more than {_age(max_unsaved_age)})")
+    held = (doc.get("peers") or {}).get("held")
+    if held:
+        why.append(held_text(held))
+    return (DEGRADED if why else HEALTHY), why
+
+
+def check_status(a: argparse.Namespace) -> int:
+    """``status --check``: one line per mount, exit status the worst of them."""
+    if a.mountpoint:
+        try:
+            mounts = [client.mount_of(a.mountpoint)]
+        except Failure:
+            print(f"DOWN {safe(a.mountpoint)}: not an acpfs mount")
+            return DOWN
+    else:
+        mounts = client.acpfs_mounts()
+        if not mounts:
+            print("DOWN: no acpfs mounts")
+            return DOWN
+    worst = HEALTHY
+    for m in mounts:
+        try:
+            doc = {"mountpoint": m, "stale": True} if client.is_stale(m) else client.read_status(m)
+        except Failure as e:
+            doc, code, why = {}, DOWN, [str(e)]
+        else:
+            code, why = health(doc, a.max_unsaved_age)
+        if code == HEALTHY:
+            print(f"OK {safe(m)}: {doc['dirty']['files']} files unsaved, "
+                  f"{doc['queue']['pending_ops']} operations to persist")
+        else:
+            print(f"{'DEGRADED' if code == DEGRADED else 'DOWN'} {safe(m)}: " + "; ".join(why))
+        worst = max(worst, code)
+    return worst
+
+
 def cmd_status(a: argparse.Namespace) -> int:
     """Every mount, or the one named. The one named being stale is a failure (exit 1, the
     ``gone`` line on stderr) after its document; in the list of every mount a stale one is
     a line of the report."""
+    if a.max_unsaved_age is not None and not a.check:
+        raise UsageError("--max-unsaved-age goes with --check")
+    if a.check:
+        if a.json or a.files:
+            raise UsageError("--check prints one line per mount: not with --json or --files")
+        return check_status(a)
     mounts = [client.mount_of(a.mountpoint)] if a.mountpoint else client.acpfs_mounts()
     docs = []
     for m in mounts:
@@ -933,6 +993,12 @@ def add_status_command(sub) -> None:
     s.add_argument("mountpoint", nargs="?", help="a mount (or a path in it); default: all mounts")
     s.add_argument("--json", action="store_true", help="machine-readable (schema: docs/status.md)")
     s.add_argument("--files", action="store_true", help="also list files not yet persisted")
+    s.add_argument("--check", action="store_true",
+                   help="health check: one line per mount; exit status 0 healthy, 1 degraded "
+                   "(failing operations, a dead flusher, a journal error, a node holding changes "
+                   "back, unsaved data too old), 2 not mounted or stale")
+    s.add_argument("--max-unsaved-age", type=seconds, metavar="S",
+                   help="with --check: unsaved data older than S seconds is degraded")
     s.set_defaults(fn=cmd_status)
 
 

@@ -1,6 +1,9 @@
-"""systemd readiness (acpfs/sdnotify.py, systemd/acpfs@.service): a foreground mount under
-a real NOTIFY_SOCKET listener says READY=1 only once the mount is live, reports what is
-unsaved in STATUS=, and at stop says STOPPING=1 and asks for more time while it persists."""
+"""What an operator wires acpfs into (docs/operations.md).
+
+systemd readiness (acpfs/sdnotify.py, systemd/acpfs@.service): a foreground mount under a
+real NOTIFY_SOCKET listener says READY=1 only once the mount is live, reports what is
+unsaved in STATUS=, and at stop says STOPPING=1 and asks for more time while it persists.
+Health checks: the exit status of 'acpfs status --check' in each state."""
 
 from __future__ import annotations
 
@@ -98,3 +101,57 @@ def test_a_notify_socket_nobody_listens_on_does_not_stop_the_mount(make_mount, t
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+# -- 'acpfs status --check': the exit status of each state ------------------------------------
+
+def check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(ACPFS + ["status", "--check", *args], capture_output=True, text=True)
+
+
+def test_status_check_exit_status_in_each_state(make_mount, tmp_path):
+    """0 healthy, 1 degraded (unsaved data older than --max-unsaved-age), 2 not an acpfs
+    mount or stale; one line each, saying why."""
+    m = make_mount()
+    r = check(str(m.mnt))
+    assert r.returncode == 0 and r.stdout.startswith(f"OK {m.mnt}:"), r
+    with open(m.mnt / "open.log", "wb") as f:          # unsaved while it stays open
+        f.write(b"x" * 1000)
+        f.flush()
+        time.sleep(1.5)
+        r = check(str(m.mnt), "--max-unsaved-age", "1")
+        assert r.returncode == 1 and r.stdout.startswith(f"DEGRADED {m.mnt}:"), r
+        assert "unsaved data" in r.stdout and len(r.stdout.splitlines()) == 1
+        r = check(str(m.mnt), "--max-unsaved-age", "60")
+        assert r.returncode == 0, r
+    r = check(str(tmp_path))
+    assert r.returncode == 2 and "not an acpfs mount" in r.stdout, r
+    os.kill(m.pid, signal.SIGKILL)                      # the daemon dies: a stale mount
+    deadline = time.time() + 10
+    while (r := check(str(m.mnt))).returncode != 2 and time.time() < deadline:
+        time.sleep(0.1)
+    assert r.returncode == 2 and "stale" in r.stdout, r
+    r = subprocess.run(ACPFS + ["umount", str(m.mnt)], capture_output=True, text=True)
+
+
+def test_status_check_is_degraded_while_an_operation_fails(make_mount, faults, tmp_path):
+    from test_faults import error_with, wait_for
+    m = make_mount("eio", cache_size="64M", mount=False)
+    shim = faults.shim(tmp_path / "eio-src", m.back)
+    faults.mount(m)
+    with open(m.mnt / "f", "wb") as f:     # made before the fault: its publish fails
+        shim.set("eio")
+        f.write(b"y" * 10_000)
+    wait_for(lambda: error_with(m, "EIO"), 10, "an EIO error in status")
+    r = check(str(m.mnt))
+    assert r.returncode == 1 and "failing" in r.stdout and "EIO" in r.stdout, r
+    shim.set("ok")
+    m.sync()
+    assert check(str(m.mnt)).returncode == 0
+
+
+def test_status_check_refuses_what_it_cannot_print(make_mount):
+    r = subprocess.run(ACPFS + ["status", "--max-unsaved-age", "5"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--check" in r.stderr
+    r = check("--json")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1

@@ -34,6 +34,14 @@ def is_mounted(path: Path) -> bool:
         return any(line.split()[1] == str(path) for line in f)
 
 
+def mounted_soon(path: Path, timeout: float = 60) -> bool:
+    """Whether ``path`` is mounted within ``timeout`` seconds (a foreground mount starting)."""
+    deadline = time.time() + timeout
+    while not is_mounted(path) and time.time() < deadline:
+        time.sleep(0.05)
+    return is_mounted(path)
+
+
 class Mount:
     """One acpfs mount over its own backing directory, with its own cache directory."""
 

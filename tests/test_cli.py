@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ACPFS, acpfs, is_mounted
+from conftest import ACPFS, acpfs, is_mounted, mounted_soon
 
 
 def one_line_error(r: subprocess.CompletedProcess) -> str:
@@ -377,10 +377,7 @@ def test_foreground_mount_logs_to_stderr_and_drains_on_sigint(make_mount):
     m = make_mount(mount=False)
     p = subprocess.Popen(ACPFS + m.args() + ["--foreground"], stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 60
-        while not is_mounted(m.mnt) and time.time() < deadline:
-            time.sleep(0.05)
-        assert is_mounted(m.mnt)
+        assert mounted_soon(m.mnt)
         m.pid = p.pid
         (m.mnt / "f").write_bytes(b"x" * 1000000)
         p.send_signal(signal.SIGINT)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import ACPFS, is_mounted
+from conftest import ACPFS, is_mounted, mounted_soon
 
 
 def listen(kind: str, tmp_path) -> tuple[socket.socket, str]:
@@ -86,10 +86,7 @@ def test_a_notify_socket_nobody_listens_on_does_not_stop_the_mount(make_mount, t
     p = subprocess.Popen(ACPFS + m.args() + ["--foreground"], env=env, stderr=subprocess.PIPE,
                          text=True)
     try:
-        deadline = time.time() + 60
-        while not is_mounted(m.mnt) and time.time() < deadline:
-            time.sleep(0.05)
-        assert is_mounted(m.mnt)
+        assert mounted_soon(m.mnt)
         m.pid = p.pid
         (m.mnt / "g").write_bytes(b"y" * 1000)
         p.send_signal(signal.SIGTERM)

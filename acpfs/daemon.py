@@ -437,6 +437,7 @@ class Daemon:
             log.error("exiting with changes NOT persisted; the cache is kept in %s", opts.cache_dir)
         os.close(self.lock_fd)
         os.close(self.cache_lock_fd)
+        self.systemd.close()
         return 0 if drained else 1
 
 

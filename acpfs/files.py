@@ -58,7 +58,11 @@ class Files:
         self.backing = backing
         self.store = store
         self.dirty_nodes: set[Node] = set()
-        self.lru: collections.OrderedDict[int, Node] = collections.OrderedDict()   # (lock)
+        # Persisted files, least recently used first (lock). Invariant: every evictable file
+        # is in it. Eviction drops a file it finds pinned (``_evictable`` false), so whatever
+        # ends a pin calls ``note_persisted``: the flusher after a publish, the last writer's
+        # release, the release of the kernel's last open of it (``release``).
+        self.lru: collections.OrderedDict[int, Node] = collections.OrderedDict()
         # files open for writing that the kernel writes itself (passthrough: Handles.open)
         self.passthrough_writers: set[Node] = set()
 
@@ -109,6 +113,8 @@ class Files:
                         node.staged = None
                         self.oplog.discard(sp)
                     self.maybe_evictable(node)
+        if passthrough and not node.passthrough_opens and not node.writers:
+            self.maybe_evictable(node)   # the kernel's last open of it is gone
         if node.opens == 0 and node.nlink == 0:
             self.drop(node)
 

@@ -10,6 +10,8 @@ import subprocess
 import threading
 import time
 
+from conftest import acpfs, wait_for
+
 
 def test_1gib_through_a_64mib_cache(make_mount):
     m = make_mount(cache_size="64M")
@@ -108,6 +110,26 @@ def test_cache_full_with_nothing_to_free_gives_enospc_not_a_hang(make_mount):
     assert (m.back / "small").read_bytes() == b"ok"
     assert (m.back / "huge").read_bytes() == (m.mnt / "huge").read_bytes()
     assert 0 < (m.back / "huge").stat().st_size < 16 << 20
+
+
+def test_a_file_read_while_the_cache_was_full_gives_its_space_back(make_mount):
+    """Eviction passes over a cached file the kernel is reading (passthrough: the kernel holds
+    its memory file) and takes it off the list of files to evict. Its close must put it back:
+    else its space is lost to the cache until unmount, and a later truncate waited for the
+    cache-full timeout and failed with ENOSPC."""
+    m = make_mount(cache_size="1M")
+    (m.back / "x").write_bytes(b"x" * (600 << 10))
+    (m.back / "y").write_bytes(b"y" * (600 << 10))
+    acpfs("preload", str(m.mnt / "x"))
+    with open(m.mnt / "x", "rb") as f:
+        assert f.read(1) == b"x"
+        acpfs("preload", str(m.mnt / "y"), check=False)   # ENOSPC while the kernel reads x
+    # the kernel releases x after close() returns: y fits once the release is handled
+    wait_for(lambda: acpfs("preload", str(m.mnt / "y"), check=False).returncode == 0,
+             timeout=10, what="y to fit in the cache once x is closed")
+    assert m.status()["cache"]["used_bytes"] <= 1 << 20
+    assert (m.mnt / "y").read_bytes() == b"y" * (600 << 10)
+    assert (m.mnt / "x").read_bytes() == b"x" * (600 << 10)   # from the backing, or cached again
 
 
 def test_cache_dir_is_private(mnt):

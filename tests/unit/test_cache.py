@@ -62,6 +62,25 @@ def test_full_pool_evicts_persisted_files_first(core):
     assert (back / "b").read_bytes() == b"b" * (40 * BS)
 
 
+def test_file_read_while_the_cache_was_full_is_evictable_after(core):
+    """A persisted file the kernel reads (passthrough) cannot be evicted while it is open;
+    once closed it must be evictable again, or its space is lost to the cache for good."""
+    cache, flusher, back = core
+    a = write_file(cache, b"a", b"a" * (40 * BS))
+    cache.files.release(a, True)
+    drain(flusher, cache.oplog.seq)
+    cache.files.open(a, False, False, passthrough=True)        # a reader the kernel serves
+    b = write_file(cache, b"b", b"")
+    with pytest.raises(CacheFull):
+        cache.files.write(b, 0, b"b" * (40 * BS))            # a is pinned: nothing to evict
+    cache.files.release(a, False, passthrough=True)
+    assert cache.files.write(b, 0, b"b" * (40 * BS)) == 40 * BS   # a is evicted now
+    assert a.content is None
+    cache.files.release(b, True)
+    drain(flusher, cache.oplog.seq)
+    assert (back / "b").read_bytes() == b"b" * (40 * BS)
+
+
 def test_unlinked_before_persisted_is_never_uploaded(core):
     cache, flusher, back = core
     with cache.inodes.position_lock:        # hold the flusher back

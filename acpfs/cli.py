@@ -22,6 +22,7 @@ from typing import Any
 
 from . import __version__, client, passthrough, private
 from .client import FSTYPE, Failure
+from .progress import Progress, age, bar, safe
 from .config import (CACHE_AREA, DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_FRACTION,
                      DEFAULT_CACHE_FULL_TIMEOUT, DEFAULT_COHERENCE_TIMEOUT, DEFAULT_FLUSH_WORKERS,
                      DEFAULT_FSYNC, DEFAULT_GLOBAL_ORDER, DEFAULT_LOG_LEVEL, DEFAULT_MAX_CLOCK_SKEW,
@@ -49,41 +50,6 @@ def clean_stale(mountpoint: str) -> None:
     subprocess.run(["fusermount3", "-u", "-z", mountpoint], check=False, capture_output=True)
     if client.mount_type(mountpoint) is not None:
         subprocess.run(["umount", "-l", mountpoint], check=False, capture_output=True)
-
-
-# -- progress ----------------------------------------------------------------------------
-class Progress:
-    """A progress line: redrawn in place on a TTY, a plain line every few seconds otherwise."""
-
-    def __init__(self, stream=sys.stderr) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.last = 0.0
-        self.shown = False
-
-    def update(self, text: str) -> None:
-        now = time.monotonic()
-        if self.tty:
-            self.stream.write("\r\033[K" + text)
-            self.stream.flush()
-            self.shown = True
-        elif now - self.last >= 5.0:
-            self.last = now
-            self.stream.write(text + "\n")
-            self.stream.flush()
-
-    def done(self, text: str | None = None) -> None:
-        if self.tty and self.shown:
-            self.stream.write("\r\033[K")
-        if text:
-            self.stream.write(text + "\n")
-        self.stream.flush()
-
-
-def bar(fraction: float, width: int = 24) -> str:
-    fraction = min(1.0, max(0.0, fraction))
-    full = int(fraction * width)
-    return "[" + "#" * full + "." * (width - full) + f"] {fraction * 100:3.0f}%"
 
 
 def wait_durable(mountpoint: str, seq: int, timeout: float | None, label: str) -> None:
@@ -487,13 +453,13 @@ def health(doc: dict[str, Any], max_unsaved_age: float | None) -> tuple[int, lis
     if not doc["flusher_alive"]:
         why.append("the flusher is dead: nothing is persisted")
     for e in doc["errors"][:3]:
-        why.append(f"{e['op']} {safe(e['path'])} failing for {_age(time.time() - e['since'])} "
+        why.append(f"{e['op']} {safe(e['path'])} failing for {age(time.time() - e['since'])} "
                    f"({e['attempts']} attempts): {e['reason']}")
     if doc.get("journal_error"):
         why.append(f"journal cannot be written: {doc['journal_error']}")
-    age = doc.get("oldest_dirty_age_s")
-    if max_unsaved_age is not None and age is not None and age > max_unsaved_age:
-        why.append(f"unsaved data {_age(age)} old (more than {_age(max_unsaved_age)})")
+    oldest = doc.get("oldest_dirty_age_s")
+    if max_unsaved_age is not None and oldest is not None and oldest > max_unsaved_age:
+        why.append(f"unsaved data {age(oldest)} old (more than {age(max_unsaved_age)})")
     held = (doc.get("peers") or {}).get("held")
     if held:
         why.append(held_text(held))
@@ -563,24 +529,9 @@ def cmd_status(a: argparse.Namespace) -> int:
     return 0
 
 
-def safe(text: str) -> str:
-    """``text`` with control characters escaped, for a line a human reads (a name holding a
-    newline must not print a line of its own)."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def _age(s: float) -> str:
-    s = int(s)
-    if s < 120:
-        return f"{s}s"
-    if s < 7200:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
 def held_text(held: dict[str, Any]) -> str:
     who = f"node {held['waiting_for']}" if held["waiting_for"] else "a fresh listing of the nodes"
-    return (f"held for global order {_age(max(0.0, time.time() - held['since']))}: "
+    return (f"held for global order {age(max(0.0, time.time() - held['since']))}: "
             f"{held['op']} {safe(held['path'])} waits for {who}")
 
 
@@ -615,7 +566,7 @@ def render_status(d: dict[str, Any]) -> str:
         return f"{d['mountpoint']}  STALE: the daemon is gone; run 'acpfs umount {d['mountpoint']}'"
     c, di, fl, p = d["cache"], d["dirty"], d["flushing"], d["persisted_since_mount"]
     lines = [
-        f"{d['mountpoint']}  (backing {d['backing']}, pid {d['pid']}, up {_age(d['uptime_s'])})",
+        f"{d['mountpoint']}  (backing {d['backing']}, pid {d['pid']}, up {age(d['uptime_s'])})",
         f"  cache      {format_size(c['used_bytes'])} used of {format_size(c['limit_bytes'])} "
         f"(peak {format_size(c['peak_used_bytes'])}), {c['cached_files']} files cached",
         f"  data path  {data_path(d)}",
@@ -626,11 +577,11 @@ def render_status(d: dict[str, Any]) -> str:
         f"rate {format_size(d['flush_rate_bytes_per_s'])}/s",
     ]
     if d["oldest_dirty_age_s"] is not None:
-        lines.append(f"  oldest unsaved change: {_age(d['oldest_dirty_age_s'])} ago")
+        lines.append(f"  oldest unsaved change: {age(d['oldest_dirty_age_s'])} ago")
     rec = d.get("recovery")
     if rec:
         lines.append(f"  recovered  {rec['files']} files and {rec['replayed_ops']} operations from a "
-                     f"dead daemon ({_age(max(0.0, time.time() - rec['started']))} ago)")
+                     f"dead daemon ({age(max(0.0, time.time() - rec['started']))} ago)")
         for path in rec["lost_open_files"][:10]:
             lines.append(f"  LOST       {safe(path)}: open for writing at the crash; unsaved changes dropped")
         pending = set(rec.get("aside_pending", ()))
@@ -799,7 +750,7 @@ def cmd_umount(a: argparse.Namespace) -> int:
                                   for p, c, w in holders)
                       + ": its daemon serves that until it is unmounted there", file=sys.stderr)
         prog.update(f"umount {mountpoint}: waiting for the daemon (pid {pid}) to persist the rest "
-                    f"({_age(waited)})")
+                    f"({age(waited)})")
         if a.timeout is not None and time.monotonic() - start > a.timeout:
             prog.done()
             raise Failure(f"unmounted {mountpoint}, but its daemon (pid {pid}) is still persisting "
@@ -826,7 +777,7 @@ def cmd_temps(a: argparse.Namespace) -> int:
     if not os.path.isdir(backing):
         raise UsageError(f"{a.backing} is not a directory")
     try:
-        older = leftovers.parse_age(a.older_than)
+        older = leftovers.parseage(a.older_than)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if a.remove and not a.yes and not sys.stdin.isatty():
@@ -846,7 +797,7 @@ def cmd_temps(a: argparse.Namespace) -> int:
         note = (f"  (live: {safe(live[t.instance])})" if t.instance in live
                 else f"  (awaiting recovery from {safe(waiting[t.instance])})" if t.instance in waiting
                 else "" if t.age_s >= older else "  (too recent)")
-        print(f"{_age(t.age_s):>8} {format_size(t.size):>10}  {t.instance or '-':12}  "
+        print(f"{age(t.age_s):>8} {format_size(t.size):>10}  {t.instance or '-':12}  "
               f"{safe(t.path)}{'/' if t.is_dir else ''}{note}")
     total = sum(t.size for t in old)
     print(f"acpfs: {len(found)} temporary files in {backing}; {len(old)} older than {a.older_than} "

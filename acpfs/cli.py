@@ -20,9 +20,9 @@ import sys
 import time
 from typing import Any
 
-from . import __version__, client, passthrough, private
+from . import __version__, client, passthrough, private, syncing
 from .client import FSTYPE, Failure
-from .progress import Progress, age, bar, safe
+from .progress import Progress, age, bar, held_text, safe
 from .config import (CACHE_AREA, DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_FRACTION,
                      DEFAULT_CACHE_FULL_TIMEOUT, DEFAULT_COHERENCE_TIMEOUT, DEFAULT_FLUSH_WORKERS,
                      DEFAULT_FSYNC, DEFAULT_GLOBAL_ORDER, DEFAULT_LOG_LEVEL, DEFAULT_MAX_CLOCK_SKEW,
@@ -50,37 +50,6 @@ def clean_stale(mountpoint: str) -> None:
     subprocess.run(["fusermount3", "-u", "-z", mountpoint], check=False, capture_output=True)
     if client.mount_type(mountpoint) is not None:
         subprocess.run(["umount", "-l", mountpoint], check=False, capture_output=True)
-
-
-def wait_durable(mountpoint: str, seq: int, timeout: float | None, label: str) -> None:
-    """Block until the mount's flusher has applied ``seq``, showing progress."""
-    prog = Progress()
-    first: int | None = None   # applied_seq at the first status read
-
-    def show(st: dict[str, Any]) -> None:
-        nonlocal first
-        applied = st["queue"]["applied_seq"]
-        if first is None:
-            first = applied
-        err = st["errors"][0] if st["errors"] else None
-        text = (f"{label}: {bar((applied - first) / max(1, seq - first))} "
-                f"{seq - applied} operations left, {format_size(st['flushing']['bytes'])} queued, "
-                f"{format_size(st['flush_rate_bytes_per_s'])}/s")
-        if err:
-            text += f"; retrying {safe(err['path'])}: {err['reason']}"
-        held = (st.get("peers") or {}).get("held")
-        if held and not err:
-            text += f"; {held_text(held)}"
-        prog.update(text)
-    try:
-        client.wait_applied(mountpoint, seq, timeout, show)
-    except client.WaitTimeout as e:
-        left = seq - e.status["queue"]["applied_seq"]
-        err = e.status["errors"][0] if e.status["errors"] else None
-        raise Failure(f"{label}: timed out after {timeout:g}s with {left} operations not yet "
-                      f"persisted" + (f" ({safe(err['path'])}: {err['reason']})" if err else "")) from None
-    finally:
-        prog.done()
 
 
 # -- commands ----------------------------------------------------------------------------
@@ -529,12 +498,6 @@ def cmd_status(a: argparse.Namespace) -> int:
     return 0
 
 
-def held_text(held: dict[str, Any]) -> str:
-    who = f"node {held['waiting_for']}" if held["waiting_for"] else "a fresh listing of the nodes"
-    return (f"held for global order {age(max(0.0, time.time() - held['since']))}: "
-            f"{held['op']} {safe(held['path'])} waits for {who}")
-
-
 def render_peers(pe: dict[str, Any]) -> list[str]:
     live = [p for p in pe["peers"] if p["state"] in ("up", "idle")]
     lines = [f"  nodes      this one and {len(live)} other live nodes share the backing "
@@ -618,6 +581,8 @@ def render_status(d: dict[str, Any]) -> str:
 
 
 def cmd_sync(a: argparse.Namespace) -> int:
+    if a.all_nodes:
+        return sync_all_nodes(a)
     if a.path:
         mount = live_mount(a.path)
         try:
@@ -629,7 +594,7 @@ def cmd_sync(a: argparse.Namespace) -> int:
         if open_dirty:
             print(f"acpfs: sync: {open_dirty} files under {safe(a.path)} are still open for writing; "
                   f"their data is persisted after they are closed", file=sys.stderr)
-        wait_durable(mount, seq, a.timeout, f"sync {safe(a.path)}")
+        syncing.wait_durable(mount, seq, a.timeout, f"sync {safe(a.path)}")
         return 0
     targets = []
     stale = []
@@ -640,8 +605,29 @@ def cmd_sync(a: argparse.Namespace) -> int:
             continue
         targets.append((mount, client.read_status(mount)["queue"]["last_seq"]))
     for mount, seq in targets:
-        wait_durable(mount, seq, a.timeout, f"sync {mount}")
+        syncing.wait_durable(mount, seq, a.timeout, f"sync {mount}")
     return 1 if stale else 0
+
+
+def sync_all_nodes(a: argparse.Namespace) -> int:
+    """``sync --all-nodes [PATH]``: the mount holding PATH, or every live acpfs mount."""
+    deadline = None if a.timeout is None else time.monotonic() + a.timeout
+    if a.path:
+        mounts = [live_mount(a.path)]
+    else:
+        mounts = [m for m in client.acpfs_mounts() if not client.is_stale(m)]
+        if not mounts:
+            raise Failure("sync --all-nodes: no live acpfs mount on this node")
+    for mount in mounts:
+        start = time.monotonic()
+        try:
+            others = syncing.all_nodes(mount, deadline)
+        except client.StaleMount:
+            raise gone(a.path or mount, mount) from None
+        print(f"acpfs: sync --all-nodes {mount}: this node and {others} other nodes have "
+              f"persisted what they acknowledged before the call "
+              f"({time.monotonic() - start:.1f}s)", file=sys.stderr)
+    return 0
 
 
 def files_under(paths: list[str]) -> list[tuple[str, int]]:
@@ -728,7 +714,7 @@ def cmd_umount(a: argparse.Namespace) -> int:
     st = client.read_status(mountpoint)
     pid = st["pid"]
     dev = next((m.dev for m in client.mounts() if m.mountpoint == mountpoint and m.fstype == FSTYPE), "")
-    wait_durable(mountpoint, st["queue"]["last_seq"], a.timeout, f"umount {mountpoint}: persisting")
+    syncing.wait_durable(mountpoint, st["queue"]["last_seq"], a.timeout, f"umount {mountpoint}: persisting")
     cmd = ["fusermount3", "-u"] + (["-z"] if a.lazy else []) + [mountpoint]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -957,7 +943,11 @@ def add_sync_command(sub) -> None:
     y = sub.add_parser("sync", help="wait until changes are durable in the backing directory",
                        description="Block until PATH (default: every change made before the call, "
                        "on every acpfs mount) is durable in the backing directory.")
-    y.add_argument("path", nargs="?", help="file or directory on an acpfs mount")
+    y.add_argument("path", nargs="?", help="file or directory on an acpfs mount (with "
+                   "--all-nodes: names the mount)")
+    y.add_argument("--all-nodes", action="store_true",
+                   help="wait until every live node over the backing (this one included) has "
+                   "persisted every change it acknowledged before the call (needs global order)")
     y.add_argument("--timeout", type=seconds, help="give up after this many seconds (exit status 1)")
     y.set_defaults(fn=cmd_sync)
 

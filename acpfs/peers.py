@@ -593,7 +593,8 @@ class Peers:
             state = r.state if r.state == LEFT else ("expired" if age > self.lease else r.state)
             peers.append({"node": r.label, "instance": r.instance, "state": state,
                           "frontier_lag": round(max(0.0, now - r.frontier), 3),
-                          "last_heartbeat": round(age, 3)})
+                          "last_heartbeat": round(age, 3),
+                          "frontier": r.frontier, "listed": p.listed})
         return {"instance": self.instance, "node": self.label, "skew": self.skew,
                 "heartbeat": self.heartbeat, "lease": self.lease, "ops": self.ops,
-                "error": self.error, "held": held, "peers": peers}
+                "error": self.error, "held": held, "peers": peers, "listed_at": self.listed_at}

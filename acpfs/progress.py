@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 
 class Progress:
@@ -55,3 +56,9 @@ def age(s: float) -> str:
     if s < 7200:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def held_text(held: dict[str, Any]) -> str:
+    who = f"node {held['waiting_for']}" if held["waiting_for"] else "a fresh listing of the nodes"
+    return (f"held for global order {age(max(0.0, time.time() - held['since']))}: "
+            f"{held['op']} {safe(held['path'])} waits for {who}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -328,3 +329,85 @@ def test_a_file_closed_by_a_forked_process_and_still_open_holds_nobody(tmp_path,
     finally:
         p.kill()
         p.wait()
+
+
+def test_sync_all_nodes_waits_for_every_live_node(tmp_path, nodes_made):
+    """`acpfs sync --all-nodes` on node A returns only once node B has persisted what B
+    acknowledged before the call. B's daemon is stopped right after its close() returned:
+    A's call waits, naming B, fails at its timeout, and returns once B goes on; B's shard
+    is in the backing, whole, when it returns."""
+    node_a, node_b = make(tmp_path, 2, *FAST)
+    nodes_made += [node_a, node_b]
+    for n in (node_a, node_b):
+        n.mount()
+    a, b = Worker(node_a), Worker(node_b)
+    sync_all = (*ACPFS, "sync", "--all-nodes", str(node_a.mnt))
+    try:
+        a.do("write", "step_0/shard_a", "a0", SHARD_UNITS)
+        b.do("write", "step_0/shard_b", "b0", SHARD_UNITS)
+        b_daemon = node_b.status()["instance"]
+        os.kill(node_b.pid, signal.SIGSTOP)
+        try:
+            r = node_a.run(*sync_all, "--timeout", "2", check=False)
+            assert r.returncode == 1, r.stderr
+            last = r.stderr.strip().splitlines()[-1]
+            assert last.startswith(f"acpfs: sync --all-nodes {node_a.mnt}: timed out waiting for "
+                                   "1 nodes to persist what they acknowledged before the call: ")
+            assert f"(daemon {b_daemon}, " in last, last
+            waiting = node_a.popen(*sync_all, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)
+            time.sleep(1.5)
+            assert waiting.poll() is None, waiting.communicate()
+        finally:
+            os.kill(node_b.pid, signal.SIGCONT)
+        _, err = waiting.communicate(timeout=60)
+        assert waiting.returncode == 0, err
+        # B's shard was there when the call returned (nothing removes it)
+        assert (node_a.backing / "step_0" / "shard_b").read_bytes() == content("b0", SHARD_UNITS)
+        assert (node_a.backing / "step_0" / "shard_a").read_bytes() == content("a0", SHARD_UNITS)
+        assert "waiting for node " in err and f"(daemon {b_daemon}, up, " in err, err
+        assert err.strip().splitlines()[-1].startswith(
+            f"acpfs: sync --all-nodes {node_a.mnt}: this node and 1 other nodes have persisted "
+            "what they acknowledged before the call"), err
+    finally:
+        a.close()
+        b.close()
+
+
+def test_sync_all_nodes_says_which_dead_node_may_hold_changes(tmp_path, nodes_made):
+    """A node that stops renewing its record is waited for only until its lease runs out;
+    then, if its record does not show everything before the call persisted, the call fails
+    naming it. Once it is back and persisted, the call succeeds."""
+    node_a, node_b = make(tmp_path, 2, *FAST, "--peer-lease", "3")
+    nodes_made += [node_a, node_b]
+    for n in (node_a, node_b):
+        n.mount()
+    b = Worker(node_b)
+    try:
+        b.do("write", "shard_b", "b0", 4)
+        b_daemon = node_b.status()["instance"]
+        os.kill(node_b.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            r = node_a.run(*ACPFS, "sync", "--all-nodes", str(node_a.mnt), "--timeout", "30",
+                           check=False)
+            took = time.monotonic() - started
+        finally:
+            os.kill(node_b.pid, signal.SIGCONT)
+        assert r.returncode == 1 and took < 20, (took, r.stderr)
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"acpfs: sync --all-nodes {node_a.mnt}: 1 nodes stopped renewing "
+                               "their records"), last
+        assert f"(daemon {b_daemon}, last heartbeat " in last, last
+        node_a.run(*ACPFS, "sync", "--all-nodes", str(node_a.mnt), "--timeout", "30")
+        assert (node_a.backing / "shard_b").read_bytes() == content("b0", 4)
+    finally:
+        b.close()
+
+
+def test_sync_all_nodes_needs_global_order(make_mount):
+    m = make_mount(extra=("--global-order", "off"))
+    r = acpfs("sync", "--all-nodes", str(m.mnt), check=False)
+    assert r.returncode == 2 and r.stderr == (
+        f"acpfs: sync --all-nodes: {m.mnt} is mounted with --global-order off: this node "
+        "keeps no record of the other nodes\n"), r.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from acpfs import cli, client, control
+from acpfs import cli, client, control, syncing
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -242,18 +242,18 @@ def test_wait_applied_passes_a_stale_mount_on(statuses):
 def test_acpfs_sync_shows_progress_and_names_the_error_on_timeout(statuses, monkeypatch):
     answers, _ = statuses
     out = io.StringIO()   # not a TTY: a plain line, at most every 5 seconds
-    progress = cli.Progress
-    monkeypatch.setattr(cli, "Progress", lambda: progress(out))
+    progress = syncing.Progress
+    monkeypatch.setattr(syncing, "Progress", lambda: progress(out))
     err = {"path": "run/a.pt", "op": "publish", "reason": "Input/output error", "attempts": 3}
     answers[:] = [status(4), status(7, [err])]
     with pytest.raises(cli.Failure) as e:
-        cli.wait_durable("/m", 10, 0.1, "sync /m")
+        syncing.wait_durable("/m", 10, 0.1, "sync /m")
     assert str(e.value) == ("sync /m: timed out after 0.1s with 3 operations not yet persisted "
                             "(run/a.pt: Input/output error)")
     assert out.getvalue() == ("sync /m: [........................]   0% 6 operations left, "
                               "2.0 KiB queued, 1.0 MiB/s\n")
     answers[:] = [status(4), status(7), status(10)]
-    cli.wait_durable("/m", 10, None, "sync /m")
+    syncing.wait_durable("/m", 10, None, "sync /m")
 
 
 def test_importing_the_client_loads_nothing_heavy():
@@ -263,3 +263,31 @@ def test_importing_the_client_loads_nothing_heavy():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                        check=True)
     assert r.stdout.strip() == "[]"
+
+
+def test_sync_all_nodes_believes_only_records_listed_after_the_call():
+    """A record seen before the call says nothing of what its node acknowledged since (an
+    idle node's frontier runs ahead of its clock): it counts once a listing after the call
+    shows it. A node that left counts at once; an expired one is not waited for."""
+    called = 1000.0
+
+    def peer(node, state, frontier, listed):
+        return {"node": node, "instance": node * 3, "state": state, "frontier": frontier,
+                "listed": listed, "frontier_lag": 0.0, "last_heartbeat": 1.0}
+    seen_before = {"listed_at": 999.0, "error": None,
+                   "peers": [peer("b", "idle", 1002.0, 999.0)]}
+    others = syncing.Others(seen_before, called)
+    assert not others.finished()
+    assert others.progress("sync --all-nodes /m", called) == \
+        "sync --all-nodes /m: waiting for a listing of the node records"
+    listed = {"listed_at": 1000.5, "error": None,
+              "peers": [peer("b", "up", 999.5, 1000.5), peer("c", "left", 1.0, 1000.5),
+                        peer("d", "expired", 10.0, 1000.5), peer("e", "idle", 1002.0, 1000.5)]}
+    others = syncing.Others(listed, called)
+    assert not others.finished() and [p["node"] for p in others.waiting] == ["b"]
+    assert [p["node"] for p in others.lost] == ["d"]
+    assert others.progress("sync --all-nodes /m", called) == (
+        "sync --all-nodes /m: waiting for node b (daemon bbb, up, 0.5s behind the call); "
+        "2 of 4 other nodes done")
+    listed["peers"][0] = peer("b", "up", 1000.1, 1000.6)
+    assert syncing.Others(listed, called).finished()

@@ -20,16 +20,17 @@ import sys
 import time
 from typing import Any
 
-from . import __version__, client, passthrough, private, syncing
+from . import __version__, client, passthrough, private, syncing, watch
 from .client import FSTYPE, Failure
 from .progress import Progress, age, bar, held_text, safe
 from .config import (CACHE_AREA, DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_FRACTION,
                      DEFAULT_CACHE_FULL_TIMEOUT, DEFAULT_COHERENCE_TIMEOUT, DEFAULT_FLUSH_WORKERS,
                      DEFAULT_FSYNC, DEFAULT_GLOBAL_ORDER, DEFAULT_LOG_LEVEL, DEFAULT_MAX_CLOCK_SKEW,
                      DEFAULT_PASSTHROUGH, DEFAULT_PEER_HEARTBEAT, DEFAULT_PEER_LEASE,
-                     DEFAULT_PERSIST_OPEN_AFTER, DEFAULT_TEMPS_OLDER_THAN, ROOT_LOG_DIR,
-                     USER_STATE_DIR, UsageError, default_cache_dir, default_cache_size,
-                     default_log_file, env, env_flag, format_size, key_of, parse_size, short_size)
+                     DEFAULT_PERSIST_OPEN_AFTER, DEFAULT_TEMPS_OLDER_THAN, DEFAULT_WATCH_INTERVAL,
+                     ROOT_LOG_DIR, USER_STATE_DIR, UsageError, default_cache_dir,
+                     default_cache_size, default_log_file, env, env_flag, format_size, key_of,
+                     parse_size, short_size)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 FSYNC_CHOICES = {   # --fsync: what fsync() waits for
@@ -472,9 +473,13 @@ def cmd_status(a: argparse.Namespace) -> int:
     if a.max_unsaved_age is not None and not a.check:
         raise UsageError("--max-unsaved-age goes with --check")
     if a.check:
-        if a.json or a.files:
-            raise UsageError("--check prints one line per mount: not with --json or --files")
+        if a.json or a.files or a.watch:
+            raise UsageError("--check prints one line per mount: not with --json, --files or --watch")
         return check_status(a)
+    if a.watch:
+        return watch_status(a)
+    if a.interval is not None or a.count is not None:
+        raise UsageError("--interval and --count go with --watch")
     mounts = [client.mount_of(a.mountpoint)] if a.mountpoint else client.acpfs_mounts()
     docs = []
     for m in mounts:
@@ -496,6 +501,29 @@ def cmd_status(a: argparse.Namespace) -> int:
         sys.stdout.flush()
         raise gone(a.mountpoint, docs[0]["mountpoint"])
     return 0
+
+
+def watch_status(a: argparse.Namespace) -> int:
+    """``status --watch``: rates of one mount, a line per interval, until interrupted."""
+    if a.json or a.files:
+        raise UsageError("--watch prints a line per interval: not with --json or --files")
+    interval = DEFAULT_WATCH_INTERVAL if a.interval is None else a.interval
+    if interval <= 0:
+        raise UsageError("--interval must be more than 0")
+    if a.count is not None and a.count < 1:
+        raise UsageError("--count must be at least 1")
+    if a.mountpoint:
+        mount = live_mount(a.mountpoint)
+    else:
+        mounts = [m for m in client.acpfs_mounts() if not client.is_stale(m)]
+        if len(mounts) != 1:
+            raise UsageError("--watch watches one mount: name it" + (
+                f" ({', '.join(mounts[:5])})" if mounts else "; there is no live acpfs mount"))
+        mount = mounts[0]
+    try:
+        return watch.watch(mount, interval, a.count)
+    except KeyboardInterrupt:
+        return 0   # the way to stop it
 
 
 def render_peers(pe: dict[str, Any]) -> list[str]:
@@ -936,6 +964,13 @@ def add_status_command(sub) -> None:
                    "back, unsaved data too old), 2 not mounted or stale")
     s.add_argument("--max-unsaved-age", type=seconds, metavar="S",
                    help="with --check: unsaved data older than S seconds is degraded")
+    s.add_argument("--watch", action="store_true",
+                   help="a line per interval with what the mount did in it: bytes queued and "
+                   "persisted per second, files persisted per second, the queue, unsaved "
+                   "data, errors; until interrupted")
+    s.add_argument("--interval", type=seconds, metavar="S",
+                   help=f"with --watch: seconds between lines (default {DEFAULT_WATCH_INTERVAL:g})")
+    s.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N lines")
     s.set_defaults(fn=cmd_status)
 
 

@@ -26,6 +26,7 @@ DEFAULT_GLOBAL_ORDER = "on"           # --global-order ("on", "off"; peers.py)
 DEFAULT_MAX_CLOCK_SKEW = 0.01         # --max-clock-skew: seconds
 DEFAULT_PEER_HEARTBEAT = 1.0          # --peer-heartbeat: seconds
 DEFAULT_PEER_LEASE = 30.0             # --peer-lease: seconds
+DEFAULT_WATCH_INTERVAL = 1.0          # acpfs status --watch --interval: seconds
 DEFAULT_PASSTHROUGH = "auto"          # --passthrough (passthrough.MODES)
 DEFAULT_BLOCK_SIZE = 64 << 10         # --block-size: bytes
 DEFAULT_LOG_LEVEL = "info"            # --log-level

@@ -184,6 +184,7 @@ def status(fl: Flusher, info: MountInfo) -> dict[str, Any]:
         applied = oplog.applied_seq
         flushing_files = len({op.node.ino for op in queue if op.kind == OpKind.PUBLISH and op.state != OpState.VOID})
         queued_bytes = oplog.queued_bytes
+        queued_since = {"files": oplog.queued_total_files, "bytes": oplog.queued_total_bytes}
         in_flight = fl.uploads.running
         persisted_files, persisted_bytes = fl.persisted_files, fl.persisted_bytes
         used, peak = store.used, store.peak
@@ -223,6 +224,7 @@ def status(fl: Flusher, info: MountInfo) -> dict[str, Any]:
         "flushing": {"files": flushing_files, "bytes": queued_bytes, "in_flight": in_flight},
         "queue": {"pending_ops": len(queue), "applied_seq": applied, "last_seq": oplog.seq},
         "persisted_since_mount": {"files": persisted_files, "bytes": persisted_bytes},
+        "queued_since_mount": queued_since,
         "flush_rate_bytes_per_s": round(fl.rate()),
         "oldest_dirty_age_s": None if oldest is None else round(now - oldest, 1),
         "errors": errors,

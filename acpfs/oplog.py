@@ -59,6 +59,8 @@ class OpLog:
         self.applied_seq = applied_seq   # the last seq applied: written by the sequencer only
         self.queue: collections.deque[Op] = collections.deque()   # (lock)
         self.queued_bytes = 0                                    # (lock) of queued publishes
+        self.queued_total_files = 0   # (lock) publishes queued since mount: files closed with
+        self.queued_total_bytes = 0   # changes (or persisted while open), and their sizes
         self.discards: list[Staged] = []   # (lock) staged files to remove (Flusher._launch)
         self.journaled: set[Node] = set()  # nodes whose journal_state is not NONE
         # Global order. Stamps: this node's clock when a change was acknowledged, never
@@ -125,6 +127,8 @@ class OpLog:
                 self.acked.pop(op.node.ino, None)   # what close() acknowledged: in op now
                 op.node.publish_ops.append(op)
                 self.queued_bytes += op.nbytes
+                self.queued_total_files += 1
+                self.queued_total_bytes += op.nbytes
                 sp = op.snap.staged
                 if sp is not None:
                     op.dir_fd, op.temp_name = sp.dir_fd, sp.name

@@ -8,6 +8,7 @@ Health checks: the exit status of 'acpfs status --check' in each state."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -152,3 +153,60 @@ def test_status_check_refuses_what_it_cannot_print(make_mount):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--check" in r.stderr
     r = check("--json")
     assert r.returncode == 2 and r.stderr.count("\n") == 1
+
+
+ROW = re.compile(r"(\d\d:\d\d:\d\d) +([\d.]+ [KMGT]?i?B) +([\d.]+ [KMGT]?i?B) +([\d.]+) +(\d+) "
+                 r"+([+-]\d+) +([\d.]+ [KMGT]?i?B) +(\S+)  (.*)")
+UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def nbytes(text: str) -> float:
+    value, unit = text.split()
+    return float(value) * UNITS[unit]
+
+
+def test_status_watch_prints_rates_until_interrupted(mnt):
+    """'acpfs status --watch': a line per interval with the bytes queued and persisted per
+    second, files per second, the queue and what is unsaved; Ctrl-C ends it with status 0.
+    Three 8 MiB files written and synced add up, over the lines, to three files and 24 MiB
+    each way; once synced the queue and the unsaved bytes are zero."""
+    interval = 0.5
+    w = subprocess.Popen([*ACPFS, "status", "--watch", str(mnt.mnt), "--interval", str(interval)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.7)
+    for i in range(3):
+        (mnt.mnt / f"f{i}").write_bytes(os.urandom(8 << 20))
+        time.sleep(0.3)
+    mnt.sync()
+    time.sleep(3 * interval)
+    w.send_signal(signal.SIGINT)
+    out, err = w.communicate(timeout=30)
+    assert w.returncode == 0 and err == "", (w.returncode, err)
+    lines = out.splitlines()
+    assert lines[0] == f"{mnt.mnt}: every {interval:g}s (Ctrl-C to stop)"
+    assert lines[1].split() == ["time", "queued/s", "persisted/s", "files/s", "queue", "(change)",
+                                "unsaved", "oldest", "errors"]
+    rows = [ROW.fullmatch(line) for line in lines[2:] if line]
+    assert rows and all(rows), lines
+    # each rate is over the time between two status reads: the interval, and more on a
+    # loaded machine (so the sums may fall short, never go over)
+    files = sum(float(r[4]) for r in rows) * interval
+    queued = sum(nbytes(r[2]) for r in rows) * interval
+    persisted = sum(nbytes(r[3]) for r in rows) * interval
+    assert 1.5 <= files <= 3.2, (files, out)
+    for total in (queued, persisted):
+        assert 0.5 * (24 << 20) <= total <= 1.05 * (24 << 20), (total, out)
+    last = rows[-1]
+    assert last[5] == "0" and last[7] == "0 B" and last[8] == "-" and last[9] == "none", out
+
+
+def test_status_watch_refuses_what_it_cannot_do(make_mount):
+    m = make_mount()
+    for args, line in (
+            (("--watch", "--json"), "--watch prints a line per interval: not with --json or --files"),
+            (("--watch", "--check"), "--check prints one line per mount: not with --json, --files "
+                                     "or --watch"),
+            (("--watch", "--interval", "0"), "--interval must be more than 0"),
+            (("--count", "3"), "--interval and --count go with --watch")):
+        r = subprocess.run([*ACPFS, "status", str(m.mnt), *args], capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr == f"acpfs: {line}\n", (args, r.stderr)

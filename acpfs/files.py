@@ -86,8 +86,10 @@ class Files:
             node.appenders += append
             if trunc and node.staged is not None:
                 node.staged = None if node.staged.queued else node.staged
-            if trunc and node.staged is None and (node.size or node.content is None):
-                self.truncate(node, 0)
+            if trunc and node.staged is None:
+                self.sync_content(node)   # another writer's kernel writes, unseen so far
+                if node.size or node.content is None:
+                    self.truncate(node, 0)
             assert node.content is not None or node.staged is not None
             with self.oplog.lock:
                 self.lru.pop(node.ino, None)

@@ -106,6 +106,28 @@ def test_every_open_of_a_file_open_with_passthrough_works(mnt):
     assert (mnt.back / "f").read_bytes() == b"W" + b"a" * 8191 + b"tail"
 
 
+def test_o_trunc_cuts_what_a_writer_passed_through_wrote_unseen(mnt):
+    """A file held open for writing with passthrough, written by the kernel without the
+    daemon seeing it, then opened again with O_TRUNC: the open cuts those bytes too. The
+    daemon once went by the size it had last seen (0) and kept them, and an append after it
+    landed past them."""
+    path = mnt.mnt / "f"
+    path.write_bytes(b"")
+    held = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(held, b"x", 0)                       # the kernel writes; the daemon sees nothing
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        os.close(fd)
+        assert os.fstat(held).st_size == 0
+        with open(path, "ab") as f:
+            f.write(b"C" * 3)
+        assert os.pread(held, 10, 0) == b"CCC"
+    finally:
+        os.close(held)
+    mnt.sync()
+    assert path.read_bytes() == b"CCC" and (mnt.back / "f").read_bytes() == b"CCC"
+
+
 def test_a_file_read_from_the_backing_and_then_written_works(mnt):
     """An uncached file is read through the daemon (from the backing); a writer that opens
     it meanwhile takes the daemon's path too, not EIO."""

@@ -208,6 +208,7 @@ def mount_options(a: argparse.Namespace, backing: str, mountpoint: str, cache_di
     return Options(mountpoint=mountpoint, backing=backing, cache_dir=cache_dir,
                    cache_size=cache_size, log_file=log_file,
                    allow_other=a.allow_other or env_flag("allow_other"),
+                   noexec=a.noexec or env_flag("noexec"),
                    mlock=a.mlock or env_flag("mlock"), **settings)
 
 
@@ -948,6 +949,8 @@ def add_daemon_options(m: argparse.ArgumentParser) -> None:
     m.add_argument("--log-file", help=f"daemon log ('-' for stderr; default {ROOT_LOG_DIR}/<mount>.log "
                    f"for root, {USER_STATE_DIR}/acpfs/<mount>.log otherwise)")
     m.add_argument("--allow-other", action="store_true", help="let other users access the mount")
+    m.add_argument("--noexec", action="store_true",
+                   help="mount with noexec: the kernel runs no program from the mount")
     m.add_argument("--foreground", "-f", action="store_true",
                    help="do not daemonize; log to stderr too (for systemd and debugging)")
 

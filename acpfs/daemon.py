@@ -47,6 +47,7 @@ class Options:
     log_level: str
     log_file: str
     allow_other: bool
+    noexec: bool
     cache_full_timeout: float
     persist_open_after: float
     block_size: int
@@ -356,6 +357,8 @@ class Daemon:
         fuse_opts |= {"fsname=acpfs", "subtype=acpfs", "default_permissions"}
         if opts.allow_other:
             fuse_opts.add("allow_other")
+        if opts.noexec:
+            fuse_opts.add("noexec")
         pyfuse3.init(ops, opts.mountpoint, fuse_opts)
         fastwrite.install(ops.write_now, ops.fallocate_now)
         log.info("mounted %s over %s", opts.mountpoint, opts.backing)

@@ -189,10 +189,10 @@ def mount_options(a: argparse.Namespace, backing: str, mountpoint: str, cache_di
     lock."""
     from .daemon import Options
     check_backing_free(backing)
-    private.secure_dir(cache_dir, "cache directory")
     cache_size_text = a.cache_size or env("cache_size")
-    cache_size = parse_size(cache_size_text, "cache size") if cache_size_text \
-        else default_cache_size(os.path.dirname(cache_dir))
+    asked = parse_size(cache_size_text, "cache size") if cache_size_text else None
+    private.secure_dir(cache_dir, "cache directory")   # not made for a bad --cache-size
+    cache_size = asked if asked is not None else default_cache_size(os.path.dirname(cache_dir))
     check_cache_fits(cache_size, os.path.dirname(cache_dir), cache_dir)
     if settings["passthrough"] == "on":
         from . import fastwrite

@@ -83,6 +83,9 @@ def mount_places(a: argparse.Namespace) -> tuple[str, str, str]:
         raise UsageError(f"backing directory {a.backing} does not exist or is not a directory")
     if not os.path.isdir(a.mountpoint) and not client.is_stale(a.mountpoint):
         raise UsageError(f"mount point {a.mountpoint} does not exist or is not a directory")
+    if os.geteuid() != 0 and not os.access("/dev/fuse", os.R_OK | os.W_OK):   # libfuse opens it
+        raise UsageError("/dev/fuse is closed to users other than root: it needs mode 0666, as "
+                         "udev sets it (some containers leave it 0600)")
     backing = os.path.realpath(a.backing)
     mountpoint = os.path.realpath(a.mountpoint)
     cache_dir = os.path.abspath(a.cache_dir or env("cache_dir") or default_cache_dir(backing))

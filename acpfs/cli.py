@@ -882,11 +882,17 @@ def add_mount_command(sub) -> None:
                        "Returns once the mount is live (the daemon keeps running); calling it again "
                        "for the same mount and backing is a no-op. Each option has an ACPFS_* "
                        "environment variable (e.g. ACPFS_CACHE_SIZE).")
+    add_mount_arguments(m)
+    m.set_defaults(fn=cmd_mount)
+
+
+def add_mount_arguments(m: argparse.ArgumentParser) -> None:
+    """The arguments of ``acpfs mount``; the mount helper (mounthelper.py) reads its ``-o``
+    options from them too."""
     m.add_argument("mountpoint", help="empty directory to mount on")
     add_cache_options(m)
     add_global_order_options(m)
     add_daemon_options(m)
-    m.set_defaults(fn=cmd_mount)
 
 
 def add_cache_options(m: argparse.ArgumentParser) -> None:
@@ -1032,11 +1038,13 @@ def add_umount_command(sub) -> None:
     u.set_defaults(fn=cmd_umount)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, from_command_line: bool | None = None) -> int:
+    """Run one command; ``from_command_line`` (default: whether ``argv`` is None) says
+    whether this process was started for it, and so may run itself again (``cmd_mount``)."""
     parser = build_parser()
     try:
         a = parser.parse_args(argv)
-        a.from_command_line = argv is None   # only then may mount run itself again
+        a.from_command_line = argv is None if from_command_line is None else from_command_line
         if not getattr(a, "fn", None):
             parser.print_help(sys.stderr)
             return 2

@@ -1,16 +1,22 @@
-"""mount(8) and fstab (docs/operations.md).
+"""mount(8), fstab and the install for every user (docs/operations.md).
 
 The mount helper (acpfs/mounthelper.py) is run by a real ``mount -t fuse.acpfs`` and a real
 ``mount -a`` of a temporary fstab; ``/sbin/mount.fuse.acpfs`` points at this checkout's
-helper for the test and is put back as it was after. Needs root (mount(8) runs helpers only
-for root)."""
+helper for the test and is put back as it was after. The system install
+(``tools/setup --system``) goes to a temporary prefix, with its links in temporary
+directories, and a user other than root mounts, writes, syncs and unmounts with it. Needs
+root (mount(8) runs helpers only for root, useradd, runuser)."""
 
 from __future__ import annotations
 
+import json
 import os
+import pwd
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +28,7 @@ from acpfs import mounthelper
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPER_LINK = Path("/sbin/mount.fuse.acpfs")   # /usr/sbin with usrmerge: libmount looks in /sbin
+USER = "acpfs-test"
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mount(8) runs helpers for root only")
 
@@ -183,3 +190,110 @@ def test_plain_umount_returns_before_the_data_is_in_the_backing(make_mount, faul
     shim.cont()
     wait_for(lambda: not os.path.exists(f"/proc/{m.pid}"), 60, "the daemon to drain and exit")
     assert (src / "unsaved").read_bytes() == b"not yet in the backing"
+
+
+# -- the install for every user ------------------------------------------------------------
+def other_user(name: str = USER) -> pwd.struct_passwd:
+    """A user other than root, made if absent (kept: it holds nothing)."""
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                        name], check=True, capture_output=True)
+        return pwd.getpwnam(name)
+
+
+def as_user(user: pwd.struct_passwd, home: Path, *cmd: str, timeout: float = 120,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """``cmd`` as ``user`` in a clean environment: no ACPFS_* variable of the suite's (a
+    non-root mount takes the daemon's path: passthrough needs root)."""
+    env = ["env", "-i", f"HOME={home}", "PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"]
+    r = subprocess.run(["runuser", "-u", user.pw_name, "--", *env, *cmd], capture_output=True,
+                       text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} as {user.pw_name} failed ({r.returncode}): {r.stderr}")
+    return r
+
+
+def outside_checkout() -> dict[str, str]:
+    """The environment without what would make a Python run this checkout's acpfs."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
+def system_setup(prefix: Path) -> subprocess.CompletedProcess:
+    r = subprocess.run([str(ROOT / "tools" / "setup"), "--system", "--prefix", str(prefix),
+                        "--bindir", str(prefix / "links" / "bin"),
+                        "--sbindir", str(prefix / "links" / "sbin")],
+                       capture_output=True, text=True, timeout=600, env=outside_checkout())
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+@pytest.fixture
+def fuse_for_users():
+    """/dev/fuse open to every user (mode 0666, as udev sets it) while the test runs: a
+    container may leave it 0600, and libfuse opens it as the user who mounts. Put back."""
+    mode = os.stat("/dev/fuse").st_mode & 0o777
+    os.chmod("/dev/fuse", mode | 0o666)
+    try:
+        yield
+    finally:
+        os.chmod("/dev/fuse", mode)
+
+
+def test_system_install_serves_a_user_other_than_root(fuse_for_users):
+    user = other_user()
+    system_link = os.readlink("/usr/local/bin/acpfs") if os.path.islink("/usr/local/bin/acpfs") \
+        else None
+    prefix = Path(tempfile.mkdtemp(prefix="acpfs-install-", dir="/tmp"))
+    home = Path(tempfile.mkdtemp(prefix="acpfs-user-", dir="/tmp"))
+    shm = Path(tempfile.mkdtemp(prefix="acpfs-user-", dir="/dev/shm"))
+    mnt, back = home / "ckpt", home / "back"
+    try:
+        prefix.chmod(0o755)
+        for d in (home, shm):
+            os.chown(d, user.pw_uid, user.pw_gid)
+        for _ in range(2):                        # idempotent: the second run updates in place
+            system_setup(prefix)
+        venv = prefix / "venv"
+        acpfs_bin = prefix / "links" / "bin" / "acpfs"
+        assert os.readlink(acpfs_bin) == str(venv / "bin" / "acpfs")
+        assert os.readlink(prefix / "links" / "sbin" / "mount.fuse.acpfs") == \
+            str(venv / "bin" / "mount.fuse.acpfs")
+        where = subprocess.run([str(venv / "bin" / "python"), "-c",
+                                "import acpfs, acpfs._fastwrite; print(acpfs.__file__)"],
+                               capture_output=True, text=True, check=True, cwd="/",
+                               env=outside_checkout()).stdout
+        assert where.startswith(str(venv)), where   # a copy, not the checkout
+        # its mount helper, as mount(8) would run it (-f: checked, not mounted)
+        r = subprocess.run([str(prefix / "links" / "sbin" / "mount.fuse.acpfs"), "-f", str(back),
+                            str(mnt), "-o", "cache_size=64M,_netdev"],
+                           capture_output=True, text=True, timeout=60, env=outside_checkout())
+        assert r.returncode == 0 and "--cache-size 64M" in r.stderr, r.stderr
+
+        as_user(user, home, "mkdir", str(mnt), str(back))
+        as_user(user, home, str(acpfs_bin), "mount", str(mnt), "--backing", str(back),
+                "--cache-size", "64M", "--cache-dir", str(shm / "cache"),
+                "--log-file", str(home / "acpfs.log"))
+        try:
+            st = json.loads(as_user(user, home, str(acpfs_bin), "status", str(mnt), "--json").stdout)
+            assert st["passthrough"]["on"] is False
+            assert Path(st["cache_dir"]) == shm / "cache"
+            as_user(user, home, "sh", "-c", f"head -c 3000000 /dev/urandom > {mnt}/model.pt && "
+                    f"echo model.pt > {mnt}/latest")
+            as_user(user, home, str(acpfs_bin), "sync", str(mnt), "--timeout", "60")
+            assert (back / "latest").read_text() == "model.pt\n"
+            assert (back / "model.pt").stat().st_size == 3000000
+            assert (back / "model.pt").stat().st_uid == user.pw_uid
+        finally:
+            r = as_user(user, home, str(acpfs_bin), "umount", str(mnt), "--timeout", "60",
+                        check=False)
+            if is_mounted(mnt):
+                subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        assert r.returncode == 0, r.stderr
+        assert not is_mounted(mnt)
+    finally:
+        for d in (prefix, home, shm):
+            shutil.rmtree(d, ignore_errors=True)
+    now = os.readlink("/usr/local/bin/acpfs") if os.path.islink("/usr/local/bin/acpfs") else None
+    assert now == system_link, "the install went to its own links, not /usr/local/bin/acpfs"

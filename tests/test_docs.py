@@ -59,8 +59,8 @@ def test_readme_names_each_test_tier():
     assert "./tools/test tests/unit" in readme and (TESTS / "unit" / "conftest.py").exists()
 
 
-def test_design_concurrency_and_benchmarks_cite_existing_tests():
-    for doc in ("design.md", "concurrency.md", "benchmarks.md"):
+def test_design_concurrency_benchmarks_and_operations_cite_existing_tests():
+    for doc in ("design.md", "concurrency.md", "benchmarks.md", "operations.md"):
         text = (ROOT / "docs" / doc).read_text()
         for fname, func in re.findall(r"`(?:tests/(?:unit/)?)?(test_\w+\.py)(?:::(test_\w+))?`", text):
             path = cited_file(fname)

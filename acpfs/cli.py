@@ -795,7 +795,7 @@ def cmd_temps(a: argparse.Namespace) -> int:
     if not os.path.isdir(backing):
         raise UsageError(f"{a.backing} is not a directory")
     try:
-        older = leftovers.parseage(a.older_than)
+        older = leftovers.parse_age(a.older_than)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if a.remove and not a.yes and not sys.stdin.isatty():

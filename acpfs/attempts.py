@@ -7,6 +7,10 @@ op keeps its place, and its last failure shows in ``status`` (``Op.error``, ``at
 (a directory, a temporary file), so that an error retrying alone cannot cure does not spin,
 and ``meanwhile`` lets later uploads go on. Only a stop without draining ends the attempts
 (``Aborted``).
+
+Owns the counters of failures since mount (``failed_calls``: calls of an op that failed at
+least once; ``retries``: failed attempts, each followed by another), guarded by the op
+log's lock: ``status`` (``errors_since_mount``) and the metrics read them.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class Attempts:
         self.lock = lock
         self.abort = abort            # set: stop without draining
         self.meanwhile = meanwhile    # called with lock held after each failure
+        self.failed_calls = 0         # (lock) calls that failed at least once
+        self.retries = 0              # (lock) failed attempts, each retried
 
     def until_done(self, fn: Callable[[], T], op: Op, what: str,
                    repair: Callable[[BaseException], None] | None = None) -> T:
@@ -55,6 +61,8 @@ class Attempts:
                 except OSError as e:
                     log.warning("%s %r: repair failed (%s); retrying", what, op.path, describe(e))
             with self.lock:   # while an op waits for its next attempt, later uploads go on
+                self.failed_calls += attempt == 1
+                self.retries += 1
                 self.meanwhile()
 
         def recovered() -> None:

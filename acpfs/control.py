@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from .cache import Cache
     from .flusher import Flusher
     from .types import Node
+    from .writethrough import WriteThrough
 
 PREFIX = b"user.acpfs."
 STATE = b"user.acpfs.state"
@@ -69,15 +70,18 @@ class MountInfo:
     passthrough: Callable[[], dict] | None = None
     # FUSE requests the daemon handled, by kind (fs.py): what passthrough leaves to it
     requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    metrics: str | None = None   # where the Prometheus endpoint listens (metrics_http.py)
     pid: int = dataclasses.field(default_factory=os.getpid)
     owner: int = dataclasses.field(default_factory=os.getuid)   # the mount's owner
     started: float = dataclasses.field(default_factory=time.time)
 
 
-def get(flusher: Flusher, info: MountInfo, node: Node, name: bytes, trusted: bool = True) -> bytes:
+def get(flusher: Flusher, info: MountInfo, node: Node, name: bytes, trusted: bool = True,
+        wt: WriteThrough | None = None) -> bytes:
     """The value of control attribute ``name`` of ``node``. ``trusted``: the caller is root or
     the mount's owner; others get no file names (the pending list is refused, the status
-    document has its paths left out: ``hide_names``)."""
+    document has its paths left out: ``hide_names``). ``wt``: the mount's write-through, for
+    its counters."""
     cache = flusher.cache
     if name == STATE:
         return cache.files.state_of(node).encode()
@@ -86,7 +90,7 @@ def get(flusher: Flusher, info: MountInfo, node: Node, name: bytes, trusted: boo
         return json.dumps({"seq": seq, "open_dirty": open_dirty}).encode()
     if node is cache.inodes.root:
         if name == STATUS:
-            doc = status(flusher, info)
+            doc = status(flusher, info, wt)
             return json.dumps(doc if trusted else hide_names(doc), separators=(",", ":")).encode()
         if name == FILES or name.startswith(FILES + b"."):
             if not trusted:
@@ -173,7 +177,9 @@ def hide_names(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-def status(fl: Flusher, info: MountInfo) -> dict[str, Any]:
+def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict[str, Any]:
+    """The status document (docs/status.md), on the trio thread like every request, or
+    where no request runs (the drain)."""
     from . import fastwrite   # here: importing control (acpfs.client does) must not load the C extension
     cache, oplog = fl.cache, fl.oplog
     now = time.time()
@@ -187,6 +193,8 @@ def status(fl: Flusher, info: MountInfo) -> dict[str, Any]:
         queued_since = {"files": oplog.queued_total_files, "bytes": oplog.queued_total_bytes}
         in_flight = fl.uploads.running
         persisted_files, persisted_bytes = fl.persisted_files, fl.persisted_bytes
+        close_to_durable = fl.close_to_durable.as_dict()
+        failures = {"calls": fl.attempts.failed_calls, "retries": fl.attempts.retries}
         used, peak = store.used, store.peak
         cached_files = sum(1 for n in cache.inodes.nodes.values() if n.content is not None and n.size)
         peers = fl.order.status() if fl.order is not None else None
@@ -225,6 +233,9 @@ def status(fl: Flusher, info: MountInfo) -> dict[str, Any]:
         "queue": {"pending_ops": len(queue), "applied_seq": applied, "last_seq": oplog.seq},
         "persisted_since_mount": {"files": persisted_files, "bytes": persisted_bytes},
         "queued_since_mount": queued_since,
+        "close_to_durable_s": close_to_durable,
+        "errors_since_mount": failures,
+        "write_through": wt.status() if wt is not None else {"files": 0, "bytes": 0},
         "flush_rate_bytes_per_s": round(fl.rate()),
         "oldest_dirty_age_s": None if oldest is None else round(now - oldest, 1),
         "errors": errors,
@@ -237,6 +248,7 @@ def status(fl: Flusher, info: MountInfo) -> dict[str, Any]:
         "passthrough": info.passthrough() if info.passthrough is not None else
         {"on": False, "why_not": "not asked for"},
         "requests": dict(sorted(info.requests.items())),
+        "metrics": info.metrics,
     }
 
 

@@ -310,7 +310,7 @@ class Core:
             # file names are for root and the mount's owner (with --allow-other, other users
             # could otherwise read names inside directories they may not list)
             return control.get(self.flusher, self.info, node, name,
-                               trusted=uid in (0, self.info.owner))
+                               trusted=uid in (0, self.info.owner), wt=self.wt)
         if not name.startswith(b"user."):
             raise err(errno.ENODATA)
         value = (await self.loader.xattrs_loaded(node)).get(name)

@@ -22,9 +22,10 @@ skip). A void op's upload stops early and its temporary file is removed before t
 sequencer moves past it. A failing op keeps its place and ``status`` shows the error, so
 nothing queued after it can overtake it and nothing is ever dropped.
 
-Owns the sequencer thread and the counters of what was persisted; the op log's lock guards
-them (lock). Before it applies an op, the sequencer waits for global order
-(``GlobalOrder.hold``).
+Owns the sequencer thread and the counters of what was persisted, with the time each
+published version took from its snapshot (the file's last close) to durable in the backing
+(``close_to_durable``); the op log's lock guards them (lock). Before it applies an op, the
+sequencer waits for global order (``GlobalOrder.hold``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from .oplog import OpLog
 from .ops import Link, Make, Mknod, Mkdir, Op, Publish, Remove, Rename, Rmdir, SetAttr, SetXattr, \
     Symlink, Unlink
 from .globalorder import GlobalOrder
+from .histogram import Histogram
 from .publishing import Publisher
 from .repairs import Repairs, kind_of, version_of
 from .retry import describe
@@ -81,6 +83,7 @@ class Flusher:
         # counters for status (guarded by lock)
         self.persisted_files = 0
         self.persisted_bytes = 0
+        self.close_to_durable = Histogram()   # s from a snapshot queued to its version durable
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
 
     def start(self) -> None:
@@ -169,7 +172,9 @@ class Flusher:
         if op.state == OpState.DONE:
             self.persisted_files += 1
             self.persisted_bytes += op.nbytes
-            self._rate.append((time.time(), op.nbytes))
+            now = time.time()
+            self.close_to_durable.observe(now - op.since)
+            self._rate.append((now, op.nbytes))
             self.cache.files.note_persisted(node)
 
     # -- applying each kind of op (hold position_lock while the backing changes) ----------

@@ -19,6 +19,10 @@ with no await since it last found it free. Calls on a staged file's descriptor g
 ``on_staged``, which pins it (``Staged.users``) so that a publish or discard meanwhile
 closes the descriptor only afterwards. docs/concurrency.md has the races this prevents.
 
+Owns the counters of what went to the backing this way (``written_files``, ``written_bytes``:
+the content copied at write-through and the writes to staged files since; ``status`` shows
+them as ``write_through``).
+
 Runs on the trio thread (trio, no pyfuse3); backing I/O runs in worker threads through
 ``Backing``. ``tests/unit/test_writethrough.py`` drives it with a backing that hangs.
 """
@@ -85,6 +89,12 @@ class WriteThrough:
         self.failed: dict[int, float] = {}    # ino -> when writing it through last failed
         self._full_since = 0.0
         self._copy_locks: dict[int, trio.Lock] = {}
+        self.written_files = 0                # files written through since mount
+        self.written_bytes = 0                # bytes written to the backing by write-through
+
+    def status(self) -> dict[str, int]:
+        """The counters, as ``status`` shows them (``write_through``)."""
+        return {"files": self.written_files, "bytes": self.written_bytes}
 
     # -- the staging slot ----------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -257,6 +267,8 @@ class WriteThrough:
             if node.content is not None:
                 files.store.drop(node.content)
             node.content = None
+        self.written_files += 1
+        self.written_bytes += size
         log.info("cache full: writing %s through to the backing from now on (%d MiB were cached)",
                  node_path(node), size >> 20)
         return True
@@ -378,6 +390,7 @@ class WriteThrough:
                         self.staged_gone(node, sp)
                         continue
                     files.mark_written(node, off + n)
+                    self.written_bytes += n
                 return n
             # None: the node started being written through while we waited; go around
             if len(buf) > files.store.limit // 2 and self.may_write_through(node):

@@ -26,6 +26,7 @@ from .progress import Progress, age, bar, held_text, safe
 from .config import (CACHE_AREA, DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_FRACTION,
                      DEFAULT_CACHE_FULL_TIMEOUT, DEFAULT_COHERENCE_TIMEOUT, DEFAULT_FLUSH_WORKERS,
                      DEFAULT_FSYNC, DEFAULT_GLOBAL_ORDER, DEFAULT_LOG_LEVEL, DEFAULT_MAX_CLOCK_SKEW,
+                     DEFAULT_METRICS, METRICS_HOST,
                      DEFAULT_PASSTHROUGH, DEFAULT_PEER_HEARTBEAT, DEFAULT_PEER_LEASE,
                      DEFAULT_PERSIST_OPEN_AFTER, DEFAULT_TEMPS_OLDER_THAN, DEFAULT_WATCH_INTERVAL,
                      ROOT_LOG_DIR, USER_STATE_DIR, UsageError, default_cache_dir,
@@ -134,6 +135,11 @@ def mount_settings(a: argparse.Namespace) -> dict[str, Any]:
     if pt_mode not in passthrough.MODES:
         raise UsageError(f"invalid --passthrough {pt_mode!r}: use auto, on or off")
     settings.update(block_size=block_size, foreground=foreground, passthrough=pt_mode)
+    metrics = text_setting(a, "metrics", DEFAULT_METRICS).strip()
+    if metrics:
+        from .metrics_http import parse_address
+        parse_address(metrics)
+    settings.update(metrics=metrics)
     return settings
 
 
@@ -477,13 +483,18 @@ def cmd_status(a: argparse.Namespace) -> int:
     if a.max_unsaved_age is not None and not a.check:
         raise UsageError("--max-unsaved-age goes with --check")
     if a.check:
-        if a.json or a.files or a.watch:
-            raise UsageError("--check prints one line per mount: not with --json, --files or --watch")
+        if a.json or a.files or a.watch or a.prometheus:
+            raise UsageError("--check prints one line per mount: not with --json, --files, "
+                             "--watch or --prometheus")
         return check_status(a)
     if a.watch:
+        if a.prometheus:
+            raise UsageError("--watch prints a line per interval: not with --prometheus")
         return watch_status(a)
     if a.interval is not None or a.count is not None:
         raise UsageError("--interval and --count go with --watch")
+    if a.prometheus and (a.json or a.files):
+        raise UsageError("--prometheus prints the metrics text: not with --json or --files")
     mounts = [client.mount_of(a.mountpoint)] if a.mountpoint else client.acpfs_mounts()
     docs = []
     for m in mounts:
@@ -494,7 +505,10 @@ def cmd_status(a: argparse.Namespace) -> int:
             if a.files:
                 doc["files"] = client.read_files(m)
         docs.append(doc)
-    if a.json:
+    if a.prometheus:
+        from .metrics import render
+        sys.stdout.write(render(docs))
+    elif a.json:
         print(json.dumps(docs[0] if a.mountpoint else docs, indent=2))
     elif not docs:
         print("no acpfs mounts")
@@ -960,6 +974,9 @@ def add_daemon_options(m: argparse.ArgumentParser) -> None:
     m.add_argument("--allow-other", action="store_true", help="let other users access the mount")
     m.add_argument("--noexec", action="store_true",
                    help="mount with noexec: the kernel runs no program from the mount")
+    m.add_argument("--metrics", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (PORT or :PORT: on "
+                   f"{METRICS_HOST}; another address only when named; default: off)")
     m.add_argument("--foreground", "-f", action="store_true",
                    help="do not daemonize; log to stderr too (for systemd and debugging)")
 
@@ -970,6 +987,9 @@ def add_status_command(sub) -> None:
     s.add_argument("mountpoint", nargs="?", help="a mount (or a path in it); default: all mounts")
     s.add_argument("--json", action="store_true", help="machine-readable (schema: docs/status.md)")
     s.add_argument("--files", action="store_true", help="also list files not yet persisted")
+    s.add_argument("--prometheus", action="store_true",
+                   help="print Prometheus metrics, as the --metrics endpoint serves them, for "
+                   "node_exporter's textfile collector (docs/operations.md)")
     s.add_argument("--check", action="store_true",
                    help="health check: one line per mount; exit status 0 healthy, 1 degraded "
                    "(failing operations, a dead flusher, a journal error, a node holding changes "

@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, TypeVar
 
 from .config import format_size, ram_filesystem
 from .config import (DEFAULT_COHERENCE_TIMEOUT, DEFAULT_GLOBAL_ORDER, DEFAULT_MAX_CLOCK_SKEW,
-                     DEFAULT_PASSTHROUGH, DEFAULT_PEER_HEARTBEAT, DEFAULT_PEER_LEASE)
+                     DEFAULT_METRICS, DEFAULT_PASSTHROUGH, DEFAULT_PEER_HEARTBEAT,
+                     DEFAULT_PEER_LEASE)
+from .metrics_http import Endpoint, Unavailable
 from .private import open_private, secure_dir, write_mount_record
 from .retry import describe
 from .sdnotify import STATUS_EVERY, Notifier
@@ -60,6 +62,7 @@ class Options:
     peer_heartbeat: float = DEFAULT_PEER_HEARTBEAT
     peer_lease: float = DEFAULT_PEER_LEASE
     passthrough: str = DEFAULT_PASSTHROUGH   # passthrough.MODES
+    metrics: str = DEFAULT_METRICS           # --metrics HOST:PORT, "" for none
 
 
 def setup_logging(opts: Options) -> None:
@@ -136,6 +139,9 @@ class Daemon:
         self.dirty: list = []
         self.left = None
         self._last_progress = 0.0
+        self.endpoint: Endpoint | None = None   # --metrics, bound first thing (_start)
+        self._loop = None            # the FUSE loop's trio token, once it runs (serve)
+        self._quiet = threading.Lock()   # the drain's last change of the files vs. a scrape
 
     def build(self) -> None:
         """Logging, locks, the mount record, the pool, and the core wired together."""
@@ -145,9 +151,13 @@ class Daemon:
         self._build_parts(plan.why_not)
 
     def _start(self) -> None:
-        """Logging, the lock on the backing, the mount record, the cache directory held."""
+        """Logging, the metrics endpoint (``--metrics``), the lock on the backing, the mount
+        record, the cache directory held."""
         opts = self.opts
         setup_logging(opts)
+        if opts.metrics:   # first: a port in use refuses the mount before anything is made
+            self.endpoint = Endpoint(opts.metrics, self._metrics_text)
+            self.endpoint.start()
         os.umask(0o077)
         self.lock_fd = lock_backing(opts.backing, opts.mountpoint)
         write_mount_record(opts.mountpoint, {"mountpoint": opts.mountpoint, "backing": opts.backing,
@@ -262,7 +272,8 @@ class Daemon:
                               opts.fsync_backing, opts.flush_workers, opts.cache_full_timeout,
                               opts.persist_open_after, coherence_timeout=opts.coherence_timeout,
                               passthrough=self.kernel.state if self.kernel is not None else
-                              (lambda: {"on": False, "why_not": why_not}))
+                              (lambda: {"on": False, "why_not": why_not}),
+                              metrics=self.endpoint.address if self.endpoint else None)
         self.core = Core(self.flusher, self.info, order=order, kernel=self.kernel,
                          direct_io_mmap=fastwrite.direct_io_mmap,
                          invalidate_attrs=invalidate_attrs_now)
@@ -366,6 +377,7 @@ class Daemon:
         self.systemd.ready(f"serving {opts.mountpoint}; {self.summary()}")
 
         async def main() -> None:
+            self._loop = trio.lowlevel.current_trio_token()
             async with trio.open_nursery() as nursery:
                 async def on_signals() -> None:
                     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
@@ -401,6 +413,28 @@ class Daemon:
             await trio.sleep(STATUS_EVERY)
             self.systemd.status(f"serving {self.opts.mountpoint}; {self.summary()}")
 
+    def _metrics_text(self) -> str:
+        """The metrics of this mount (``--metrics``; called by the endpoint's threads)."""
+        from . import metrics
+        return metrics.render([self._document()])
+
+    def _document(self) -> dict:
+        """The status document for a scrape: taken on the FUSE loop's thread while it runs,
+        as ``user.acpfs.status`` is; once the loop has ended (the drain), here, where no
+        request changes the files any more but the drain's own snapshot (``_quiet``)."""
+        import trio
+
+        from . import control
+        if self._loop is None:
+            raise Unavailable("acpfs is starting (allocating the cache, or recovering a dead "
+                              "daemon's journal); see the log")
+        take = lambda: control.status(self.flusher, self.info, self.core.wt)   # noqa: E731
+        try:
+            return trio.from_thread.run_sync(take, trio_token=self._loop)
+        except trio.RunFinishedError:
+            with self._quiet:
+                return take()
+
     def summary(self) -> str:
         """One line of what is unsaved, for systemd's STATUS (and ``systemctl status``)."""
         fl, files = self.flusher, self.cache.files
@@ -416,7 +450,8 @@ class Daemon:
     def drain(self) -> bool:
         """Queue what is still unsaved and wait until the flusher has persisted it all."""
         self.systemd.stopping(f"persisting before exit; {self.summary()}")
-        n = self.cache.files.snapshot_open_files()
+        with self._quiet:
+            n = self.cache.files.snapshot_open_files()
         if n:
             log.warning("%d files were still open for writing at unmount; persisting what was "
                         "written to them", n)
@@ -426,6 +461,8 @@ class Daemon:
     def close(self, drained: bool) -> int:
         """Release everything; the cache directory goes only when everything is persisted."""
         opts = self.opts
+        if self.endpoint is not None:
+            self.endpoint.close()
         self.journal.close()
         self.store.close()
         if self.peers is not None:

@@ -54,6 +54,7 @@ def test_mount_help_gives_the_defaults_that_config_holds():
             ("--fsync", f"'{config.DEFAULT_FSYNC}' (default:"),
             ("--block-size", f"(default {config.short_size(config.DEFAULT_BLOCK_SIZE)};"),
             ("--log-level", f"{config.DEFAULT_LOG_LEVEL} (default)"),
+            ("--metrics", f"on {config.METRICS_HOST};"),
             ("--cache-size", f"(default {config.DEFAULT_CACHE_FRACTION * 100:g}% of RAM")]:
         help_of_opt = text.split(f" {opt} ", 1)[1].split(" --", 1)[0]
         assert shown in help_of_opt, (opt, help_of_opt)
@@ -80,7 +81,7 @@ def test_mount_options_come_from_the_command_line_then_the_environment_then_conf
                     max_clock_skew=config.DEFAULT_MAX_CLOCK_SKEW,
                     peer_heartbeat=config.DEFAULT_PEER_HEARTBEAT, peer_lease=config.DEFAULT_PEER_LEASE,
                     block_size=config.DEFAULT_BLOCK_SIZE, foreground=False,
-                    passthrough=config.DEFAULT_PASSTHROUGH)
+                    passthrough=config.DEFAULT_PASSTHROUGH, metrics=config.DEFAULT_METRICS)
     assert settings == defaults
     for field in dataclasses.fields(daemon.Options):
         if field.default is not dataclasses.MISSING:
@@ -90,8 +91,10 @@ def test_mount_options_come_from_the_command_line_then_the_environment_then_conf
     monkeypatch.setenv("ACPFS_PEER_LEASE", "45")
     monkeypatch.setenv("ACPFS_BLOCK_SIZE", "1M")
     monkeypatch.setenv("ACPFS_PASSTHROUGH", "off")
+    monkeypatch.setenv("ACPFS_METRICS", ":9710")
     settings = cli.mount_settings(parse(["mount", "/mnt", "--backing", "/b", "--peer-lease", "50"]))
     assert (settings["peer_lease"], settings["block_size"], settings["passthrough"]) == (50, 1 << 20, "off")
+    assert settings["metrics"] == ":9710"
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -1,0 +1,114 @@
+"""The Prometheus text (acpfs/metrics.py) of real status documents, read back with the
+Prometheus client's parser: label values that need escaping, several mounts and a stale one
+in one text, the histogram's buckets; the ``--metrics`` addresses (acpfs/metrics_http.py);
+and the alert rules of docs/operations.md, which may only name metrics acpfs exports."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from acpfs import control, metrics
+from acpfs.config import CLOSE_TO_DURABLE_BUCKETS, UsageError
+from acpfs.histogram import Histogram
+from acpfs.metrics_http import parse_address
+from triocore import close, create, drain, mount_info, run, write
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+ODD = 'a "quoted"\\back\\slash\nand a newline'
+
+
+def families(text: str) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for fam in text_string_to_metric_families(text):
+        assert fam.name not in out, f"{fam.name} twice"
+        out[fam.name] = fam.samples
+    return out
+
+
+def test_render_escapes_labels_and_joins_mounts(core):
+    """Two live mounts (one with a name that needs escaping) and a stale one: one HELP/TYPE
+    per family, every series labelled with its mount point, exactly as written."""
+    async def one_file(c) -> None:
+        fh, _ = await create(c, b"f")
+        await write(c, fh, b"x" * 70_000)
+        await close(c, fh)
+        await drain(core)
+    run(core, one_file)
+    info = mount_info(core)
+    docs = [control.status(core.flusher, info),
+            control.status(core.flusher, dataclasses.replace(info, mountpoint=ODD)),
+            {"mountpoint": "/gone", "stale": True}]
+    text = metrics.render(docs)
+    assert text.count("# TYPE acpfs_up gauge") == 1
+    got = families(text)
+    ups = {s.labels["mountpoint"]: s.value for s in got["acpfs_up"]}
+    assert ups == {info.mountpoint: 1, ODD: 1, "/gone": 0}
+    persisted = {s.labels["mountpoint"]: s.value for s in got["acpfs_persisted_bytes"]}
+    assert persisted == {info.mountpoint: 70_000, ODD: 70_000}
+    buckets = [s for s in got["acpfs_close_to_durable_seconds"]
+               if s.name.endswith("_bucket") and s.labels["mountpoint"] == ODD]
+    assert [s.labels["le"] for s in buckets] == \
+        [metrics.number(b) for b in CLOSE_TO_DURABLE_BUCKETS] + ["+Inf"]
+    counts = [s.value for s in buckets]
+    assert counts == sorted(counts) and counts[-1] == 1
+    kinds = {s.labels["kind"] for s in got["acpfs_conflicts"] if s.labels["mountpoint"] == ODD}
+    assert "replaced" in kinds
+    assert metrics.render([]) == ""
+
+
+def test_a_document_of_an_older_daemon_leaves_out_what_it_lacks(core):
+    """``status --prometheus`` reads every mount on the host, some perhaps served by an older
+    daemon: a key its document lacks leaves that series out, never a made-up 0."""
+    doc = control.status(core.flusher, mount_info(core))
+    for key in ("errors_since_mount", "write_through", "close_to_durable_s"):
+        del doc[key]
+    got = families(metrics.render([doc]))
+    assert "acpfs_retries" not in got and "acpfs_close_to_durable_seconds" not in got
+    assert got["acpfs_persisted_files"][0].value == 0
+
+
+def test_histogram_buckets_are_cumulative():
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 7.0, -1.0):
+        h.observe(v)
+    d = h.as_dict()
+    assert d["buckets"] == [[0.1, 3], [1.0, 4]] and d["count"] == 5
+    assert d["sum"] == pytest.approx(7.65)
+
+
+@pytest.mark.parametrize("text, address", [
+    ("9710", ("127.0.0.1", 9710)), (":9710", ("127.0.0.1", 9710)), ("0", ("127.0.0.1", 0)),
+    ("0.0.0.0:9710", ("0.0.0.0", 9710)), ("node-1.example:80", ("node-1.example", 80)),
+    ("[::1]:9710", ("::1", 9710)), ("[::]:1", ("::", 1)),
+])
+def test_metrics_addresses(text, address):
+    assert parse_address(text) == address
+
+
+@pytest.mark.parametrize("text", ["", "nine", ":", "::1:9710", "70000", "host:", "a b:1",
+                                  "[1.2.3.4]:5", "-host:5", "host:-1"])
+def test_bad_metrics_addresses(text):
+    with pytest.raises(UsageError) as e:
+        parse_address(text)
+    assert "\n" not in str(e.value) and "--metrics" in str(e.value)
+
+
+def test_alert_rules_in_the_docs_name_exported_metrics():
+    """The rules of docs/operations.md ("Monitoring") use only families acpfs exports (a
+    counter by its ``_total`` name, a histogram by its family name or a series of it)."""
+    page = (DOCS / "operations.md").read_text()
+    rules = re.search(r"```yaml\ngroups:.*?```", page, re.S)
+    assert rules, "no alert rules in docs/operations.md"
+    used = set(re.findall(r"\bacpfs_\w+", rules.group(0)))
+    assert {"acpfs_oldest_unsaved_seconds", "acpfs_publish_errors_total", "acpfs_up",
+            "acpfs_peer_holding_seconds"} <= used
+    for name in used:
+        base = re.sub(r"_(bucket|count|sum)$", "", name)
+        assert name in metrics.FAMILIES or base in metrics.FAMILIES, name
+    table = set(re.findall(r"`(acpfs_\w+)", page))
+    assert set(metrics.FAMILIES) <= table, set(metrics.FAMILIES) - table

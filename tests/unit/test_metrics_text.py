@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,26 @@ def test_a_document_of_an_older_daemon_leaves_out_what_it_lacks(core):
     got = families(metrics.render([doc]))
     assert "acpfs_retries" not in got and "acpfs_close_to_durable_seconds" not in got
     assert got["acpfs_persisted_files"][0].value == 0
+
+
+def test_a_node_held_back_by_a_peer_is_not_healthy(core):
+    """Global order: the other nodes by state, and a peer holding this node's queue, which
+    ``status --check`` calls degraded."""
+    doc = control.status(core.flusher, mount_info(core))
+    doc["peers"] = {"held": {"op": "publish", "path": "latest", "since": time.time() - 5,
+                             "waiting_for": "node2:/ckpt", "instance": "ab12"},
+                    "peers": [{"node": "node2:/ckpt", "state": "up"},
+                              {"node": "node3:/ckpt", "state": "up"},
+                              {"node": "node4:/ckpt", "state": "expired"}]}
+    got = families(metrics.render([doc]))
+    assert {s.labels["state"]: s.value for s in got["acpfs_peers"]} == \
+        {"up": 2, "idle": 0, "expired": 1, "left": 0}
+    assert got["acpfs_peer_holding"][0].value == 1
+    assert got["acpfs_peer_holding_seconds"][0].value >= 5
+    assert got["acpfs_healthy"][0].value == 0
+    doc["peers"]["held"] = None
+    got = families(metrics.render([doc]))
+    assert got["acpfs_peer_holding_seconds"][0].value == 0 and got["acpfs_healthy"][0].value == 1
 
 
 def test_histogram_buckets_are_cumulative():

@@ -1,8 +1,8 @@
 """Prometheus metrics (docs/operations.md, "Monitoring"): the daemon's ``--metrics`` endpoint
 scraped over real HTTP and ``acpfs status --prometheus``, both parsed with the Prometheus
 client's own text parser; the values follow what the mount does (a file written and synced,
-a file larger than the cache, a backing that answers EIO, an unmount while the backing is
-read-only); bad ``--metrics`` values refuse the mount in one line."""
+a file larger than the cache, a backing that answers EIO, a daemon killed and recovered,
+an unmount while the backing is read-only); bad ``--metrics`` values refuse the mount in one line."""
 
 from __future__ import annotations
 
@@ -200,6 +200,32 @@ def test_write_through_is_counted(make_mount):
     assert value(s, "acpfs_write_through_bytes_total", m) == size
     assert value(s, "acpfs_persisted_bytes_total", m) == size
     assert m.status()["write_through"] == {"files": 1, "bytes": size}
+
+
+def test_recovery_is_counted(make_mount, faults):
+    """A daemon killed with a file not yet in the (read-only) backing: the next mount
+    recovers the directory made and the file from the journal, and its endpoint counts
+    both."""
+    m = make_mount("crash", cache_size="64M", mount=False, extra=("--metrics", ":0"))
+    faults.tmpfs(m.back, "64M")
+    faults.mount(m)
+    faults.remount(m.back, "ro")
+    (m.mnt / "ckpt").mkdir()                         # an operation, then a file's content
+    (m.mnt / "ckpt" / "saved").write_bytes(b"s" * 5000)   # close() returned: never lost
+    wait_for(lambda: m.status()["errors"], 10, "the publish failing")
+    os.kill(m.pid, signal.SIGKILL)
+    faults.remount(m.back, "rw")
+    r = acpfs(*m.args())
+    assert "stale mount" in r.stderr
+    m.pid = m.status()["pid"]
+    m.sync()
+    _, s = scrape(m.status()["metrics"])
+    assert value(s, "acpfs_recovered_files_total", m) == 1
+    assert value(s, "acpfs_recovered_operations_total", m) == 1
+    assert value(s, "acpfs_persisted_files_total", m) == 1
+    assert (m.back / "ckpt" / "saved").read_bytes() == b"s" * 5000
+    recovery = m.status()["recovery"]
+    assert (recovery["files"], recovery["replayed_ops"]) == (1, 1)
 
 
 def test_endpoint_answers_during_the_drain_and_closes_after(make_mount, faults):

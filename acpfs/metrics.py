@@ -69,6 +69,30 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 PEER_STATES = ("up", "idle", "expired", "left")
 
+# the families that are one field of the document each
+GAUGES = {
+    "acpfs_uptime_seconds": "uptime_s",
+    "acpfs_cache_size_bytes": "cache.limit_bytes",
+    "acpfs_cache_used_bytes": "cache.used_bytes",
+    "acpfs_cache_peak_used_bytes": "cache.peak_used_bytes",
+    "acpfs_cached_files": "cache.cached_files",
+    "acpfs_dirty_bytes": "dirty.bytes",
+    "acpfs_dirty_files": "dirty.files",
+    "acpfs_flushing_bytes": "flushing.bytes",
+    "acpfs_flushing_files": "flushing.files",
+    "acpfs_uploads_in_flight": "flushing.in_flight",
+    "acpfs_queued_operations": "queue.pending_ops",
+}
+COUNTERS = {
+    "acpfs_persisted_bytes_total": "persisted_since_mount.bytes",
+    "acpfs_persisted_files_total": "persisted_since_mount.files",
+    "acpfs_publish_errors_total": "errors_since_mount.calls",
+    "acpfs_retries_total": "errors_since_mount.retries",
+    "acpfs_write_through_bytes_total": "write_through.bytes",
+    "acpfs_write_through_files_total": "write_through.files",
+    "acpfs_backing_reopened_total": "backing_reopened.count",
+}
+
 Sample = tuple[str, dict[str, str], float]   # (name with suffix, labels, value)
 
 
@@ -95,8 +119,7 @@ def samples(doc: dict[str, Any]) -> Iterator[tuple[str, Sample]]:
     of an older version) leaves its series out rather than invent a value."""
     m = {"mountpoint": doc["mountpoint"]}
 
-    def one(name: str, key: str | float | None, **labels: str) -> Iterator[tuple[str, Sample]]:
-        value = field(doc, key) if isinstance(key, str) else key
+    def one(name: str, value: float | None, **labels: str) -> Iterator[tuple[str, Sample]]:
         if value is not None:
             yield name, (name, {**m, **labels}, value)
     if doc.get("stale"):
@@ -107,16 +130,16 @@ def samples(doc: dict[str, Any]) -> Iterator[tuple[str, Sample]]:
     yield from one("acpfs_healthy", int(healthy(doc)))
     yield from one("acpfs_info", 1, backing=doc["backing"], instance=doc["instance"],
                    store=doc["cache"]["store"], fsync=doc["options"]["fsync"],
-                   passthrough="on" if (field(doc, "passthrough.on")) else "off")
+                   passthrough="on" if field(doc, "passthrough.on") else "off")
     for name, key in GAUGES.items():
-        yield from one(name, key)
+        yield from one(name, field(doc, key))
     yield from one("acpfs_oldest_unsaved_seconds", doc.get("oldest_dirty_age_s") or 0)
     yield from one("acpfs_failing_operations", len(doc["errors"]))
     yield from one("acpfs_flusher_alive", int(bool(doc["flusher_alive"])))
     yield from one("acpfs_journal_ok", int(not doc.get("journal_error")))
     yield from peer_gauges(doc, one)
     for name, key in COUNTERS.items():
-        yield from one(name, key)
+        yield from one(name, field(doc, key))
     for kind, n in field(doc, "conflicts.by_kind", {}).items():
         yield from one("acpfs_conflicts_total", n, kind=kind)
     for kind, n in doc.get("requests", {}).items():
@@ -126,31 +149,6 @@ def samples(doc: dict[str, Any]) -> Iterator[tuple[str, Sample]]:
     yield from one("acpfs_recovered_operations_total", recovery.get("replayed_ops", 0))
     if "close_to_durable_s" in doc:
         yield from histogram("acpfs_close_to_durable_seconds", doc["close_to_durable_s"], m)
-
-
-# the families that are one field of the document each
-GAUGES = {
-    "acpfs_uptime_seconds": "uptime_s",
-    "acpfs_cache_size_bytes": "cache.limit_bytes",
-    "acpfs_cache_used_bytes": "cache.used_bytes",
-    "acpfs_cache_peak_used_bytes": "cache.peak_used_bytes",
-    "acpfs_cached_files": "cache.cached_files",
-    "acpfs_dirty_bytes": "dirty.bytes",
-    "acpfs_dirty_files": "dirty.files",
-    "acpfs_flushing_bytes": "flushing.bytes",
-    "acpfs_flushing_files": "flushing.files",
-    "acpfs_uploads_in_flight": "flushing.in_flight",
-    "acpfs_queued_operations": "queue.pending_ops",
-}
-COUNTERS = {
-    "acpfs_persisted_bytes_total": "persisted_since_mount.bytes",
-    "acpfs_persisted_files_total": "persisted_since_mount.files",
-    "acpfs_publish_errors_total": "errors_since_mount.calls",
-    "acpfs_retries_total": "errors_since_mount.retries",
-    "acpfs_write_through_bytes_total": "write_through.bytes",
-    "acpfs_write_through_files_total": "write_through.files",
-    "acpfs_backing_reopened_total": "backing_reopened.count",
-}
 
 
 def field(doc: dict[str, Any], key: str, default: Any = None) -> Any:

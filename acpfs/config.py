@@ -33,6 +33,7 @@ DEFAULT_LOG_LEVEL = "info"            # --log-level
 DEFAULT_METRICS = ""                  # --metrics HOST:PORT ("": no endpoint; metrics_http.py)
 METRICS_HOST = "127.0.0.1"            # the host of a --metrics given as ":PORT" or "PORT"
 METRICS_CLIENT_TIMEOUT = 10.0         # s a scrape may take to send its request
+METRICS_MAX_SCRAPES = 8               # scrapes served at once; more are closed at once
 # the buckets of acpfs_close_to_durable_seconds (s): from 10 ms to 1 h
 CLOSE_TO_DURABLE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                             120.0, 300.0, 600.0, 1800.0, 3600.0)

@@ -5,7 +5,9 @@ loopback, any other host only when named), the listening socket, bound before th
 starts so that a port in use refuses the mount in one line, and the thread that serves it
 (``Endpoint``). ``GET /metrics`` answers the text of ``metrics.render`` for the mount; any
 other path is 404, any other method 501. Each scrape runs in a thread of its own with a
-timeout, so a slow or stuck client holds nobody and the FUSE loop never waits for one. The
+timeout, so a slow or stuck client holds nobody and the FUSE loop never waits for one; at
+most ``METRICS_MAX_SCRAPES`` at once, a connection beyond them is closed unanswered (a
+flood of idle connections costs a few threads, not one each). The
 daemon's ``render`` callable takes the status document (``Daemon._document``): on the FUSE
 loop's thread while it runs, like ``user.acpfs.status``; during the drain at unmount, when
 no request runs any more, in the scrape's thread. While the daemon starts (a recovery may
@@ -23,7 +25,7 @@ import threading
 import urllib.parse
 from typing import Callable
 
-from .config import METRICS_CLIENT_TIMEOUT, METRICS_HOST, UsageError
+from .config import METRICS_CLIENT_TIMEOUT, METRICS_HOST, METRICS_MAX_SCRAPES, UsageError
 from .metrics import CONTENT_TYPE
 from .retry import describe
 
@@ -92,8 +94,8 @@ class Endpoint:
 
 
 class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    """A TCP server of the family of its address, one thread per scrape, holding the
-    callable that renders the text."""
+    """A TCP server of the family of its address, one thread per scrape (at most
+    ``METRICS_MAX_SCRAPES``: ``slots``), holding the callable that renders the text."""
     daemon_threads = True
     allow_reuse_address = True   # a restarted daemon binds again past TIME_WAIT
 
@@ -101,7 +103,26 @@ class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
                  render: Callable[[], str]) -> None:
         self.address_family = family
         self.render = render
+        self.slots = threading.BoundedSemaphore(METRICS_MAX_SCRAPES)
         super().__init__(address, Handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            log.debug("metrics: %d scrapes running; closing the connection of %s",
+                      METRICS_MAX_SCRAPES, client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class Handler(http.server.BaseHTTPRequestHandler):

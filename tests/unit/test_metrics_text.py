@@ -1,22 +1,26 @@
 """The Prometheus text (acpfs/metrics.py) of real status documents, read back with the
 Prometheus client's parser: label values that need escaping, several mounts and a stale one
-in one text, the histogram's buckets; the ``--metrics`` addresses (acpfs/metrics_http.py);
-and the alert rules of docs/operations.md, which may only name metrics acpfs exports."""
+in one text, the histogram's buckets. The ``--metrics`` addresses, the endpoint's answers
+and its bound on the scrapes it serves at once (acpfs/metrics_http.py). The alert rules of
+docs/operations.md, which may only name metrics acpfs exports."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import socket
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from acpfs import control, metrics
-from acpfs.config import CLOSE_TO_DURABLE_BUCKETS, UsageError
+from acpfs.config import CLOSE_TO_DURABLE_BUCKETS, METRICS_MAX_SCRAPES, UsageError
 from acpfs.histogram import Histogram
-from acpfs.metrics_http import parse_address
+from acpfs.metrics_http import Endpoint, Unavailable, parse_address
 from triocore import close, create, drain, mount_info, run, write
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -133,3 +137,52 @@ def test_alert_rules_in_the_docs_name_exported_metrics():
         assert name in metrics.FAMILIES or base in metrics.FAMILIES, name
     table = set(re.findall(r"`(acpfs_\w+)", page))
     assert set(metrics.FAMILIES) <= table, set(metrics.FAMILIES) - table
+
+
+def get(address: str, path: str = "/metrics") -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_endpoint_answers_and_bounds_the_scrapes_it_serves_at_once():
+    """200 with the text, 404 elsewhere, 503 while the daemon has nothing to render; idle
+    connections hold at most METRICS_MAX_SCRAPES threads: one more is closed unanswered,
+    and scrapes are served again once they go."""
+    ready = []
+
+    def render() -> str:
+        if not ready:
+            raise Unavailable("acpfs is starting")
+        return "acpfs_up 1\n"
+    ep = Endpoint(":0", render)
+    ep.start()
+    try:
+        assert ep.address.startswith("127.0.0.1:")
+        assert get(ep.address) == (503, "acpfs is starting\n")
+        ready.append(True)
+        assert get(ep.address) == (200, "acpfs_up 1\n")
+        assert get(ep.address, "/")[0] == 404
+        host, port = ep.address.rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port))) for _ in range(METRICS_MAX_SCRAPES)]
+        try:
+            with socket.create_connection((host, int(port)), timeout=5) as extra:
+                try:
+                    assert extra.recv(100) == b""          # closed, nothing said
+                except ConnectionResetError:
+                    pass
+        finally:
+            for c in idle:
+                c.close()
+        deadline = time.monotonic() + 5
+        while (got := get(ep.address))[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert got == (200, "acpfs_up 1\n")
+    finally:
+        ep.close()
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=2)
+    assert f"at most {METRICS_MAX_SCRAPES} are served at once" in \
+        (DOCS / "operations.md").read_text().replace("\n", " ")

@@ -2,7 +2,8 @@
 scraped over real HTTP and ``acpfs status --prometheus``, both parsed with the Prometheus
 client's own text parser; the values follow what the mount does (a file written and synced,
 a file larger than the cache, a backing that answers EIO, a daemon killed and recovered,
-an unmount while the backing is read-only); bad ``--metrics`` values refuse the mount in one line."""
+an unmount while the backing is read-only); bad ``--metrics`` values refuse the mount in
+one line."""
 
 from __future__ import annotations
 
@@ -116,7 +117,8 @@ def test_endpoint_counts_what_was_written_and_persisted(make_mount):
     assert value(after, "acpfs_publish_errors_total", m) == 0
     doc = m.status()
     assert doc["persisted_since_mount"]["bytes"] == value(after, "acpfs_persisted_bytes_total", m)
-    assert doc["close_to_durable_s"]["count"] == value(after, "acpfs_close_to_durable_seconds_count", m)
+    assert doc["close_to_durable_s"]["count"] == \
+        value(after, "acpfs_close_to_durable_seconds_count", m)
     for path, code in (("/", 404), ("/metricsx", 404)):
         try:
             urllib.request.urlopen(f"http://{address}{path}", timeout=10)

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from . import __version__, client, passthrough, private, syncing, watch
+from . import __version__, client, health, passthrough, private, syncing, watch
 from .client import FSTYPE, Failure
 from .progress import Progress, age, bar, held_text, safe
 from .config import (CACHE_AREA, DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_FRACTION,
@@ -422,60 +422,6 @@ def start_daemon(opts, lock) -> int:
                   f"(log: {opts.log_file})")
 
 
-HEALTHY, DEGRADED, DOWN = 0, 1, 2   # exit status of 'acpfs status --check'
-
-
-def health(doc: dict[str, Any], max_unsaved_age: float | None) -> tuple[int, list[str]]:
-    """A mount's health from its status document: (HEALTHY, DEGRADED or DOWN, the reasons)."""
-    if doc.get("stale"):
-        return DOWN, ["its daemon is gone (stale mount)"]
-    why = []
-    if not doc["flusher_alive"]:
-        why.append("the flusher is dead: nothing is persisted")
-    for e in doc["errors"][:3]:
-        why.append(f"{e['op']} {safe(e['path'])} failing for {age(time.time() - e['since'])} "
-                   f"({e['attempts']} attempts): {e['reason']}")
-    if doc.get("journal_error"):
-        why.append(f"journal cannot be written: {doc['journal_error']}")
-    oldest = doc.get("oldest_dirty_age_s")
-    if max_unsaved_age is not None and oldest is not None and oldest > max_unsaved_age:
-        why.append(f"unsaved data {age(oldest)} old (more than {age(max_unsaved_age)})")
-    held = (doc.get("peers") or {}).get("held")
-    if held:
-        why.append(held_text(held))
-    return (DEGRADED if why else HEALTHY), why
-
-
-def check_status(a: argparse.Namespace) -> int:
-    """``status --check``: one line per mount, exit status the worst of them."""
-    if a.mountpoint:
-        try:
-            mounts = [client.mount_of(a.mountpoint)]
-        except Failure:
-            print(f"DOWN {safe(a.mountpoint)}: not an acpfs mount")
-            return DOWN
-    else:
-        mounts = client.acpfs_mounts()
-        if not mounts:
-            print("DOWN: no acpfs mounts")
-            return DOWN
-    worst = HEALTHY
-    for m in mounts:
-        try:
-            doc = {"mountpoint": m, "stale": True} if client.is_stale(m) else client.read_status(m)
-        except Failure as e:
-            doc, code, why = {}, DOWN, [str(e)]
-        else:
-            code, why = health(doc, a.max_unsaved_age)
-        if code == HEALTHY:
-            print(f"OK {safe(m)}: {doc['dirty']['files']} files unsaved, "
-                  f"{doc['queue']['pending_ops']} operations to persist")
-        else:
-            print(f"{'DEGRADED' if code == DEGRADED else 'DOWN'} {safe(m)}: " + "; ".join(why))
-        worst = max(worst, code)
-    return worst
-
-
 def cmd_status(a: argparse.Namespace) -> int:
     """Every mount, or the one named. The one named being stale is a failure (exit 1, the
     ``gone`` line on stderr) after its document; in the list of every mount a stale one is
@@ -486,7 +432,7 @@ def cmd_status(a: argparse.Namespace) -> int:
         if a.json or a.files or a.watch or a.prometheus:
             raise UsageError("--check prints one line per mount: not with --json, --files, "
                              "--watch or --prometheus")
-        return check_status(a)
+        return health.check_status(a.mountpoint, a.max_unsaved_age)
     if a.watch:
         if a.prometheus:
             raise UsageError("--watch prints a line per interval: not with --prometheus")

@@ -16,6 +16,8 @@ import math
 import time
 from typing import Any, Iterator
 
+from .health import HEALTHY, health
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # name -> (type, help); the order of the text
@@ -186,8 +188,7 @@ def histogram(name: str, h: dict[str, Any], labels: dict[str, str]) -> Iterator[
 
 def healthy(doc: dict[str, Any]) -> bool:
     """What ``acpfs status --check`` says of the document, without --max-unsaved-age (its
-    one rule, ``cli.health``)."""
-    from .cli import HEALTHY, health   # here: cli imports this module
+    one rule, ``health.health``)."""
     return health(doc, None)[0] == HEALTHY
 
 

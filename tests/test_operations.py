@@ -204,8 +204,9 @@ def test_status_watch_refuses_what_it_cannot_do(make_mount):
     m = make_mount()
     for args, line in (
             (("--watch", "--json"), "--watch prints a line per interval: not with --json or --files"),
-            (("--watch", "--check"), "--check prints one line per mount: not with --json, --files "
-                                     "or --watch"),
+            (("--watch", "--check"), "--check prints one line per mount: not with --json, --files, "
+                                     "--watch or --prometheus"),
+            (("--watch", "--prometheus"), "--watch prints a line per interval: not with --prometheus"),
             (("--watch", "--interval", "0"), "--interval must be more than 0"),
             (("--count", "3"), "--interval and --count go with --watch")):
         r = subprocess.run([*ACPFS, "status", str(m.mnt), *args], capture_output=True, text=True)

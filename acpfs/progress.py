@@ -18,13 +18,15 @@ class Progress:
         self.last = 0.0
         self.shown = False
 
-    def update(self, text: str) -> None:
+    def update(self, text: str, news: bool = False) -> None:
+        """Show ``text``; ``news``: it says something new (not only new figures), so a log
+        gets it at once too."""
         now = time.monotonic()
         if self.tty:
             self.stream.write("\r\033[K" + text)
             self.stream.flush()
             self.shown = True
-        elif now - self.last >= 5.0:
+        elif news or now - self.last >= 5.0:
             self.last = now
             self.stream.write(text + "\n")
             self.stream.flush()

@@ -91,6 +91,10 @@ class Others:
     def finished(self) -> bool:
         return self.fresh and not self.waiting
 
+    def subject(self) -> str | None:
+        """The daemon waited for first (None: a fresh listing)."""
+        return self.waiting[0]["instance"] if self.fresh and self.waiting else None
+
     def progress(self, label: str, called: float) -> str:
         if not self.fresh:
             text = f"{label}: waiting for a listing of the node records"
@@ -117,6 +121,7 @@ def all_nodes(mountpoint: str, deadline: float | None,
                          "this node keeps no record of the other nodes")
     wait_durable(mountpoint, doc["queue"]["last_seq"], left(deadline), f"{label}: this node")
     prog = Progress()
+    subject = None   # what the progress line is about: a listing, or the node waited for
     try:
         while True:
             others = Others(read_status(mountpoint)["peers"], called)
@@ -124,7 +129,9 @@ def all_nodes(mountpoint: str, deadline: float | None,
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 raise Failure(timed_out(label, others, called))
-            prog.update(others.progress(label, called))
+            now = others.subject()
+            prog.update(others.progress(label, called), news=now != subject)
+            subject = now
             time.sleep(POLL)
     finally:
         prog.done()

@@ -331,62 +331,75 @@ def test_a_file_closed_by_a_forked_process_and_still_open_holds_nobody(tmp_path,
         p.wait()
 
 
-def test_sync_all_nodes_waits_for_every_live_node(tmp_path, nodes_made):
+def held_node_pair(faults, tmp_path, *extra: str):
+    """Nodes A and B over one shared directory, B through a faultfs view of it: B's uploads
+    can be made to fail (``eio write``: its record is still renewed, so B stays live and
+    shows what it has pending)."""
+    shared, view = tmp_path / "shared", tmp_path / "view"
+    shared.mkdir()
+    view.mkdir()
+    shim = faults.shim(shared, view)
+    return shim, make(tmp_path, 2, *FAST, *extra, backings=[shared, view])
+
+
+def test_sync_all_nodes_waits_for_every_live_node(faults, tmp_path, nodes_made):
     """`acpfs sync --all-nodes` on node A returns only once node B has persisted what B
-    acknowledged before the call. B's daemon is stopped right after its close() returned:
-    A's call waits, naming B, fails at its timeout, and returns once B goes on; B's shard
-    is in the backing, whole, when it returns."""
-    node_a, node_b = make(tmp_path, 2, *FAST)
+    acknowledged before the call. B's uploads fail while its record stays live: A's call
+    fails at its timeout naming B, waits while B is held, and returns once B's shard is in
+    the backing, whole."""
+    shim, (node_a, node_b) = held_node_pair(faults, tmp_path)
     nodes_made += [node_a, node_b]
     for n in (node_a, node_b):
         n.mount()
     a, b = Worker(node_a), Worker(node_b)
     sync_all = (*ACPFS, "sync", "--all-nodes", str(node_a.mnt))
     try:
-        a.do("write", "step_0/shard_a", "a0", SHARD_UNITS)
-        b.do("write", "step_0/shard_b", "b0", SHARD_UNITS)
+        a.do("write", "step_0/shard_a", "a0", 4)
+        shim.set("eio write")
+        b.do("write", "step_0/shard_b", "b0", 4)          # close() returns; the upload fails
         b_daemon = node_b.status()["instance"]
-        os.kill(node_b.pid, signal.SIGSTOP)
+        r = node_a.run(*sync_all, "--timeout", "2", check=False)
+        assert r.returncode == 1, r.stderr
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"acpfs: sync --all-nodes {node_a.mnt}: timed out waiting for "
+                               "1 nodes to persist what they acknowledged before the call: ")
+        assert f"(daemon {b_daemon}, " in last, last
+        waiting = node_a.popen(*sync_all, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            r = node_a.run(*sync_all, "--timeout", "2", check=False)
-            assert r.returncode == 1, r.stderr
-            last = r.stderr.strip().splitlines()[-1]
-            assert last.startswith(f"acpfs: sync --all-nodes {node_a.mnt}: timed out waiting for "
-                                   "1 nodes to persist what they acknowledged before the call: ")
-            assert f"(daemon {b_daemon}, " in last, last
-            waiting = node_a.popen(*sync_all, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
             time.sleep(1.5)
             assert waiting.poll() is None, waiting.communicate()
+            assert not (node_a.backing / "step_0" / "shard_b").exists()
         finally:
-            os.kill(node_b.pid, signal.SIGCONT)
+            shim.set("ok")
         _, err = waiting.communicate(timeout=60)
         assert waiting.returncode == 0, err
         # B's shard was there when the call returned (nothing removes it)
-        assert (node_a.backing / "step_0" / "shard_b").read_bytes() == content("b0", SHARD_UNITS)
-        assert (node_a.backing / "step_0" / "shard_a").read_bytes() == content("a0", SHARD_UNITS)
+        assert (node_a.backing / "step_0" / "shard_b").read_bytes() == content("b0", 4)
+        assert (node_a.backing / "step_0" / "shard_a").read_bytes() == content("a0", 4)
         assert "waiting for node " in err and f"(daemon {b_daemon}, up, " in err, err
         assert err.strip().splitlines()[-1].startswith(
             f"acpfs: sync --all-nodes {node_a.mnt}: this node and 1 other nodes have persisted "
             "what they acknowledged before the call"), err
     finally:
+        shim.set("ok")
         a.close()
         b.close()
 
 
-def test_sync_all_nodes_says_which_dead_node_may_hold_changes(tmp_path, nodes_made):
+def test_sync_all_nodes_says_which_dead_node_may_hold_changes(faults, tmp_path, nodes_made):
     """A node that stops renewing its record is waited for only until its lease runs out;
-    then, if its record does not show everything before the call persisted, the call fails
-    naming it. Once it is back and persisted, the call succeeds."""
-    node_a, node_b = make(tmp_path, 2, *FAST, "--peer-lease", "3")
+    then, since its record does not show everything before the call persisted, the call
+    fails naming it. Once it is back and has persisted, the call succeeds."""
+    shim, (node_a, node_b) = held_node_pair(faults, tmp_path, "--peer-lease", "3")
     nodes_made += [node_a, node_b]
     for n in (node_a, node_b):
         n.mount()
     b = Worker(node_b)
     try:
-        b.do("write", "shard_b", "b0", 4)
+        shim.set("eio write")
+        b.do("write", "shard_b", "b0", 4)             # pending: its upload fails
         b_daemon = node_b.status()["instance"]
-        os.kill(node_b.pid, signal.SIGSTOP)
+        os.kill(node_b.pid, signal.SIGSTOP)           # and then its daemon stops for good
         try:
             started = time.monotonic()
             r = node_a.run(*ACPFS, "sync", "--all-nodes", str(node_a.mnt), "--timeout", "30",
@@ -394,6 +407,7 @@ def test_sync_all_nodes_says_which_dead_node_may_hold_changes(tmp_path, nodes_ma
             took = time.monotonic() - started
         finally:
             os.kill(node_b.pid, signal.SIGCONT)
+            shim.set("ok")
         assert r.returncode == 1 and took < 20, (took, r.stderr)
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith(f"acpfs: sync --all-nodes {node_a.mnt}: 1 nodes stopped renewing "
@@ -402,6 +416,7 @@ def test_sync_all_nodes_says_which_dead_node_may_hold_changes(tmp_path, nodes_ma
         node_a.run(*ACPFS, "sync", "--all-nodes", str(node_a.mnt), "--timeout", "30")
         assert (node_a.backing / "shard_b").read_bytes() == content("b0", 4)
     finally:
+        shim.set("ok")
         b.close()
 
 

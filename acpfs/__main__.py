@@ -1,6 +1,6 @@
 """``python -m acpfs`` is the ``acpfs`` command."""
 import sys
 
-from .cli import main
+from .commands.cli import main
 
 sys.exit(main())

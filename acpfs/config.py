@@ -14,6 +14,8 @@ import hashlib
 import os
 import re
 
+from .errors import UsageError
+
 # -- defaults of the options of ``acpfs mount`` (as typed: seconds, words, bytes) -------
 DEFAULT_CACHE_FRACTION = 0.25   # of RAM, and at most half of the cache directory's free space
 MIN_CACHE = 4 << 20
@@ -46,10 +48,6 @@ USER_STATE_DIR = "~/.local/state"     # when XDG_STATE_HOME is not set
 DEFAULT_TEMPS_OLDER_THAN = "1d"
 
 
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
-
-
 def parse_size(text: str, what: str = "size") -> int:
     """Bytes from '123', '64K', '512M', '8G', '1T' (powers of 1024) or '25%' of RAM."""
     s = str(text).strip()
@@ -80,6 +78,21 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError
+
+
+def safe(text: str) -> str:
+    """``text`` with control characters escaped, for a line a human reads (a name holding a
+    newline must not print a line of its own)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def age(s: float) -> str:
+    s = int(s)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def total_ram() -> int:

@@ -63,7 +63,7 @@ API
     acpfs mount without a record.
 
 Where the backing of a path comes from: ``configure()``, then the mount record
-(``acpfs.private.read_mount_record``), then the live daemon's status, then the environment.
+(``acpfs.userdirs.read_mount_record``), then the live daemon's status, then the environment.
 Paths are resolved without touching the FUSE mount (a hung daemon cannot block resolution):
 symbolic links are followed up to the mount point, not inside it.
 
@@ -105,7 +105,11 @@ from typing import Any, Callable, Iterable, Literal
 
 import torch
 
-from . import client, config, journal, private
+from . import mounttable
+from .commands import client
+from . import userdirs
+from .errors import Failure, UsageError
+from .oplog import journal
 
 __all__ = ["save", "load", "wait_persisted", "preload", "configure", "Saved", "Preloaded",
            "NotPersisted"]
@@ -228,7 +232,7 @@ def _known_backing(mountpoint: str, mounted: bool) -> str | None:
     """configure(), then the mount record, then the environment (the status is asked later)."""
     if mountpoint in _overrides:
         return _overrides[mountpoint]
-    rec = private.read_mount_record(mountpoint)
+    rec = userdirs.read_mount_record(mountpoint)
     if rec and rec.get("backing"):
         return rec["backing"]
     return _env_backing(mountpoint, mounted)
@@ -238,7 +242,7 @@ def _recorded_backing(directory: str) -> str | None:
     """The backing of a directory that is a recorded (or configured) but unmounted mount point."""
     if directory in _overrides:
         return _overrides[directory]
-    rec = private.read_mount_record(directory)
+    rec = userdirs.read_mount_record(directory)
     if rec and rec.get("backing") and os.path.isdir(rec["backing"]):
         return rec["backing"]
     return _env_backing(directory, False)
@@ -250,7 +254,7 @@ def _resolve(path: str | os.PathLike) -> _Target:
     Symbolic links are followed (like realpath) up to an acpfs mount point; inside a mount the
     rest of the path is taken as written (normalized), so a hung daemon cannot block this.
     """
-    mounts = client.acpfs_mount_ids()
+    mounts = mounttable.acpfs_mount_ids()
     pending = os.path.abspath(os.fspath(path)).split("/")[1:]
     cur = "/"
     hops = 0
@@ -327,7 +331,7 @@ def _in_thread(fn: Callable[[], Any], timeout: float | None,
 
 def _probe(mountpoint: str, timeout: float = PROBE_TIMEOUT) -> Literal["live", "dead", "hung"]:
     """Is the daemon of ``mountpoint`` answering? statvfs is never answered from a kernel cache."""
-    if mountpoint not in client.acpfs_mount_ids():
+    if mountpoint not in mounttable.acpfs_mount_ids():
         return "dead"
     prev = _probes.get(mountpoint)
     if prev is not None and prev.is_alive():
@@ -432,10 +436,10 @@ def _save_direct(obj: Any, t: _Target, kwargs: dict[str, Any], reason: str, star
 
 def _tell_recovery(t: _Target) -> None:
     """List the path in the cache directory of the mount, so that a recovery of the dead
-    daemon does not replay an older version over this one (``acpfs.recovery``)."""
+    daemon does not replay an older version over this one (``acpfs.daemon.recovery``)."""
     if t.mountpoint is None:
         return
-    rec = private.read_mount_record(t.mountpoint)
+    rec = userdirs.read_mount_record(t.mountpoint)
     if not rec or not rec.get("cache_dir") or not os.path.isdir(rec["cache_dir"]):
         return
     try:
@@ -626,7 +630,7 @@ def _wait_live(t: _Target, timeout: float | None) -> bool:
         raise _Dead() from None
     except client.WaitTimeout:
         return False
-    except client.Failure as e:
+    except Failure as e:
         raise OSError(e.errno or errno.EIO, str(e)) from None
     return True
 
@@ -678,7 +682,7 @@ def preload(paths: Iterable[str | os.PathLike]) -> Preloaded:
 
     Paths on no live acpfs mount are skipped. Files that do not fit are listed in ``left_out``.
     """
-    from . import cli
+    from .commands import cli
     live = []
     for p in paths:
         t = _resolve(p)
@@ -690,9 +694,9 @@ def preload(paths: Iterable[str | os.PathLike]) -> Preloaded:
         return Preloaded()
     try:
         files, nbytes, left_out = cli.preload(live, quiet=True)
-    except config.UsageError as e:
+    except UsageError as e:
         raise ValueError(f"acpfs preload: {e}") from None
-    except client.Failure as e:
+    except Failure as e:
         raise OSError(errno.EIO, f"acpfs preload failed: {e}") from None
     return Preloaded(files, nbytes, list(left_out))
 

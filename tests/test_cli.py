@@ -67,7 +67,10 @@ def test_mount_options_come_from_the_command_line_then_the_environment_then_conf
     daemon's Options and the control interface's MountInfo default to the same values."""
     import dataclasses
 
-    from acpfs import cli, config, control, daemon
+    from acpfs.commands import cli
+    from acpfs import config
+    from acpfs.core import control
+    from acpfs.daemon import daemon
     for name in [n for n in os.environ if n.startswith("ACPFS_")]:
         monkeypatch.delenv(name)
     parse = cli.build_parser().parse_args

@@ -63,7 +63,7 @@ NO_EXTENSION = {"ACPFS_NO_FAST_WRITE": "1", "ACPFS_PASSTHROUGH": "auto"}
 def test_switched_off_writes_the_same(make_mount):
     m = make_mount("off", env=NO_EXTENSION)
     assert m.status()["passthrough"] == {
-        "on": False, "why_not": "the C extension acpfs._fastwrite is not loaded"}
+        "on": False, "why_not": "the C extension acpfs.fuse._fastwrite is not loaded"}
     st = m.status()["fast_write"]
     assert st == {"on": False, "why_not": "disabled by ACPFS_NO_FAST_WRITE",
                   "non_temporal_threshold": (256 << 10) if platform.machine() == "x86_64" else None,

@@ -25,7 +25,7 @@ import pytest
 
 from conftest import is_mounted, wait_for
 
-from acpfs import mounthelper
+from acpfs.commands import mounthelper
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPER_LINK = Path("/sbin/mount.fuse.acpfs")   # /usr/sbin with usrmerge: libmount looks in /sbin
@@ -40,7 +40,7 @@ def mount_helper(tmp_path):
     what was at HELPER_LINK before is put back."""
     wrapper = tmp_path / "mount.fuse.acpfs"
     wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={shlex.quote(str(ROOT))} "
-                       f"exec {shlex.quote(sys.executable)} -m acpfs.mounthelper \"$@\"\n")
+                       f"exec {shlex.quote(sys.executable)} -m acpfs.commands.mounthelper \"$@\"\n")
     wrapper.chmod(0o755)
     saved = HELPER_LINK.with_name(HELPER_LINK.name + f".saved-{os.getpid()}")
     had = os.path.lexists(HELPER_LINK)
@@ -265,7 +265,7 @@ def test_system_install_serves_a_user_other_than_root(fuse_for_users):
         assert os.readlink(prefix / "links" / "sbin" / "mount.fuse.acpfs") == \
             str(venv / "bin" / "mount.fuse.acpfs")
         where = subprocess.run([str(venv / "bin" / "python"), "-c",
-                                "import acpfs, acpfs._fastwrite; print(acpfs.__file__)"],
+                                "import acpfs, acpfs.fuse._fastwrite; print(acpfs.__file__)"],
                                capture_output=True, text=True, check=True, cwd="/",
                                env=outside_checkout()).stdout
         assert where.startswith(str(venv)), where   # a copy, not the checkout

@@ -47,7 +47,7 @@ def temp_files(root: Path) -> list[str]:
 
 
 def test_import_acpfs_does_not_import_torch():
-    code = "import sys, acpfs, acpfs.cli, acpfs.config; print('torch' in sys.modules, 'torch_npu' in sys.modules)"
+    code = "import sys, acpfs, acpfs.commands.cli, acpfs.config; print('torch' in sys.modules, 'torch_npu' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert r.stdout.split() == ["False", "False"]
     code = "import sys, acpfs.torch; print('torch_npu' in sys.modules)"

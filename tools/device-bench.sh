@@ -10,7 +10,7 @@
 # 3.14 and its headers, fusermount3 and a fuse3-only pkg-config, pyfuse3 3.5.0's sdist, trio,
 # outcome and sniffio wheels, setuptools + setuptools_scm to build pyfuse3 with.
 # Steps: check the machine and /dev/fuse; install the build tools and wheels into scratch;
-# build pyfuse3 from its sdist (from its shipped C file, Cython hidden) and acpfs._fastwrite
+# build pyfuse3 from its sdist (from its shipped C file, Cython hidden) and acpfs.fuse._fastwrite
 # in place (acpfs/_fastwrite*.so in this tree), both against the kit's libfuse3; mount, write,
 # sync and unmount once; run tools/bench.py; stop it cleanly before the caller's limit.
 #
@@ -175,7 +175,7 @@ PF_SO="$(ls "$W"/site/pyfuse3/__init__*.so 2>/dev/null | sed -n 1p || true)"
 echo "built $PF_SO"
 
 # ---------------------------------------------------------------------------------------
-step "build acpfs._fastwrite in place"
+step "build acpfs.fuse._fastwrite in place"
 rm -f acpfs/_fastwrite"$EXT_SUFFIX"
 if ! PYTHONPATH="$W/buildtools" "$PY" setup.py -q build_ext --inplace --build-temp "$W/build-temp" --build-lib "$W/build-lib" \
         >"$W/fastwrite-build.log" 2>&1; then
@@ -197,7 +197,7 @@ for so in "$PF_SO" "acpfs/_fastwrite$EXT_SUFFIX"; do
     grep -q "libfuse3.so.3 => $FUSE_LIB/" <<<"$deps" || die "$so does not load libfuse3 from the kit"
 done
 export PYTHONPATH="$W/site:$REPO${ORIG_PYTHONPATH:+:$ORIG_PYTHONPATH}"
-# setup.cfg's console entry point is acpfs.cli:main, which acpfs/__main__.py runs
+# setup.cfg's console entry point is acpfs.commands.cli:main, which acpfs/__main__.py runs
 cat >"$W/bin/acpfs" <<EOF
 #!/bin/sh
 exec "$PY" -m acpfs "\$@"
@@ -208,12 +208,12 @@ echo "acpfs on PATH: $(command -v acpfs); $(acpfs --version)"
 PT="${KIT_PASSTHROUGH:-}"
 if [ -n "$PT" ]; then export ACPFS_PASSTHROUGH="$PT"; else unset ACPFS_PASSTHROUGH; fi
 "$PY" - <<'EOF'
-import acpfs, acpfs.fastwrite as f   # first: it loads acpfs._fastwrite before pyfuse3, as acpfs.fs does
+import acpfs, acpfs.fuse.fastwrite as f   # first: it loads acpfs.fuse._fastwrite before pyfuse3, as acpfs.fuse.operations does
 import pyfuse3, trio
 print("pyfuse3", pyfuse3.__version__, "from", pyfuse3.__file__)
 print("acpfs", acpfs.__version__, "from", acpfs.__file__)
-assert f._ext is not None, f"acpfs.fastwrite did not load the C extension: {f._why_not}"
-print("acpfs.fastwrite loaded", f._ext.__file__)
+assert f._ext is not None, f"acpfs.fuse.fastwrite did not load the C extension: {f._why_not}"
+print("acpfs.fuse.fastwrite loaded", f._ext.__file__)
 EOF
 
 # ---------------------------------------------------------------------------------------

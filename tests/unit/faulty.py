@@ -1,6 +1,6 @@
 """A ``Backing`` whose calls can be made to fail or hang, chosen per call, per path, on an event.
 
-Every public method of ``acpfs.backing.Backing`` (the only place acpfs makes system calls
+Every public method of ``acpfs.backing.backing.Backing`` (the only place acpfs makes system calls
 on the backing), whichever of its pieces defines it, is wrapped: before the real call, the
 faults injected with ``inject`` are consulted in order, and the first that matches acts. A fault matches by method name (or
 any), by a substring of the call's path in the backing (names from the root joined with
@@ -25,8 +25,8 @@ import os
 import threading
 from typing import Any
 
-from acpfs.backing import NODES_DIR, Backing, staging_dir_of
-from acpfs.backing_records import NodeRecords
+from acpfs.backing.backing import NODES_DIR, Backing, staging_dir_of
+from acpfs.backing.records import NodeRecords
 
 # methods whose result is a descriptor (or a pair of them) opened at the call's path
 OPENERS = {"open_dir", "open_file", "create_temp", "create_staged", "open_staged"}

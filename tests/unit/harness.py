@@ -7,13 +7,13 @@ import os
 import time
 from pathlib import Path
 
-from acpfs.cache import Cache
-from acpfs.flusher import Flusher
-from acpfs.globalorder import GlobalOrder
-from acpfs.journal import Journal
-from acpfs.memfiles import MemFiles
-from acpfs.oplog import OpLog
-from acpfs.pool import Pool
+from acpfs.cache.cache import Cache
+from acpfs.flusher.flusher import Flusher
+from acpfs.cluster.globalorder import GlobalOrder
+from acpfs.oplog.journal import Journal
+from acpfs.store.filestore import MemFiles
+from acpfs.oplog.log import OpLog
+from acpfs.store.pool import Pool
 from faulty import FaultyBacking
 
 BS = 4096

@@ -10,7 +10,7 @@ import stat
 
 import pytest
 
-from acpfs.backing import (OLD_STAGING_DIR, TEMP_PREFIX, Backing, is_internal_name, new_instance,
+from acpfs.backing.backing import (OLD_STAGING_DIR, TEMP_PREFIX, Backing, is_internal_name, new_instance,
                            staged_ino, staging_dir_of)
 
 NAME = re.compile(rb"\.acpfs-tmp-([0-9a-f]{12})-([0-9a-f]{16})")

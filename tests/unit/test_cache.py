@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from acpfs.flusher import Flusher
-from acpfs.content import CacheFull
+from acpfs.flusher.flusher import Flusher
+from acpfs.store.api import CacheFull
 
 from harness import BS, write_file
 
@@ -193,7 +193,7 @@ def test_directory_link_counts_follow_random_namespace_changes(core):
     than counted at each GETATTR) equals a count of its entries after every change, over
     random mkdir, create, rename (over files and empty directories), unlink and rmdir."""
     import random
-    from acpfs.fs import dir_links
+    from acpfs.fuse.operations import dir_links
     cache, flusher, back = core
     rng = random.Random(7)
     dirs = [cache.inodes.root]

@@ -1,4 +1,4 @@
-"""acpfs.client without a mount: the mount table parsed from mountinfo text (escaped names,
+"""acpfs.commands.client without a mount: the mount table parsed from mountinfo text (escaped names,
 other file systems, nested mounts), the control attributes read through a stand-in
 ``os.getxattr`` (stale mounts told apart), and the durability wait against a stand-in status
 reader (progress, timeout), also as ``acpfs sync`` shows it."""
@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from acpfs import cli, client, control, syncing
+from acpfs import mounttable
+from acpfs.commands import cli, client, syncing
+from acpfs.core import control
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,11 +32,11 @@ def line(mount_id: int, mountpoint: str, fstype: str, optional: str = "shared:1"
 
 # -- the mount table ---------------------------------------------------------------------------
 def test_unescape_the_four_escapes_and_nothing_else():
-    assert client.unescape("/a\\040b\\011c\\012d\\134e") == "/a b\tc\nd\\e"
+    assert mounttable.unescape("/a\\040b\\011c\\012d\\134e") == "/a b\tc\nd\\e"
     # a backslash followed by digits in the name itself is written \134 + the digits
-    assert client.unescape("/x\\134040") == "/x\\040"
-    assert client.unescape("/x\\134\\040y") == "/x\\ y"
-    assert client.unescape("/plain/ünïcode#1") == "/plain/ünïcode#1"
+    assert mounttable.unescape("/x\\134040") == "/x\\040"
+    assert mounttable.unescape("/x\\134\\040y") == "/x\\ y"
+    assert mounttable.unescape("/plain/ünïcode#1") == "/plain/ünïcode#1"
 
 
 def test_parse_mountinfo_keeps_every_mount_with_its_id_and_type():
@@ -49,17 +51,17 @@ def test_parse_mountinfo_keeps_every_mount_with_its_id_and_type():
         "garbage without a separator",
         "",
     ])
-    got = client.parse_mountinfo(text)
+    got = mounttable.parse_mountinfo(text)
     assert got == [
-        client.Mount("22", "/proc", "proc", "0:21"),
-        client.Mount("40", "/mnt/ckpt", "fuse.acpfs", "0:40"),
-        client.Mount("41", "/mnt/with space", "fuse.acpfs", "0:41"),
-        client.Mount("42", "/mnt/tab\there", "fuse.acpfs", "0:42"),
-        client.Mount("43", "/mnt/new\nline", "fuse.acpfs", "0:43"),
-        client.Mount("44", "/mnt/back\\slash", "fuse.acpfs", "0:44"),
-        client.Mount("45", "/mnt/other", "fuse.sshfs", "0:45"),
+        mounttable.Mount("22", "/proc", "proc", "0:21"),
+        mounttable.Mount("40", "/mnt/ckpt", "fuse.acpfs", "0:40"),
+        mounttable.Mount("41", "/mnt/with space", "fuse.acpfs", "0:41"),
+        mounttable.Mount("42", "/mnt/tab\there", "fuse.acpfs", "0:42"),
+        mounttable.Mount("43", "/mnt/new\nline", "fuse.acpfs", "0:43"),
+        mounttable.Mount("44", "/mnt/back\\slash", "fuse.acpfs", "0:44"),
+        mounttable.Mount("45", "/mnt/other", "fuse.sshfs", "0:45"),
     ]
-    assert client.acpfs_mounts(text) == ["/mnt/ckpt", "/mnt/with space", "/mnt/tab\there",
+    assert mounttable.acpfs_mounts(text) == ["/mnt/ckpt", "/mnt/with space", "/mnt/tab\there",
                                          "/mnt/new\nline", "/mnt/back\\slash"]
 
 
@@ -68,17 +70,17 @@ def test_mount_ids_and_type_follow_the_top_mount():
     text = "\n".join([line(60, "/mnt/c", "fuse.acpfs"), line(61, "/mnt/c", "fuse.acpfs"),
                       line(62, "/mnt/d", "tmpfs"), line(63, "/mnt/d", "fuse.acpfs"),
                       line(64, "/mnt/e", "fuse.acpfs"), line(65, "/mnt/e", "ext4")])
-    assert client.acpfs_mount_ids(text) == {"/mnt/c": "61", "/mnt/d": "63", "/mnt/e": "64"}
-    assert client.mount_type("/mnt/c", text) == "fuse.acpfs"
-    assert client.mount_type("/mnt/e", text) == "ext4"
-    assert client.mount_type("/mnt/c/sub", text) is None
-    assert client.mount_type("/nowhere", text) is None
+    assert mounttable.acpfs_mount_ids(text) == {"/mnt/c": "61", "/mnt/d": "63", "/mnt/e": "64"}
+    assert mounttable.mount_type("/mnt/c", text) == "fuse.acpfs"
+    assert mounttable.mount_type("/mnt/e", text) == "ext4"
+    assert mounttable.mount_type("/mnt/c/sub", text) is None
+    assert mounttable.mount_type("/nowhere", text) is None
 
 
 def test_this_process_mount_table_is_read_when_no_text_is_given():
-    mine = client.mounts()
+    mine = mounttable.table()
     assert any(m.mountpoint == "/" for m in mine)
-    assert client.acpfs_mounts() == [m.mountpoint for m in mine if m.fstype == client.FSTYPE]
+    assert mounttable.acpfs_mounts() == [m.mountpoint for m in mine if m.fstype == mounttable.FSTYPE]
 
 
 def test_mount_of_is_the_longest_acpfs_mount_holding_the_path(tmp_path):
@@ -86,19 +88,19 @@ def test_mount_of_is_the_longest_acpfs_mount_holding_the_path(tmp_path):
     outer, inner, sibling = f"{root}/a b", f"{root}/a b/in\tner", f"{root}/a bc"
     text = "\n".join([line(70, outer, "fuse.acpfs"), line(71, inner, "fuse.acpfs"),
                       line(72, f"{root}/a b/plain", "tmpfs"), line(73, sibling, "fuse.acpfs")])
-    assert client.mount_of(f"{outer}/x/y.pt", text) == outer
-    assert client.mount_of(outer, text) == outer
-    assert client.mount_of(f"{inner}/deep/f", text) == inner
-    assert client.mount_of(inner, text) == inner
-    assert client.mount_of(f"{outer}/plain/f", text) == outer   # a non-acpfs mount inside one
-    assert client.mount_of(f"{sibling}/f", text) == sibling     # "/a bc" is not under "/a b"
-    assert client.mount_of(f"{outer}/x/../../a bc/f", text) == sibling
+    assert mounttable.mount_of(f"{outer}/x/y.pt", text) == outer
+    assert mounttable.mount_of(outer, text) == outer
+    assert mounttable.mount_of(f"{inner}/deep/f", text) == inner
+    assert mounttable.mount_of(inner, text) == inner
+    assert mounttable.mount_of(f"{outer}/plain/f", text) == outer   # a non-acpfs mount inside one
+    assert mounttable.mount_of(f"{sibling}/f", text) == sibling     # "/a bc" is not under "/a b"
+    assert mounttable.mount_of(f"{outer}/x/../../a bc/f", text) == sibling
     with pytest.raises(client.Failure, match="is not on an acpfs mount") as e:
-        client.mount_of(f"{root}/elsewhere", text)
+        mounttable.mount_of(f"{root}/elsewhere", text)
     assert e.value.errno is None
     # symbolic links are resolved first
     (tmp_path / "link").symlink_to(inner)
-    assert client.mount_of(str(tmp_path / "link" / "f"), text) == inner
+    assert mounttable.mount_of(str(tmp_path / "link" / "f"), text) == inner
 
 
 # -- the control attributes --------------------------------------------------------------------
@@ -257,9 +259,9 @@ def test_acpfs_sync_shows_progress_and_names_the_error_on_timeout(statuses, monk
 
 
 def test_importing_the_client_loads_nothing_heavy():
-    code = ("import sys, acpfs.client, acpfs.cli; "
+    code = ("import sys, acpfs.commands.client, acpfs.commands.cli; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('numpy', 'pyfuse3', 'torch', 'trio') or m == 'acpfs._fastwrite'))")
+            "('numpy', 'pyfuse3', 'torch', 'trio') or m == 'acpfs.fuse._fastwrite'))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                        check=True)
     assert r.stdout.strip() == "[]"

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from acpfs import control
-from acpfs.control import FILES
-from acpfs.types import node_path
+from acpfs.core import control
+from acpfs.core.control import FILES
+from acpfs.node import node_path
 
 
 def read_all(core, trusted=True):

@@ -1,4 +1,4 @@
-"""``acpfs.core.Core`` under trio without FUSE: the filesystem's requests, their errors, statfs
+"""``acpfs.core.requests.Core`` under trio without FUSE: the filesystem's requests, their errors, statfs
 on a hung backing, preload, and the FUSE adapter's one error mapping (``fs.errno_of``)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import types
 import pytest
 import trio
 
-import acpfs.core
-from acpfs import control
+import acpfs.core.requests
+from acpfs.core import control
 from harness import BS
 from triocore import CALLER, ROOT, close, create, drain, pattern, read, run, write
 
@@ -215,7 +215,7 @@ def test_fsync_memory_returns_at_once(h):
 # -- statfs -------------------------------------------------------------------------------------
 
 def test_statfs_answers_from_memory_when_the_backing_hangs(h, monkeypatch):
-    monkeypatch.setattr(acpfs.core, "STATFS_WAIT", 0.3)
+    monkeypatch.setattr(acpfs.core.requests, "STATFS_WAIT", 0.3)
 
     async def test(core):
         first = await core.statfs()
@@ -362,8 +362,8 @@ def test_a_forgotten_inode_is_enoent(h):
 def test_errno_of_maps_oserrors_and_answers_eio_for_bugs(caplog):
     import pyfuse3
 
-    from acpfs.fs import errno_of, replies
-    from acpfs.types import err
+    from acpfs.fuse.operations import errno_of, replies
+    from acpfs.node import err
     assert errno_of(OSError(errno.ENOSPC, "full"), "write") == errno.ENOSPC
     assert errno_of(err(errno.EBADF), "read") == errno.EBADF
     assert errno_of(FileNotFoundError(errno.ENOENT, "x"), "lookup") == errno.ENOENT

@@ -12,8 +12,8 @@ import zlib
 
 import pytest
 
-import acpfs.journal as jmod
-from acpfs.journal import (APPLIED, CLEAN, DIRECT, DIRTY, FLUSHED, FRAME, HEADER, HEADER_01, JOURNAL,
+import acpfs.oplog.journal as jmod
+from acpfs.oplog.journal import (APPLIED, CLEAN, DIRECT, DIRTY, FLUSHED, FRAME, HEADER, HEADER_01, JOURNAL,
                            LAYOUT, MAGIC, MAGIC_01, RECOVERING, Journal, Record, pack_blocks, read_direct_writes,
                            read_leftover, record_direct_write)
 
@@ -114,7 +114,7 @@ def test_a_content_record_carries_the_other_names_of_a_file_after_its_format_01_
 
 
 def test_op_kinds_are_stored_as_plain_strings():
-    from acpfs.types import OpKind
+    from acpfs.node import OpKind
     rec = Record(3, OpKind.UNLINK, 8, b"gone")
     stored = marshal.loads(rec.encode())
     assert stored == (3, "unlink", 8, b"gone") and type(stored[1]) is str
@@ -306,7 +306,7 @@ def test_applied_is_written_and_idle_cuts_back_at_the_next_append(journal, tmp_p
 
 
 class OsWith:
-    """``os`` as acpfs.journal sees it, with ``write`` replaced."""
+    """``os`` as acpfs.oplog.journal sees it, with ``write`` replaced."""
 
     def __init__(self, write):
         self.write = write

@@ -86,7 +86,7 @@ def test_a_chmod_of_a_linked_file_whose_first_name_another_writer_removed(core):
 def test_a_link_made_after_close_acknowledged_content_is_in_its_journal_record(make_core):
     """close() answered (a "flushed" record), then ln, then the daemon dies before RELEASE:
     the file's last record names both names, so the replay lands the content under both."""
-    from acpfs import journal as jmod
+    from acpfs.oplog import journal as jmod
     core = make_core("j", journal=True)
     cache, root = core.cache, core.cache.inodes.root
     d = cache.names.mkdir(root, b"d", 0o755, 0, 0)

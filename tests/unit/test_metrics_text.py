@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from acpfs import control, metrics
-from acpfs.config import CLOSE_TO_DURABLE_BUCKETS, METRICS_MAX_SCRAPES, UsageError
-from acpfs.histogram import Histogram
-from acpfs.metrics_http import Endpoint, Unavailable, parse_address
+from acpfs.core import control
+from acpfs.daemon import metrics
+from acpfs.config import CLOSE_TO_DURABLE_BUCKETS, METRICS_MAX_SCRAPES
+from acpfs.errors import UsageError
+from acpfs.flusher.histogram import Histogram
+from acpfs.daemon.metrics_http import Endpoint, Unavailable, parse_address
 from triocore import close, create, drain, mount_info, run, write
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import inspect
 
-from acpfs import ops, recovery
-from acpfs.flusher import Flusher
-from acpfs.journal import LAYOUT, Record
-from acpfs.types import OpKind
+from acpfs.oplog import ops
+from acpfs.daemon import recovery
+from acpfs.flusher.flusher import Flusher
+from acpfs.oplog.journal import LAYOUT, Record
+from acpfs.node import OpKind
 from harness import write_file
 
 

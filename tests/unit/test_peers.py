@@ -20,9 +20,9 @@ import time
 import pytest
 from faulty import FaultyBacking
 
-from acpfs.backing import NODES_DIR, Backing
-from acpfs.oplog import UNIT, stamp_after
-from acpfs.peers import Peers, RecordName, whole_us
+from acpfs.backing.backing import NODES_DIR, Backing
+from acpfs.oplog.log import UNIT, stamp_after
+from acpfs.cluster.peers import Peers, RecordName, whole_us
 
 SEEDS = int(os.environ.get("PEERS_SEEDS", "60"))
 

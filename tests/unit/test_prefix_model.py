@@ -67,7 +67,7 @@ from hypothesis import HealthCheck, note
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from acpfs.types import node_path
+from acpfs.node import node_path
 from harness import Parts, write_file
 from heldmodel import WAIT, HeldMachine, backing_tree, hold, run
 

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from acpfs import journal as jmod
-from acpfs import recovery
-from acpfs.cache import Cache
-from acpfs.flusher import Flusher
-from acpfs.journal import CLEAN, DIRTY, FLUSHED, Journal, Leftover, Record
-from acpfs.oplog import OpLog
-from acpfs.pool import Pool
-from acpfs.recovery import claimed_content, plan
+from acpfs.oplog import journal as jmod
+from acpfs.daemon import recovery
+from acpfs.cache.cache import Cache
+from acpfs.flusher.flusher import Flusher
+from acpfs.oplog.journal import CLEAN, DIRTY, FLUSHED, Journal, Leftover, Record
+from acpfs.oplog.log import OpLog
+from acpfs.store.pool import Pool
+from acpfs.daemon.recovery import claimed_content, plan
 from faulty import FaultyBacking
 import trees
 from harness import BS, make_store, write_file
@@ -113,7 +113,7 @@ def test_a_flushed_record_of_a_deleted_file_keeps_no_path():
 def test_every_kind_of_operation_but_publish_has_a_replay():
     """``Replayer.apply`` replays each kind of journal record by a table; a kind of
     operation left out of it would be skipped as an internal error at every recovery."""
-    from acpfs.types import OpKind
+    from acpfs.node import OpKind
     assert set(recovery.Replayer.BY_KIND) == set(OpKind) - {OpKind.PUBLISH}
     assert not set(recovery.Replayer.BY_KIND) & set(jmod.CONTENT_KINDS)
 
@@ -347,7 +347,7 @@ def test_written_through_files_are_published_or_kept_aside(tmp_path, make_core, 
     aside in .acpfs-recovered/."""
     import trio
 
-    from acpfs.backing import RECOVERED_DIR
+    from acpfs.backing.backing import RECOVERED_DIR
     from triocore import ROOT, create, pattern, run, write
 
     back = tmp_path / "w" / "back"
@@ -410,7 +410,7 @@ def test_acknowledged_content_whose_directory_is_gone_is_kept_aside(tmp_path, ma
     """Acknowledged content must not be dropped as done: the backing lost a pending file's
     directory behind acpfs's back before the crash. The content its close() acknowledged is kept
     aside, never dropped as 'already done'."""
-    from acpfs.backing import RECOVERED_DIR
+    from acpfs.backing.backing import RECOVERED_DIR
 
     c = _killed_with_d_f_pending_and_d_moved_away(make_core)
     if how == "a symlink now":

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from acpfs.retry import ERROR_AFTER, RETRYABLE, describe, is_retryable, retry
+from acpfs.backing.retry import ERROR_AFTER, RETRYABLE, describe, is_retryable, retry
 
 FAST = {"first": 0.001, "cap": 0.004}
 
@@ -127,10 +127,10 @@ def test_a_stop_set_but_never_needed_does_not_matter():
 
 
 def test_log_levels_escalate_and_recovery_is_logged(caplog):
-    caplog.set_level(logging.DEBUG, logger="acpfs.retry")
+    caplog.set_level(logging.DEBUG, logger="acpfs.backing.retry")
     fn = failing([OSError(errno.EIO, "io")] * (2 * ERROR_AFTER))
     retry(fn, "upload of 'x'", **FAST)
-    logged = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "acpfs.retry"]
+    logged = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "acpfs.backing.retry"]
     failures = [(lvl, m) for lvl, m in logged if " failed (" in m]
     # the first failure, then every ERROR_AFTER-th; from ERROR_AFTER on at ERROR
     assert [m.split("attempt ")[1].split(";")[0] for _, m in failures] == \

@@ -11,7 +11,7 @@ import time
 import pytest
 import trio
 
-from acpfs.types import FsError
+from acpfs.node import FsError
 from harness import BS
 from triocore import ROOT, close, create, drain, pattern, read, run, write
 

@@ -1,4 +1,4 @@
-"""Driving ``acpfs.core.Core`` under trio without FUSE (as S3QL's tests/t3_fs_api.py drives its
+"""Driving ``acpfs.core.requests.Core`` under trio without FUSE (as S3QL's tests/t3_fs_api.py drives its
 Operations): a harness's ``Parts``, a ``MountInfo``, the core's background tasks in a
 nursery, and a time limit on everything. Every hang injected into the backing is released
 before the nursery closes (worker threads held in the backing would keep it open)."""
@@ -12,9 +12,9 @@ from typing import Awaitable, Callable
 
 import trio
 
-from acpfs.control import MountInfo
-from acpfs.core import Core
-from acpfs.types import ROOT_INODE
+from acpfs.core.control import MountInfo
+from acpfs.core.requests import Core
+from acpfs.node import ROOT_INODE
 
 ROOT = ROOT_INODE
 CALLER = types.SimpleNamespace(uid=0, gid=0, umask=0o022)   # what pyfuse3's RequestContext has

@@ -1,0 +1,84 @@
+"""The inode table (``Inodes``): every node the kernel or the view may name, by inode number
+(``nodes``; a node leaves it once unlinked, closed and forgotten by the kernel), the
+``root``, the files met under several names in the backing, by backing inode (``linked``:
+written by ``Coherence`` as listings meet names, and by the flusher after a publish of a
+linked file; a dropped node leaves it), and the backing positions of the nodes
+(``Node.backing_parent``/``backing_name``/``backing_links``, ``Node.generation``) with the
+lock that guards them (``position_lock``). A path in the backing is computed
+(``backing_path``) and used with it held, so that the flusher never moves a directory
+under a reader's feet. Lock order: ``position_lock``, then the op log's ``lock``.
+
+Threads: the trio thread and recovery's replay; ``backing_path`` and the positions also from
+worker threads and the sequencer, under ``position_lock``. No I/O.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+from ..node import ROOT_INODE, Node, err
+
+
+def stat_times(node: Node, st: os.stat_result) -> None:
+    """The times of ``node`` as the backing has them."""
+    node.atime, node.mtime, node.ctime = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns
+
+
+class Inodes:
+    def __init__(self, root_st: os.stat_result) -> None:
+        self.position_lock = threading.Lock()
+        root = Node(ROOT_INODE, root_st.st_mode, root_st.st_uid, root_st.st_gid, None, b"")
+        root.nlink = 2
+        root.lookups = 1
+        stat_times(root, root_st)
+        self.root = root
+        self.nodes: dict[int, Node] = {ROOT_INODE: root}
+        self._next_ino = ROOT_INODE + 1
+        # files found in the backing with more than one name, by backing inode: a second
+        # name listed later is the same node (hard links, ``Coherence._attach``)
+        self.linked: dict[int, Node] = {}
+
+    def new_node(self, mode: int, uid: int, gid: int, parent: Node, name: bytes) -> Node:
+        ino = self._next_ino
+        self._next_ino += 1
+        node = Node(ino, mode, uid, gid, parent, name)
+        self.nodes[ino] = node
+        return node
+
+    def known(self, ino: int) -> Node:
+        """The node of inode ``ino``; ENOENT once the kernel forgot it."""
+        node = self.nodes.get(ino)
+        if node is None:
+            raise err(errno.ENOENT, f"inode {ino} is not known (forgotten)")
+        return node
+
+    def dropped(self, node: Node) -> None:
+        """``node`` left the view for good (``Files.drop``): it is no longer met under its
+        backing inode, and leaves the table once the kernel holds no reference to it."""
+        if node.backing_version is not None and self.linked.get(node.backing_version[0]) is node:
+            del self.linked[node.backing_version[0]]
+        if node.lookups <= 0:
+            self.nodes.pop(node.ino, None)
+
+    def forget(self, node: Node, n: int) -> None:
+        """The kernel let go of ``n`` references to ``node``."""
+        node.lookups -= n
+        if node.lookups <= 0 and node.nlink == 0 and node.opens == 0:
+            self.nodes.pop(node.ino, None)
+
+    # -- positions -----------------------------------------------------------------------
+    def present(self, node: Node) -> bool:
+        return node is self.root or node.backing_parent is not None
+
+    def backing_path(self, node: Node) -> list[bytes]:
+        """Names from the backing root to ``node``'s current place there (hold position_lock)."""
+        comps = []
+        while node is not self.root:
+            if node.backing_parent is None:
+                raise err(errno.ENOENT, "not in the backing yet")
+            comps.append(node.backing_name)
+            node = node.backing_parent
+        comps.reverse()
+        return comps

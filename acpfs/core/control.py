@@ -1,0 +1,270 @@
+"""The control interface: read-only extended attributes under ``user.acpfs.``.
+
+``acpfs status`` and ``acpfs sync`` talk to a daemon only through these, so they need no
+socket and work with ordinary permissions (``getfattr`` works too):
+
+    user.acpfs.state    any file or directory: dirty | flushing | persisted | error: <reason>
+    user.acpfs.seq      any path: {"seq": N, "open_dirty": K}; the path is durable once the
+                        mount's "applied_seq" reaches N (K files under it are still open
+                        with unsaved data, and are saved at their last close)
+    user.acpfs.status   mount root: the status document (schema in docs/status.md)
+    user.acpfs.files    mount root: files not yet persisted, with their state, sorted by
+                        path: the first page of a listing made at that moment; its "next"
+                        names the attribute of the next page, ``user.acpfs.files.<listing>.
+                        <offset>``, until "next" is null (``Listings``; an xattr value is at
+                        most 64 KiB, a listing of 100,000 long paths is megabytes)
+    user.acpfs.preload  a regular file: reading it loads the file into the cache (``acpfs
+                        preload``); ENOSPC when the cache cannot hold it
+
+The status document's keys are stable within ``"version": 1``; keys may be added, never
+renamed or removed. Users other than root and the mount's owner get no file names
+(``hide_names``; docs/status.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import json
+import os
+import secrets
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..config import DEFAULT_COHERENCE_TIMEOUT
+from ..node import OpKind, OpState, node_path
+
+if TYPE_CHECKING:
+    from ..cache.cache import Cache
+    from ..flusher.flusher import Flusher
+    from ..node import Node
+    from .writethrough import WriteThrough
+
+PREFIX = b"user.acpfs."
+STATE = b"user.acpfs.state"
+SEQ = b"user.acpfs.seq"
+STATUS = b"user.acpfs.status"
+FILES = b"user.acpfs.files"
+PRELOAD = b"user.acpfs.preload"   # a file: read it into the cache; {"size": N, "cached": true}
+STATUS_VERSION = 1
+PAGE_BYTES = 60000     # a page of the files listing: an xattr value is at most 64 KiB
+
+
+@dataclasses.dataclass
+class MountInfo:
+    mountpoint: str
+    backing: str
+    cache_dir: str
+    log_file: str
+    fsync_backing: bool
+    flush_workers: int
+    cache_full_timeout: float
+    persist_open_after: float
+    coherence_timeout: float = DEFAULT_COHERENCE_TIMEOUT   # see Loader.refreshed
+    recovery: dict | None = None   # what this daemon recovered from a dead one (recovery.py)
+    # paths the recovery kept aside -> the seq of their publish (Recovered.aside_seqs)
+    recovery_aside: dict[str, int] = dataclasses.field(default_factory=dict)
+    # the kernel's passthrough state (passthrough.Kernel.state), None where not asked for
+    passthrough: Callable[[], dict] | None = None
+    # FUSE requests the daemon handled, by kind (fs.py): what passthrough leaves to it
+    requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    metrics: str | None = None   # where the Prometheus endpoint listens (metrics_http.py)
+    pid: int = dataclasses.field(default_factory=os.getpid)
+    owner: int = dataclasses.field(default_factory=os.getuid)   # the mount's owner
+    started: float = dataclasses.field(default_factory=time.time)
+
+
+def get(flusher: Flusher, info: MountInfo, node: Node, name: bytes, trusted: bool = True,
+        wt: WriteThrough | None = None) -> bytes:
+    """The value of control attribute ``name`` of ``node``. ``trusted``: the caller is root or
+    the mount's owner; others get no file names (the pending list is refused, the status
+    document has its paths left out: ``hide_names``). ``wt``: the mount's write-through, for
+    its counters."""
+    cache = flusher.cache
+    if name == STATE:
+        return cache.files.state_of(node).encode()
+    if name == SEQ:
+        seq, open_dirty = cache.files.subtree_seq(node)
+        return json.dumps({"seq": seq, "open_dirty": open_dirty}).encode()
+    if node is cache.inodes.root:
+        if name == STATUS:
+            doc = status(flusher, info, wt)
+            return json.dumps(doc if trusted else hide_names(doc), separators=(",", ":")).encode()
+        if name == FILES or name.startswith(FILES + b"."):
+            if not trusted:
+                raise OSError(errno.EACCES, "the pending files are listed to root and the "
+                                            "mount's owner only")
+            if name == FILES:
+                return listings.start(pending_files(cache))
+            return listings.page(name[len(FILES) + 1:])
+    raise OSError(errno.ENODATA, "no such attribute")
+
+
+class Listings:
+    """Listings of pending files read page by page. A listing is taken whole when its first
+    page is asked for, so its pages agree with each other however the mount changes in
+    between; the newest few are kept, each for ``KEEP`` seconds after its last page was
+    read."""
+    KEEP = 60.0
+    MAX = 4
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+
+    def start(self, files: list[dict[str, Any]]) -> bytes:
+        token = secrets.token_hex(4)
+        now = time.monotonic()
+        with self._lock:
+            for t, (used, _) in list(self._kept.items()):
+                if now - used > self.KEEP:
+                    del self._kept[t]
+            while len(self._kept) >= self.MAX:
+                del self._kept[min(self._kept, key=lambda t: self._kept[t][0])]
+            self._kept[token] = (now, files)
+        return self._page(token, files, 0)
+
+    def page(self, rest: bytes) -> bytes:
+        try:
+            token, offset = rest.decode().split(".")
+            start = int(offset)
+        except ValueError:
+            raise OSError(errno.ENODATA, "no such attribute") from None
+        with self._lock:
+            kept = self._kept.get(token)
+            if kept is None:
+                raise OSError(errno.EAGAIN, "this listing of pending files is gone (older "
+                                            f"than {self.KEEP:.0f} s): start again")
+            self._kept[token] = (time.monotonic(), kept[1])
+        return self._page(token, kept[1], start)
+
+    @staticmethod
+    def _page(token: str, files: list[dict[str, Any]], start: int) -> bytes:
+        """The entries from ``start`` that fit in ``PAGE_BYTES`` (at least one)."""
+        out, size, i = [], 200, start
+        while i < len(files):
+            one = json.dumps(files[i], separators=(",", ":"))
+            if out and size + len(one) + 1 > PAGE_BYTES:
+                break
+            out.append(one)
+            size += len(one) + 1
+            i += 1
+        nxt = (FILES + b".%s.%d" % (token.encode(), i)).decode() if i < len(files) else None
+        head = json.dumps({"total": len(files), "offset": start, "next": nxt,
+                           "truncated": False}, separators=(",", ":"))
+        return (head[:-1] + ',"files":[' + ",".join(out) + "]}").encode()
+
+
+listings = Listings()
+
+
+HIDDEN = "(hidden: readable by root and the mount's owner)"
+
+
+def hide_names(doc: dict[str, Any]) -> dict[str, Any]:
+    """The status document without the names of files, for other users (docs/status.md)."""
+    for e in doc["errors"]:
+        e["path"] = HIDDEN
+    doc["conflicts"]["recent"] = []
+    if doc.get("recovery"):
+        doc["recovery"] = {**doc["recovery"], "lost_open_files": [], "kept_aside": [],
+                           "aside_pending": []}
+    held = (doc.get("peers") or {}).get("held")
+    if held:
+        held["path"] = HIDDEN
+    return doc
+
+
+def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict[str, Any]:
+    """The status document (docs/status.md), on the trio thread like every request, or
+    where no request runs (the drain)."""
+    from ..fuse import fastwrite  # here: importing control (acpfs.commands.client does) must not load the C extension
+    cache, oplog = fl.cache, fl.oplog
+    now = time.time()
+    store = cache.store
+    dirty_bytes = sum(n.size for n in cache.files.dirty_nodes)
+    with oplog.lock:
+        queue = list(oplog.queue)
+        applied = oplog.applied_seq
+        flushing_files = len({op.node.ino for op in queue if op.kind == OpKind.PUBLISH and op.state != OpState.VOID})
+        queued_bytes = oplog.queued_bytes
+        queued_since = {"files": oplog.queued_total_files, "bytes": oplog.queued_total_bytes}
+        in_flight = fl.uploads.running
+        persisted_files, persisted_bytes = fl.persisted_files, fl.persisted_bytes
+        close_to_durable = fl.close_to_durable.as_dict()
+        failures = {"calls": fl.attempts.failed_calls, "retries": fl.attempts.retries}
+        used, peak = store.used, store.peak
+        cached_files = sum(1 for n in cache.inodes.nodes.values() if n.content is not None and n.size)
+        peers = fl.order.status() if fl.order is not None else None
+    oldest = min([n.dirty_since for n in cache.files.dirty_nodes] + [op.since for op in queue[:1]],
+                 default=None)
+    recovery = info.recovery
+    if recovery is not None:
+        # content kept aside by the recovery lands like any change: pending until applied
+        recovery = {**recovery, "aside_pending": [p for p, seq in info.recovery_aside.items()
+                                                  if seq > applied]}
+    errors = []
+    for op in queue[:fl.window]:
+        if op.error:
+            errors.append({"path": op.path, "op": op.kind, "reason": op.error,
+                           "attempts": op.attempts, "since": round(op.since, 3),
+                           "next_retry_in_s": round(max(0.0, op.next_retry - now), 1)})
+    return {
+        "version": STATUS_VERSION,
+        "mountpoint": info.mountpoint,
+        "backing": info.backing,
+        "pid": info.pid,
+        "instance": cache.backing.instance,
+        "backing_reopened": {"count": cache.backing.reopened, "last": cache.backing.last_reopen},
+        "cache_dir": info.cache_dir,
+        "log_file": info.log_file,
+        "uptime_s": round(now - info.started, 1),
+        "options": {"fsync": "backing" if info.fsync_backing else "memory",
+                    "flush_workers": info.flush_workers,
+                    "cache_full_timeout_s": info.cache_full_timeout,
+                    "persist_open_after_s": info.persist_open_after,
+                    "coherence_timeout_s": info.coherence_timeout},
+        "cache": {"used_bytes": used, "limit_bytes": store.limit, "peak_used_bytes": peak,
+                  "block_size": store.unit, "cached_files": cached_files, "store": store.kind},
+        "dirty": {"files": len(cache.files.dirty_nodes), "bytes": dirty_bytes},
+        "flushing": {"files": flushing_files, "bytes": queued_bytes, "in_flight": in_flight},
+        "queue": {"pending_ops": len(queue), "applied_seq": applied, "last_seq": oplog.seq},
+        "persisted_since_mount": {"files": persisted_files, "bytes": persisted_bytes},
+        "queued_since_mount": queued_since,
+        "close_to_durable_s": close_to_durable,
+        "errors_since_mount": failures,
+        "write_through": wt.status() if wt is not None else {"files": 0, "bytes": 0},
+        "flush_rate_bytes_per_s": round(fl.rate()),
+        "oldest_dirty_age_s": None if oldest is None else round(now - oldest, 1),
+        "errors": errors,
+        "conflicts": fl.repairs.conflicts.status(),
+        "peers": peers,
+        "flusher_alive": fl.thread.is_alive(),
+        "journal_error": oplog.journal.error if oplog.journal is not None else None,
+        "recovery": recovery,
+        "fast_write": fastwrite.state(),
+        "passthrough": info.passthrough() if info.passthrough is not None else
+        {"on": False, "why_not": "not asked for"},
+        "requests": dict(sorted(info.requests.items())),
+        "metrics": info.metrics,
+    }
+
+
+def pending_files(cache: Cache) -> list[dict[str, Any]]:
+    """Every file of the mount not yet persisted: dirty, or queued; sorted by path."""
+    out = []
+    seen = set()
+    for node in list(cache.files.dirty_nodes):
+        seen.add(node.ino)
+        out.append(node)
+    with cache.oplog.lock:
+        queue = list(cache.oplog.queue)
+    for op in queue:
+        if op.kind == OpKind.PUBLISH and op.node.ino not in seen and op.state != OpState.VOID:
+            seen.add(op.node.ino)
+            out.append(op.node)
+    files = [{"path": node_path(n), "state": cache.files.state_of(n), "size": n.size} for n in out]
+    files.sort(key=lambda f: f["path"])
+    return files

@@ -1,0 +1,395 @@
+"""Open files and directories: the handles, and the requests made on them.
+
+Owns the file handles (``handles``: fh -> ``Handle``, with the backing descriptor of a reader
+of an uncached file and the version it holds) and the directory handles (``dirs``: the
+entries at opendir), numbered from one counter. The requests on them: open (whether the
+kernel passes the file through to its memory file: ``_passthrough``; content a snapshot
+still holds is copied for a writer first: ``unshared``), read, write (``write_now``
+straight from libfuse's buffer, else ``write``), fallocate, flush (what close()
+acknowledges is journaled and stamped), release, fsync and preload; and counting what
+writers passed through wrote (``_count_passthrough_writes``).
+
+Runs on the trio thread (trio, no pyfuse3). A file's content is ``files.Files``'s; changes
+while the cache is full, and staged files, go through ``writethrough.WriteThrough``;
+backing reads run in worker threads. ``Handle.backing_fd`` is closed on the trio thread
+(docs/concurrency.md, Known gaps).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat as statmod
+from typing import TYPE_CHECKING, Callable
+
+import trio
+
+from ..config import format_size
+from ..store.api import CacheFull
+from ..cache.files import Files
+from .loader import Loader
+from .longopen import LongOpen
+from ..cache.inodes import Inodes
+from ..cache.namespace import Namespace
+from ..oplog.log import OpLog
+from ..node import Node, err, node_path
+from .writethrough import WriteThrough
+
+if TYPE_CHECKING:
+    from .control import MountInfo
+    from ..fuse.passthrough import Kernel
+
+FALLOC_FL_KEEP_SIZE = 0x01
+log = logging.getLogger(__name__)
+
+PRIV_BITS = statmod.S_ISUID | statmod.S_ISGID
+PASSTHROUGH_LOOK = 0.5   # s between looks at the files writers passed through have written
+UNSHARED_POLL = 0.005   # s between looks at a memory file an upload still holds (Handles.unshared)
+
+
+class Handle:
+    """An open file."""
+    __slots__ = ("node", "writable", "append", "backing_fd", "generation", "kill_priv",
+                 "passthrough", "opened_seq")
+
+    def __init__(self, node: Node, writable: bool, append: bool = False,
+                 kill_priv: bool = False, passthrough: bool = False) -> None:
+        self.node = node
+        self.writable = writable
+        self.passthrough = passthrough   # the kernel reads and writes its memory file itself
+        self.opened_seq = 0              # OpLog.seq at the open
+        self.append = append         # opened with O_APPEND
+        self.kill_priv = kill_priv   # opened by a user other than root: its writes clear setuid
+        self.backing_fd = -1         # the backing copy, for files not in the cache
+        self.generation = 0          # Node.generation when backing_fd was opened
+
+
+
+class Handles:
+    def __init__(self, inodes: Inodes, files: Files, names: Namespace, loader: Loader,
+                 wt: WriteThrough, longopen: LongOpen, info: MountInfo, *,
+                 kernel: Kernel | None, direct_io_mmap: Callable[[], bool]) -> None:
+        self.inodes = inodes
+        self.files = files
+        self.oplog: OpLog = files.oplog
+        self.backing = files.backing
+        self.names = names          # setuid and setgid cleared by a write
+        self.loader = loader
+        self.wt = wt
+        self.longopen = longopen    # a staged copy of a file passed through goes at its close
+        self.info = info            # fsync_backing
+        self.kernel = kernel   # passthrough (passthrough.py); None: every request comes here
+        self.direct_io_mmap = direct_io_mmap   # asked at each open: the INIT reply decides
+        self.handles: dict[int, Handle] = {}
+        self.dirs: dict[int, list[tuple[bytes, Node]]] = {}
+        self._next_fh = 1
+
+    def start(self, nursery: trio.Nursery) -> None:
+        if self.kernel is not None:
+            nursery.start_soon(self._count_passthrough_writes)
+
+    def handle(self, fh: int) -> Handle:
+        h = self.handles.get(fh)
+        if h is None:
+            raise err(errno.EBADF, f"file handle {fh} is not open")
+        return h
+
+    def _new_fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    async def opendir(self, ino: int) -> int:
+        loader = self.loader
+        node = await loader.refreshed(await loader.loaded(self.inodes.known(ino)), at_open=True)
+        fh = self._new_fh()
+        self.dirs[fh] = list(node.entries().items())
+        return fh
+
+    def dir_entries(self, fh: int) -> list[tuple[bytes, Node]]:
+        entries = self.dirs.get(fh)
+        if entries is None:
+            raise err(errno.EBADF, f"directory handle {fh} is not open")
+        return entries
+
+    def releasedir(self, fh: int) -> None:
+        self.dirs.pop(fh, None)
+
+    async def open(self, ino: int, flags: int, uid: int = 0) -> tuple[int, bool, int]:
+        """Open a file: (file handle, whether the kernel should bypass its page cache, the
+        backing id the kernel passes the file through to, or 0)."""
+        node = await self.loader.revalidated(self.inodes.known(ino), at_open=True)
+        if node.is_dir:
+            raise err(errno.EISDIR)
+        if node.parent is None and node.content is None and node.staged is None \
+                and node.backing_parent is None:
+            # another writer removed it and a listing took it out of the view while the
+            # kernel still held its name: the kernel looks the name up again
+            raise err(errno.ESTALE, "another writer removed the file in the backing")
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        trunc = bool(flags & os.O_TRUNC) and writable
+        append = bool(flags & os.O_APPEND)
+        await self.wt.settle(node)
+        if writable:
+            await self.loader.xattrs_loaded(node)
+            while True:   # until the content is cached or staged, and private, at once
+                await self.wt.open_for_writing(node, trunc)
+                if await self.unshared(node, trunc):
+                    break
+        # direct_io only where shared mmap survives it (the kernel granted it in INIT:
+        # Linux 6.9+ with the fast write extension; elsewhere a shared writable mapping of a
+        # direct_io file fails with ENODEV, which breaks SQLite's WAL and np.memmap).
+        # There, writers get it (1 MiB requests straight into the cache, no page cache cap),
+        # and readers of a cached file (one copy from the cache into the reader's buffer,
+        # where the page cache copies twice and allocates a page per 4 KiB). Files read
+        # from the backing keep the page cache and its read-ahead, except beside
+        # passthrough, where a file must not enter the page cache's mode.
+        backing_id = self._passthrough(node, writable)
+        direct = self.direct_io_mmap() and (writable or node.content is not None
+                                            or self.kernel is not None)
+        h = Handle(node, writable, append, kill_priv=writable and uid != 0,
+                   passthrough=bool(backing_id))
+        h.opened_seq = self.oplog.seq
+        if not writable and node.content is None and node.staged is None and node.is_reg:
+            # Open the backing copy now, so that the reader keeps the version it opened
+            # even if the file is renamed over, deleted or republished meanwhile.
+            await self._open_backing(h, verify=True)
+        self.files.open(node, writable, trunc, append and writable, passthrough=h.passthrough)
+        if h.kill_priv and node.mode & PRIV_BITS and (trunc or h.passthrough):
+            # O_TRUNC by a user other than root clears them (the kernel leaves that to the
+            # daemon with FUSE_HANDLE_KILLPRIV_V2), and so would a write passed through,
+            # which never comes here: cleared at the open
+            self.names.kill_priv(node)
+        if h.passthrough and writable:
+            self.files.note_change(node)   # its first write never comes here: dirty from the open
+        fh = self._new_fh()
+        self.handles[fh] = h
+        return fh, direct and not backing_id, backing_id
+
+    def _passthrough(self, node: Node, writable: bool) -> int:
+        """The backing id an open of ``node`` is passed through to, or 0 for an open the
+        daemon serves. The kernel fails an open with EIO when an inode has opens of both
+        kinds (or two backing files), so every open of a file open with passthrough is
+        passed through to the same memory file, and a file open through the daemon stays so
+        until its last close. A writer is passed through only while the cache has headroom
+        (its writes are counted only when the daemon next looks); else it takes the daemon's
+        path, where a full cache makes it wait or write through to the backing."""
+        kernel, files = self.kernel, self.files
+        if kernel is None or not node.is_reg or node.content is None or node.staged is not None:
+            return 0
+        if node.passthrough_opens:
+            return node.content.backing_id
+        if node.opens or not kernel.granted():
+            return 0
+        if writable and not files.headroom(node):
+            return 0
+        try:
+            return files.store.backing(node.content, kernel.register)
+        except OSError as e:
+            log.warning("%s: cannot pass it through (%s); served by the daemon", node_path(node), e)
+            return 0
+
+    async def unshared(self, node: Node, trunc: bool) -> bool:
+        """Before an open for writing: content a snapshot or journal record still holds is
+        copied, so that the kernel writes a memory file nobody else reads. Not while the
+        file is open with passthrough: the kernel holds that memory file, so the writer
+        waits until the upload that holds it lands. Returns True when nothing was waited
+        for; after a wait everything the caller checked may have changed (look again)."""
+        files, store = self.files, self.files.store
+        content = node.content
+        if content is None or not store.shared(content):
+            return True
+        if node.ino in self.wt.slots:
+            await self.wt.settle(node)
+        elif node.passthrough_opens:
+            await self.wt.wait_seq(node.last_seq)
+            await trio.sleep(UNSHARED_POLL)   # the upload's reference goes just after its seq
+        else:
+            # copied in a worker thread with the slot held: no open passes through to the
+            # old memory file meanwhile (Handles.open settles first)
+            size = 0 if trunc else node.size     # O_TRUNC: nothing worth copying
+            async with self.wt.hold(node, "copy for a writer"):
+                copy = await trio.to_thread.run_sync(store.copy, content, size)
+                with files.oplog.lock:
+                    if node.content is content:
+                        node.content = copy
+                        store.drop(content)
+                    else:
+                        store.drop(copy)         # replaced meanwhile
+        return False
+
+    def open_created(self, node: Node, flags: int) -> tuple[int, int]:
+        """The open of a file ``Core.create`` just made: (file handle, the backing id as
+        ``open``)."""
+        append = bool(flags & os.O_APPEND)
+        # The creating handle always counts as a writer, so that the new file is
+        # published at its last close even when it was opened read-only.
+        backing_id = self._passthrough(node, True)
+        self.files.open(node, True, False, append, passthrough=bool(backing_id))
+        fh = self._new_fh()
+        self.handles[fh] = Handle(node, True, append, passthrough=bool(backing_id))
+        return fh, backing_id
+
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        h = self.handle(fh)
+        node = h.node
+        if node.staged is not None:
+            data = await self.wt.read_staged(node, off, size)
+            if data is not None:
+                return data
+        data = self.files.read(node, off, size)
+        if data is not None:
+            self.files.touch(node)
+            return data
+        if h.backing_fd < 0 or (h.generation != node.generation and node.nlink):
+            await self._open_backing(h)
+        return await trio.to_thread.run_sync(self.backing.read, h.backing_fd, size, off)
+
+    async def _open_backing(self, h: Handle, verify: bool = False) -> None:
+        """(Re)open the backing copy of the handle's file for reading; ``verify``: the very
+        version the mount knows, else ESTALE (an open looks the name up again)."""
+        node = h.node
+        version = node.generation   # read before: a publish meanwhile only reopens once more
+        fd = await trio.to_thread.run_sync(self.files.open_backing_copy, node, verify)
+        if h.backing_fd >= 0:
+            self.backing.close_fd(h.backing_fd)
+        h.backing_fd, h.generation = fd, version
+
+    def write_now(self, fh: int, off: int, data: memoryview) -> int | None:
+        """A WRITE straight from libfuse's buffer: bytes written, or None to take the async
+        path (``write``). ``data`` is valid only during this call: it is copied into the files."""
+        h = self.handle(fh)
+        self._clear_priv(h)
+        # O_APPEND: at the end of the file as this mount has it, whatever offset the kernel
+        # computed (from a size it may hold from before another node's longer version)
+        return self.wt.write_now(h.node, h.node.size if h.append else off, data)
+
+    def fallocate(self, fh: int, mode: int, off: int, length: int) -> int:
+        """fallocate(2): mode 0 extends the file to off + length (the range reads as zeros;
+        RAM is taken as it is written, so a later write can still wait for a full cache);
+        FALLOC_FL_KEEP_SIZE changes nothing. Other modes (punching or zeroing holes,
+        collapsing ranges) and files written through to the backing: EOPNOTSUPP, where
+        glibc's posix_fallocate writes the range itself. Returns 0 or -errno."""
+        h = self.handle(fh)
+        if not h.writable:
+            return -errno.EBADF
+        if mode & ~FALLOC_FL_KEEP_SIZE:
+            return -errno.EOPNOTSUPP
+        if off < 0 or length <= 0:
+            return -errno.EINVAL
+        node, end = h.node, off + length
+        self.files.sync_content(node)
+        if mode & FALLOC_FL_KEEP_SIZE or end <= node.size:
+            return 0
+        if node.content is None or not self.wt.in_cache(node) or self.files.shared_in_kernel(node):
+            return -errno.EOPNOTSUPP
+        self._clear_priv(h)
+        self.files.truncate(node, end)
+        return 0
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        h = self.handle(fh)
+        self._clear_priv(h)
+        return await self.wt.write(h.node, h.node.size if h.append else off, buf)
+
+    def _clear_priv(self, h: Handle) -> None:
+        """Before a change of content through ``h``: clears setuid/setgid (``kill_priv``)
+        if it was opened by a user other than root."""
+        if h.kill_priv and h.node.mode & PRIV_BITS:
+            self.names.kill_priv(h.node)
+
+    def flush(self, fh: int) -> None:
+        """close(): what it acknowledges is journaled and stamped here.
+
+        close() returns when FLUSH is answered; RELEASE, which queues the file, follows
+        without being waited for. So the content close() acknowledges is journaled here
+        (Files.record_close) and stamped for global order (OpLog.note_ack). No waiting for
+        a staged file being built: the cached content stays valid until it is complete, and the
+        record holds them. A FLUSH whose RELEASE does not follow (the close of a copy of
+        the descriptor in a forked process) is queued by ``_queue_late_acks``.
+        """
+        h = self.handles.get(fh)
+        if h is None or not h.writable or h.node.writers != 1 or not h.node.dirty:
+            return
+        self.files.sync_content(h.node)
+        self.files.record_close(h.node)
+        self.oplog.note_ack(h.node)
+
+    async def _count_passthrough_writes(self) -> None:
+        """What writers the kernel passes through have written is counted every
+        PASSTHROUGH_LOOK seconds (``Files.sync_content``), so that the cache's use in
+        ``status`` and the admission of the next writers (``Files.headroom``) are current;
+        a cache pushed past its size by them is said once, in the log."""
+        files = self.files
+        over = False
+        while True:
+            await trio.sleep(PASSTHROUGH_LOOK)
+            for node in list(files.passthrough_writers):
+                files.sync_content(node)
+            files.trim()
+            now_over = files.store.used > files.store.limit
+            if now_over and not over:
+                log.warning("cache over its size: %s held, %s allowed: files written with "
+                            "passthrough grew past what was kept free for them (%d still open); "
+                            "new writers take the daemon's path until enough is persisted",
+                            format_size(files.store.used), format_size(files.store.limit),
+                            len(files.passthrough_writers))
+            over = now_over
+
+    async def release(self, fh: int) -> None:
+        h = self.handles.pop(fh, None)
+        if h is None:
+            raise err(errno.EBADF, f"file handle {fh} is not open")
+        if h.writable:
+            await self.wt.settle(h.node)
+        node = h.node
+        self.files.sync_content(node)
+        if h.passthrough and h.writable and node.writers == 1 and not node.dirty and node.nlink \
+                and node.last_seq > h.opened_seq:
+            # queued while open (a close() whose RELEASE did not follow: a mapping or a forked
+            # process kept the file): what they wrote since never came here
+            self.files.note_change(node)
+        try:
+            self.files.release(node, h.writable, h.append and h.writable, h.passthrough)
+        finally:
+            if h.backing_fd >= 0:
+                self.backing.close_fd(h.backing_fd)
+        if h.writable and not node.writers and node.open_copy is not None:
+            await self.longopen.closed(node)
+
+    async def fsync(self, fh: int) -> None:
+        if self.info.fsync_backing:
+            await self.wt.fsync(self.handle(fh).node)
+
+    async def preload(self, node: Node) -> bytes:
+        """``user.acpfs.preload``: read a file's backing copy into the cache, for a fast resume.
+
+        Never waits for the flusher: when the cache cannot hold the file even after evicting
+        persisted files, the answer is ENOSPC at once. A preloaded file is clean and
+        evictable like any persisted file.
+        """
+        files = self.files
+        if not node.is_reg:
+            raise err(errno.EINVAL, "only regular files can be preloaded")
+        await self.wt.settle(node)
+        if node.content is None and node.staged is None:
+            if node.size > files.store.limit:
+                raise err(errno.EFBIG, "file larger than the cache")
+            async with self.wt.copying(node):
+                if node.content is None:
+                    try:
+                        content = files.copy_up(node)
+                    except CacheFull:
+                        raise err(errno.ENOSPC, "cache full") from None
+                    try:
+                        await trio.to_thread.run_sync(files.read_backing_into, node, content)
+                    except BaseException:
+                        files.release_content(content)
+                        raise
+                    files.attach_content(node, content)
+                    files.maybe_evictable(node)
+        files.touch(node)
+        return json.dumps({"size": node.size, "cached": node.content is not None}).encode()
+

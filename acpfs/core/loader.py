@@ -1,0 +1,288 @@
+"""Loading and revalidation: what requests learn from the backing, in worker threads.
+
+Owns the checks of the backing that requests make under trio: a directory's entries
+loaded once (``loaded``) and listed again once ``MountInfo.coherence_timeout`` has passed
+(``refreshed``), extended attributes loaded once (``xattrs_loaded``), a name the view lacks
+looked up (``found_elsewhere``), a clean file or another entry compared with its backing
+copy (``revalidated``, ``entry_checked``). It owns the locks that let one listing of a
+directory run at a time (``_list_locks``), the keys with a check in flight
+(``_checking``: at most one per inode or name) and the threads those checks may take
+(``check_threads``), so that checks stuck on a hung backing never take the threads cached
+work needs. A check waits at most COHERENCE_WAIT seconds; then the request answers from
+what the mount knows. What an answer changes in the view is ``coherence.Coherence``'s.
+
+Runs on the trio thread; every backing call is made in a worker thread, under
+``Inodes.position_lock`` (``Coherence``'s listing and stat calls, ``xattrs_loaded``).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat as statmod
+import time
+from typing import Callable, NoReturn, TypeVar
+
+import trio
+
+from ..backing.backing import Backing, is_internal_name
+from ..cache.coherence import Coherence, Relisting
+from .control import MountInfo
+from ..cache.inodes import Inodes
+from ..node import KernelNotices, Node, err, name_path, node_path
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# seconds a lookup, listing, open or stat waits for the backing to say what other nodes changed
+# before it answers from what this mount knows (a hung backing must not block cached work)
+COHERENCE_WAIT = 0.5
+
+
+class Loader:
+    def __init__(self, inodes: Inodes, coherence: Coherence, backing: Backing,
+                 info: MountInfo, kernel_notices: KernelNotices,
+                 invalidate_attrs: Callable[[int], None]) -> None:
+        self.inodes = inodes
+        self.coherence = coherence
+        self.backing = backing
+        self.info = info   # coherence_timeout
+        self.kernel_notices = kernel_notices   # forgets a name to be looked at again
+        # the kernel forgets an inode's attributes before this returns (only ever called for
+        # the inode of the request being answered: the kernel holds it, never evicting it)
+        self.invalidate_attrs = invalidate_attrs
+        self._list_locks: dict[int, trio.Lock] = {}
+        self._checking: set[object] = set()   # inos and names with a check in a worker thread
+        self.check_threads = trio.CapacityLimiter(8)   # checks stuck on a hung backing stop here
+
+    async def loaded(self, node: Node) -> Node:
+        """Make sure a directory's entries are known (read from the backing once)."""
+        if node.children is None:
+            if not node.is_dir:
+                raise err(errno.ENOTDIR)
+            lk = self._list_locks.get(node.ino)
+            if lk is None:
+                lk = self._list_locks[node.ino] = trio.Lock()
+            async with lk:
+                if node.children is None:
+                    listing = await trio.to_thread.run_sync(self.coherence.list_backing, node)
+                    self.coherence.attach_listing(node, listing)
+            self._list_locks.pop(node.ino, None)
+        return node
+
+    async def xattrs_loaded(self, node: Node) -> dict[bytes, bytes]:
+        if node.xattrs is None:
+            inodes, backing = self.inodes, self.backing
+
+            def read() -> dict[bytes, bytes]:
+                with inodes.position_lock:
+                    if node is inodes.root:
+                        return backing.read_xattrs([], None)
+                    if node.backing_parent is None or node.is_link:
+                        return {}
+                    return backing.read_xattrs(inodes.backing_path(node.backing_parent),
+                                               node.backing_name)
+            values = await trio.to_thread.run_sync(read)
+            if node.xattrs is None:
+                node.xattrs = values
+        return node.xattrs
+
+    async def refreshed(self, node: Node, at_open: bool = False) -> Node:
+        """A loaded directory whose backing entries were merged in at most
+        ``coherence_timeout`` seconds ago: other nodes' changes show (close-to-open
+        coherence, as on NFS). ``at_open`` (opendir): also listed afresh at once when the
+        backing directory's version changed since the last listing (one stat of it), as NFS
+        revalidates a directory it opens. Only directories this mount has put in the backing
+        are looked at again; one listing at a time per directory."""
+        coherence = self.coherence
+        timeout = self.info.coherence_timeout
+        if not self.inodes.present(node) or node.children is None or node.ino in self._checking \
+                or (not at_open and time.monotonic() - node.listed_at <= timeout):
+            return node
+        lk = self._list_locks.get(node.ino)
+        if lk is None:
+            lk = self._list_locks[node.ino] = trio.Lock()
+        async with lk:
+            stale = time.monotonic() - node.listed_at > timeout
+            if (stale or at_open) and self.inodes.present(node) and node.ino not in self._checking:
+                relist = functools.partial(coherence.relist_backing, node, unless=None if stale else node.listed_version)
+                got: Relisting | None | bool = False
+                try:
+                    with trio.move_on_after(COHERENCE_WAIT):
+                        got = await self._check(node.ino, relist)
+                except OSError as e:   # a failing backing: what this mount knows stands
+                    log.debug("relisting %s: %s", node_path(node), e)
+                if got is False:       # failing or not answering: look again after the timeout
+                    if stale:
+                        node.listed_at = time.monotonic()
+                elif got is None:      # unchanged since the last listing
+                    node.listed_at = time.monotonic()
+                elif node.children is not None and (node.parent is not None or node is self.inodes.root):
+                    coherence.merge_listing(node, *got)
+        self._list_locks.pop(node.ino, None)
+        return node
+
+    async def found_elsewhere(self, parent: Node, name: bytes) -> Node:
+        """A name this mount's view of ``parent`` lacks: looked up in the backing (one lstat,
+        as NFS looks up a name it has no entry for), so that a file another node made is
+        seen at once, not at the next listing. ENOENT if it is not there, or if this mount
+        has a change of its own pending on the name (its removal wins in its own view)."""
+        coherence = self.coherence
+        key = (parent.ino, name)
+        if is_internal_name(name) or not self.inodes.present(parent) or key in self._checking:
+            raise err(errno.ENOENT)
+        got = None
+        try:
+            with trio.move_on_after(COHERENCE_WAIT):
+                got = await self._check(key, functools.partial(coherence.stat_name, parent, name))
+        except OSError as e:
+            log.debug("looking up %s in the backing: %s", name_path(parent, name), e)
+        node = parent.children.get(name) if parent.children is not None else None
+        if node is None and got is not None and parent.children is not None:
+            node = coherence.attach_found(parent, name, got)
+        if node is None:
+            raise err(errno.ENOENT)
+        return node
+
+    async def revalidated(self, node: Node, at_open: bool = False, forget: bool = True) -> Node:
+        """A clean file whose backing copy was compared with this mount's at most
+        ``coherence_timeout`` seconds ago (inode, size, mtime): a version another node
+        published since replaces a stale cached copy and its attributes (close-to-open).
+
+        ``at_open``: compared now, whenever it was last (close-to-open at every open, as
+        NFS's GETATTR at open), and the kernel forgets the old attributes before the open is
+        answered. A name whose backing entry is gone or another kind of entry, or another
+        version of a file open here (its readers keep theirs), leaves this node: the open
+        fails with ESTALE, on which the kernel looks the name up again and opens what the
+        backing holds now (the old node lives on for the descriptors open on it)."""
+        coherence = self.coherence
+        if not node.is_reg or node.backing_parent is None \
+                or (not at_open and time.monotonic() - node.checked_at <= self.info.coherence_timeout) \
+                or node.ino in self._checking or not coherence.quiescent(node):
+            return node
+        got = None
+        node.checked_at = time.monotonic()   # failing or not answering: look again later
+        try:
+            with trio.move_on_after(COHERENCE_WAIT):
+                got = await self._check(node.ino, functools.partial(coherence.stat_backing, node))
+        except OSError as e:
+            log.debug("revalidating %s: %s", node_path(node), e)
+            return node
+        stats, applied = got if got is not None else ([], 0)
+        if not stats or not coherence.quiescent(node, applied) or node.backing_version is None:
+            return node
+        pos, st = stats[0]
+        lost_name = False
+        if at_open and not node.links and (node.parent, node.name) == pos \
+                and (node.backing_parent, node.backing_name) == pos \
+                and (st is None or not statmod.S_ISREG(st.st_mode)
+                     or (node.opens and (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version)):
+            await self._leaves_view(pos[0], pos[1], node, gone=st is None)
+        if st is not None and statmod.S_ISREG(st.st_mode) \
+                and (node.backing_parent, node.backing_name) == pos \
+                and (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version:
+            if not node.links or st.st_nlink >= len(node.names()):
+                # a new version (another node republishes a linked file under every name)
+                coherence.replaced_elsewhere(node, st)
+                if at_open and forget and node.opens == 0:
+                    self.invalidate_attrs(node.ino)   # before the reader's first read
+            else:
+                # another file under this name alone: split off now at an open or lookup
+                # (then ESTALE below), else by the listing of its directory at the next
+                # lookup; never read or written as this file
+                self._another_file_at(pos, node, st, at_open)
+                lost_name = True
+        # a file with several names: each of them, as close-to-open asks. A name another
+        # node removed leaves the file (which keeps its others); one that holds another
+        # file is split off. At an open, either answers ESTALE below
+        for pos, st in stats if node.links else ():
+            if node.position_at(*pos) is None or pos[0].children is None \
+                    or pos[0].children.get(pos[1]) is not node or not node.links:
+                continue
+            if st is None:
+                coherence.removed_elsewhere(pos[0], pos[1], node)
+                lost_name = True
+            elif (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version:
+                self._another_file_at(pos, node, st, at_open)
+                lost_name = True
+        if at_open and lost_name:
+            # the open may have come through the name that left: the kernel looks the
+            # path up again, and opens the file, a new one, or nothing, as the backing has it
+            raise err(errno.ESTALE, "another writer removed or replaced a name of the file")
+        return node
+
+    def _another_file_at(self, pos: tuple[Node, bytes], node: Node, st: os.stat_result,
+                         at_open: bool) -> None:
+        """A name of a file with several names holds another file in the backing now (another
+        writer replaced that name alone): at an open or lookup it becomes that file in the
+        view at once (``Coherence.split``); otherwise the next lookup lists its directory."""
+        if at_open and statmod.S_ISREG(st.st_mode) and node.links:
+            self.coherence.split(pos[0], pos[1], node, st)
+        else:
+            self._look_again(pos)
+
+    async def entry_checked(self, parent: Node, name: bytes, node: Node) -> None:
+        """A directory, symlink or special file known under ``parent``/``name``, compared with
+        the backing at a lookup: gone there, or another kind of entry there (another writer
+        removed it, with all below it, or put something else in its place), it leaves the
+        view (ESTALE; the name then holds what the backing has), unless this mount has a
+        change of its own pending on it or below it."""
+        coherence = self.coherence
+        if node.ino in self._checking or node.backing_parent is not parent \
+                or node.backing_name != name or node.parent is not parent or node.name != name:
+            return
+        got = None
+        try:
+            with trio.move_on_after(COHERENCE_WAIT):
+                got = await self._check(node.ino, functools.partial(coherence.stat_backing, node))
+        except OSError as e:
+            log.debug("looking at %s: %s", node_path(node), e)
+        if got is None or not got[0]:
+            return
+        (pos, st), applied = got[0][0], got[1]
+        if pos != (parent, name) or parent.children is None or parent.children.get(name) is not node \
+                or not coherence.subtree_quiescent(node, applied):
+            return
+        if st is None or statmod.S_IFMT(st.st_mode) != statmod.S_IFMT(node.mode):
+            await self._leaves_view(parent, name, node, gone=st is None)
+
+    async def _leaves_view(self, parent: Node, name: bytes, node: Node, gone: bool) -> NoReturn:
+        """Another writer removed ``node``'s entry from the backing, or put another entry
+        under its name: the node leaves the view (it lives on for descriptors open on it),
+        the name holds what the backing has now (looked up as a missing name is), and the
+        request answers ESTALE, on which the kernel looks the name up again."""
+        self.coherence.removed_elsewhere(parent, name, node)
+        if not gone:
+            try:
+                await self.found_elsewhere(parent, name)
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+        raise err(errno.ESTALE, "another writer removed or replaced the entry in the backing")
+
+    def _look_again(self, pos: tuple[Node, bytes]) -> None:
+        """The next lookup of this name lists its directory again (Coherence.merge_listing)."""
+        pos[0].listed_at = 0.0
+        self.kernel_notices.forget_entry(pos[0].ino, pos[1])
+
+    async def _check(self, key: object, fn: Callable[[], T]) -> T:
+        """``fn()`` in a worker thread that may be abandoned (a hung backing): at most one
+        per ``key`` (an inode, a name) at a time, and at most ``check_threads`` in all, so
+        that stuck checks never take the threads that cached work needs."""
+        self._checking.add(key)
+        started = []
+
+        def job():
+            started.append(True)
+            try:
+                return fn()
+            finally:
+                self._checking.discard(key)
+        try:
+            return await trio.to_thread.run_sync(job, abandon_on_cancel=True, limiter=self.check_threads)
+        finally:
+            if not started:      # cancelled while waiting for a thread: it never ran
+                self._checking.discard(key)
+

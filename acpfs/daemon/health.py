@@ -1,0 +1,72 @@
+"""A mount's health, from its status document: ``acpfs status --check`` (one line per mount,
+exit status 0 healthy, 1 degraded, 2 down) and the ``acpfs_healthy`` metric apply the same
+rule (docs/operations.md, "Health checks")."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .. import mounttable
+from ..commands import client
+from ..errors import Failure
+from ..config import age, safe
+
+HEALTHY, DEGRADED, DOWN = 0, 1, 2   # exit status of 'acpfs status --check'
+
+
+def health(doc: dict[str, Any], max_unsaved_age: float | None) -> tuple[int, list[str]]:
+    """A mount's health from its status document: (HEALTHY, DEGRADED or DOWN, the reasons)."""
+    if doc.get("stale"):
+        return DOWN, ["its daemon is gone (stale mount)"]
+    why = []
+    if not doc["flusher_alive"]:
+        why.append("the flusher is dead: nothing is persisted")
+    for e in doc["errors"][:3]:
+        why.append(f"{e['op']} {safe(e['path'])} failing for {age(time.time() - e['since'])} "
+                   f"({e['attempts']} attempts): {e['reason']}")
+    if doc.get("journal_error"):
+        why.append(f"journal cannot be written: {doc['journal_error']}")
+    oldest = doc.get("oldest_dirty_age_s")
+    if max_unsaved_age is not None and oldest is not None and oldest > max_unsaved_age:
+        why.append(f"unsaved data {age(oldest)} old (more than {age(max_unsaved_age)})")
+    held = (doc.get("peers") or {}).get("held")
+    if held:
+        why.append(held_text(held))
+    return (DEGRADED if why else HEALTHY), why
+
+
+def held_text(held: dict[str, Any]) -> str:
+    who = f"node {held['waiting_for']}" if held["waiting_for"] else "a fresh listing of the nodes"
+    return (f"held for global order {age(max(0.0, time.time() - held['since']))}: "
+            f"{held['op']} {safe(held['path'])} waits for {who}")
+
+
+def check_status(mountpoint: str | None, max_unsaved_age: float | None) -> int:
+    """``status --check [MOUNTPOINT]``: one line per mount, exit status the worst of them."""
+    if mountpoint:
+        try:
+            mounts = [mounttable.mount_of(mountpoint)]
+        except Failure:
+            print(f"DOWN {safe(mountpoint)}: not an acpfs mount")
+            return DOWN
+    else:
+        mounts = mounttable.acpfs_mounts()
+        if not mounts:
+            print("DOWN: no acpfs mounts")
+            return DOWN
+    worst = HEALTHY
+    for m in mounts:
+        try:
+            doc = {"mountpoint": m, "stale": True} if client.is_stale(m) else client.read_status(m)
+        except Failure as e:
+            doc, code, why = {}, DOWN, [str(e)]
+        else:
+            code, why = health(doc, max_unsaved_age)
+        if code == HEALTHY:
+            print(f"OK {safe(m)}: {doc['dirty']['files']} files unsaved, "
+                  f"{doc['queue']['pending_ops']} operations to persist")
+        else:
+            print(f"{'DEGRADED' if code == DEGRADED else 'DOWN'} {safe(m)}: " + "; ".join(why))
+        worst = max(worst, code)
+    return worst

@@ -1,0 +1,143 @@
+"""How the daemon copies WRITE requests into the pool: the fast path (loading
+acpfs.fuse._fastwrite before pyfuse3, and its state) and non-temporal copies.
+
+pyfuse3 hands each WRITE to Python as a fresh ``bytes`` copy of libfuse's buffer; the C
+extension (acpfs/_fastwrite.c) lets ``fs.Operations.write_now`` copy straight from that
+buffer into the pool instead. It works by defining ``fuse_session_new`` in a library loaded
+RTLD_GLOBAL, so it must be loaded before pyfuse3 is: ``acpfs.fuse.operations`` imports this module first.
+
+Everything degrades to pyfuse3's own path (and says so in the log and in ``status``) when
+the extension is not built, pyfuse3 was imported before it, or the hook was not reached.
+
+The extension also asks the kernel for shared mmap of direct_io files (its INIT exchange):
+only where granted (``direct_io_mmap``) do writers, and readers of cached files, skip the page
+cache: elsewhere shared writable mappings of their files would fail with ENODEV.
+
+Copies into the pool are large (up to 1 MiB per WRITE) and not read again soon, so the
+daemon copies with non-temporal stores: glibc's memcpy uses them from NT_THRESHOLD up (its
+default, ~3/8 of the L3 cache, is far above a request). glibc reads GLIBC_TUNABLES only when
+a process starts, and the daemon is forked from the ``mount`` command, so that command runs
+itself again with the tunable set (``reexec_for_copies``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from types import ModuleType
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
+
+NT_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+NT_THRESHOLD = 256 << 10
+REEXEC_MARK = "ACPFS_REEXECUTED"   # set in the rerun: never run again twice
+
+
+def _load() -> tuple[Optional[ModuleType], str]:
+    if os.environ.get("ACPFS_NO_FAST_WRITE"):
+        return None, "disabled by ACPFS_NO_FAST_WRITE"
+    if "pyfuse3" in sys.modules:
+        return None, "pyfuse3 was imported before acpfs.fuse.fastwrite"
+    flags = sys.getdlopenflags()
+    sys.setdlopenflags(flags | os.RTLD_GLOBAL)
+    try:
+        from acpfs.fuse import _fastwrite
+    except ImportError as e:
+        return None, f"acpfs.fuse._fastwrite is not built ({e})"
+    finally:
+        sys.setdlopenflags(flags)
+    return _fastwrite, ""
+
+
+_ext, _why_not = _load()
+
+
+def install(handler: Callable[[int, int, memoryview], Optional[int]],
+            fallocate: Callable[[int, int, int, int], int] | None = None) -> bool:
+    """After pyfuse3.init: route WRITEs through ``handler`` and FALLOCATEs through
+    ``fallocate`` (pyfuse3 has no handler for them); False (and why, logged) if unavailable:
+    then fallocate fails with EOPNOTSUPP."""
+    global _why_not
+    if _ext is None:
+        log.info("fast write path off: %s; writes take pyfuse3's path", _why_not)
+        return False
+    if not _ext.stats()["sessions_hooked"]:
+        _why_not = "pyfuse3's FUSE session was not created through the hook"
+        log.warning("fast write path off: %s; writes take pyfuse3's path", _why_not)
+        return False
+    _ext.set_handler(handler)
+    if fallocate is not None:
+        _ext.set_fallocate_handler(fallocate)
+    return True
+
+
+def extension() -> Optional[ModuleType]:
+    """The C extension, if it is loaded and can hook the session (passthrough.py uses it)."""
+    return _ext
+
+
+def ask_passthrough(depth: int) -> None:
+    """Before the mount: the INIT reply asks for FUSE_PASSTHROUGH with this stack depth."""
+    if _ext is not None:
+        _ext.set_passthrough(depth)
+
+
+def uninstall() -> None:
+    if _ext is not None:
+        _ext.set_handler(None)
+        _ext.set_fallocate_handler(None)
+
+
+def direct_io_mmap() -> bool:
+    """Whether files may get direct_io without losing shared mmap: the INIT reply granted
+    FUSE_DIRECT_IO_ALLOW_MMAP (see acpfs/_fastwrite.c; off with ACPFS_NO_READ_DIRECT_IO=1)."""
+    return _ext is not None and _ext.direct_io_mmap()
+
+
+def reexec_for_copies() -> None:
+    """Run this command again, as it was started, with NT_TUNABLE added to GLIBC_TUNABLES;
+    not if the tunable is named there already (a value the user set is kept), on other
+    machines than x86-64 (the tunable is x86's), or if this process is such a rerun."""
+    import platform
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    named = any(item.partition("=")[0] == NT_TUNABLE for item in tunables.split(":"))
+    if named or os.environ.get(REEXEC_MARK) or platform.machine() != "x86_64":
+        return
+    env = dict(os.environ)
+    env["GLIBC_TUNABLES"] = ":".join(filter(None, [tunables, f"{NT_TUNABLE}={NT_THRESHOLD}"]))
+    env[REEXEC_MARK] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, sys.orig_argv, env)
+    except OSError as e:
+        log.warning("cannot run %s again with %s (%s); copies stay temporal", sys.executable,
+                    NT_TUNABLE, e)
+
+
+def nt_threshold() -> int | None:
+    """The non-temporal copy threshold in this process's GLIBC_TUNABLES (read as glibc
+    does: 0x hex, 0 octal, else decimal), if one was set."""
+    for item in os.environ.get("GLIBC_TUNABLES", "").split(":"):
+        name, _, value = item.partition("=")
+        if name == NT_TUNABLE:
+            try:
+                if value[:2].lower() == "0x":
+                    return int(value[2:], 16)
+                return int(value, 8) if value.startswith("0") and len(value) > 1 else int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def state() -> dict:
+    """For ``acpfs status``: whether the fast path is on, how many WRITEs took each path, and
+    the non-temporal copy threshold."""
+    nt = {"non_temporal_threshold": nt_threshold(), "readers_direct_io": direct_io_mmap(),
+          "writers_direct_io": direct_io_mmap()}
+    if _ext is None or not _ext.stats()["sessions_hooked"]:
+        return {"on": False, "why_not": _why_not, **nt}
+    hidden = ("sessions_hooked", "custom_io", "kernel_flags")
+    return {"on": True, **{k: v for k, v in _ext.stats().items() if k not in hidden}, **nt}

@@ -682,7 +682,6 @@ def preload(paths: Iterable[str | os.PathLike]) -> Preloaded:
 
     Paths on no live acpfs mount are skipped. Files that do not fit are listed in ``left_out``.
     """
-    from .commands import cli
     live = []
     for p in paths:
         t = _resolve(p)
@@ -693,7 +692,7 @@ def preload(paths: Iterable[str | os.PathLike]) -> Preloaded:
     if not live:
         return Preloaded()
     try:
-        files, nbytes, left_out = cli.preload(live, quiet=True)
+        files, nbytes, left_out = client.preload(live, quiet=True)
     except UsageError as e:
         raise ValueError(f"acpfs preload: {e}") from None
     except Failure as e:

@@ -14,7 +14,6 @@ import fcntl
 import json
 import math
 import os
-import stat
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from ..errors import Failure, UsageError
 from ..mounttable import FSTYPE
 from ..config import age, safe
 from ..daemon.health import held_text
-from .progress import Progress, bar
+from .progress import Progress
 from ..config import (CACHE_AREA, DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_FRACTION,
                      DEFAULT_CACHE_FULL_TIMEOUT, DEFAULT_COHERENCE_TIMEOUT, DEFAULT_FLUSH_WORKERS,
                      DEFAULT_FSYNC, DEFAULT_GLOBAL_ORDER, DEFAULT_LOG_LEVEL, DEFAULT_MAX_CLOCK_SKEW,
@@ -314,39 +313,6 @@ def seconds(text: str) -> float:
     return v
 
 
-def gone(path: str, mount: str | None = None) -> Failure:
-    """The one line every command gives for a path on a stale mount (its daemon is gone)."""
-    if mount is None:
-        try:
-            mount = mounttable.mount_of(path)
-        except Failure:
-            mount = path
-    return Failure(f"{path}: the daemon of the acpfs mount {mount} is gone; run "
-                   f"'acpfs umount {mount}'")
-
-
-def existing(path: str) -> None:
-    """``path`` exists (a UsageError if not); one on a mount whose daemon is gone is named
-    as such (a Failure), not as a missing path."""
-    try:
-        os.lstat(path)
-    except OSError as e:
-        if e.errno in client.DEAD_ERRNOS:
-            raise gone(path) from None
-        raise UsageError(f"{path} does not exist") from None
-
-
-def live_mount(path: str) -> str:
-    """The live acpfs mount holding ``path``, which exists. A stale mount is a Failure
-    (``gone``) even when the kernel still answers ``lstat`` from its caches: the status
-    attribute asked here never is."""
-    existing(path)
-    mount = mounttable.mount_of(path)
-    if client.is_stale(mount):
-        raise gone(path, mount)
-    return mount
-
-
 def open_lock(name: str):
     return os.fdopen(userdirs.open_private(name), "a+")
 
@@ -470,7 +436,7 @@ def cmd_status(a: argparse.Namespace) -> int:
             print(render_status(doc))
     if a.mountpoint and docs[0].get("stale"):
         sys.stdout.flush()
-        raise gone(a.mountpoint, docs[0]["mountpoint"])
+        raise client.gone(a.mountpoint, docs[0]["mountpoint"])
     return 0
 
 
@@ -484,7 +450,7 @@ def watch_status(a: argparse.Namespace) -> int:
     if a.count is not None and a.count < 1:
         raise UsageError("--count must be at least 1")
     if a.mountpoint:
-        mount = live_mount(a.mountpoint)
+        mount = client.live_mount(a.mountpoint)
     else:
         mounts = [m for m in mounttable.acpfs_mounts() if not client.is_stale(m)]
         if len(mounts) != 1:
@@ -583,11 +549,11 @@ def cmd_sync(a: argparse.Namespace) -> int:
     if a.all_nodes:
         return sync_all_nodes(a)
     if a.path:
-        mount = live_mount(a.path)
+        mount = client.live_mount(a.path)
         try:
             seq, open_dirty = client.read_seq(a.path)
         except client.StaleMount:
-            raise gone(a.path, mount) from None
+            raise client.gone(a.path, mount) from None
         except Failure as e:
             raise Failure(f"cannot sync {a.path}: {e.strerror}") from None
         if open_dirty:
@@ -612,7 +578,7 @@ def sync_all_nodes(a: argparse.Namespace) -> int:
     """``sync --all-nodes [PATH]``: the mount holding PATH, or every live acpfs mount."""
     deadline = None if a.timeout is None else time.monotonic() + a.timeout
     if a.path:
-        mounts = [live_mount(a.path)]
+        mounts = [client.live_mount(a.path)]
     else:
         mounts = [m for m in mounttable.acpfs_mounts() if not client.is_stale(m)]
         if not mounts:
@@ -622,76 +588,15 @@ def sync_all_nodes(a: argparse.Namespace) -> int:
         try:
             others = syncing.all_nodes(mount, deadline)
         except client.StaleMount:
-            raise gone(a.path or mount, mount) from None
+            raise client.gone(a.path or mount, mount) from None
         print(f"acpfs: sync --all-nodes {mount}: this node and {others} other nodes have "
               f"persisted what they acknowledged before the call "
               f"({time.monotonic() - start:.1f}s)", file=sys.stderr)
     return 0
 
 
-def files_under(paths: list[str]) -> list[tuple[str, int]]:
-    """Regular files named by ``paths`` (directories walked, symlinks not followed), with sizes."""
-    out = []
-
-    def unreadable(e: OSError) -> None:   # os.walk skips what it cannot list unless told
-        if e.errno in client.DEAD_ERRNOS:
-            raise gone(e.filename or path) from None
-        raise e
-    for path in paths:
-        live_mount(path)
-        if os.path.isdir(path) and not os.path.islink(path):
-            for dirpath, _, names in os.walk(path, onerror=unreadable):
-                for name in sorted(names):
-                    p = os.path.join(dirpath, name)
-                    st = os.lstat(p)
-                    if stat.S_ISREG(st.st_mode):
-                        out.append((p, st.st_size))
-        else:
-            st = os.stat(path)
-            if not stat.S_ISREG(st.st_mode):
-                raise UsageError(f"{path} is not a regular file or a directory")
-            out.append((path, st.st_size))
-    return out
-
-
-def preload(paths: list[str], quiet: bool = False) -> tuple[int, int, list[str]]:
-    """Read files into their mount's cache, in the order given, at most what the cache holds.
-
-    Returns (files loaded, bytes loaded, files left out with the reason). Files are loaded in
-    the order given; a file that does not fit is left out and the rest still tried.
-    """
-    files = files_under(paths)
-    total = sum(size for _, size in files)
-    limits: dict[str, int] = {}
-    prog = Progress() if not quiet else None
-    done_files = done_bytes = 0
-    left_out: list[str] = []
-    start = time.monotonic()
-    for path, size in files:
-        mount = mounttable.mount_of(path)
-        if mount not in limits:
-            limits[mount] = client.read_status(mount)["cache"]["limit_bytes"]
-        if size > limits[mount]:
-            left_out.append(f"{path}: {format_size(size)}, but only {format_size(limits[mount])} of "
-                            f"the cache is left for preloading")
-            continue
-        if not client.preload(path):
-            left_out.append(f"{path}: the cache is full")
-            continue
-        limits[mount] -= size
-        done_files += 1
-        done_bytes += size
-        if prog:
-            rate = done_bytes / max(1e-6, time.monotonic() - start)
-            prog.update(f"preload: {bar(done_bytes / max(1, total))} {done_files}/{len(files)} files, "
-                        f"{format_size(done_bytes)} of {format_size(total)}, {format_size(rate)}/s")
-    if prog:
-        prog.done()
-    return done_files, done_bytes, left_out
-
-
 def cmd_preload(a: argparse.Namespace) -> int:
-    n, nbytes, left_out = preload(a.paths)
+    n, nbytes, left_out = client.preload(a.paths)
     for line in left_out[:20]:
         print(f"acpfs: preload: not loaded: {safe(line)}", file=sys.stderr)
     if len(left_out) > 20:
@@ -755,7 +660,7 @@ def cmd_temps(a: argparse.Namespace) -> int:
         pass
     else:
         if client.is_stale(mount):
-            raise gone(a.backing, mount)
+            raise client.gone(a.backing, mount)
         raise UsageError(f"{a.backing} is on the acpfs mount {mount}, which hides temporary "
                          f"files: give its backing directory, "
                          f"{client.read_status(mount)['backing']}")

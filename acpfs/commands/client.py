@@ -1,16 +1,15 @@
 """How programs talk to a running acpfs mount: the ``acpfs`` command (``cli``) and
 ``acpfs.torch`` both go through here.
 
-Owns: the mount table (one parser of ``/proc/self/mountinfo``), reading the control
-attributes whose names ``control`` defines (the status document, a path's sequence number,
-the pending files, preloading a file), telling a stale mount (its daemon is gone) from a live
-one, waiting until a mount has persisted a sequence number, and the one error type for an
-operation on a mount that failed (``Failure``).
+Owns: reading the control attributes whose names ``core.control`` defines (the status
+document, a path's sequence number, the pending files, preloading a file), telling a stale
+mount (its daemon is gone) from a live one and the one line for a path on it (``gone``),
+preloading files and directories into their mount's cache (``preload``), and waiting until a
+mount has persisted a sequence number. The mount table is ``acpfs.mounttable``; the error
+type is ``acpfs.errors.Failure``.
 
-Every function that reads the mount table takes its text as an argument too (``None``: read
-``/proc/self/mountinfo``), so it can be tested without a mount. Nothing here imports numpy,
-pyfuse3 or torch, or starts a thread: ``cli`` forks the daemon after importing this, and
-training processes import it through ``acpfs.torch``.
+Nothing here imports numpy, pyfuse3 or torch, or starts a thread: ``cli`` forks the daemon
+after importing this, and training processes import it through ``acpfs.torch``.
 """
 
 from __future__ import annotations
@@ -18,11 +17,15 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import time
 from typing import Any, Callable
 
+from .. import mounttable
+from ..config import format_size
 from ..core import control
-from ..errors import Failure
+from ..errors import Failure, UsageError
+from .progress import Progress, bar
 
 DEAD_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)   # the daemon of the mount is gone
 POLL_FAST, POLL_SLOW, FAST_FOR = 0.02, 0.2, 2.0       # status polling: fast for FAST_FOR seconds
@@ -100,7 +103,7 @@ def read_files(mountpoint: str) -> dict[str, Any]:
     raise AssertionError("not reached")
 
 
-def preload(path: str) -> bool:
+def preload_file(path: str) -> bool:
     """Read the file ``path`` into its mount's cache; False when the cache cannot hold it."""
     try:
         _getxattr(path, control.PRELOAD, f"cannot preload {path}")
@@ -109,6 +112,101 @@ def preload(path: str) -> bool:
             return False
         raise
     return True
+
+
+# -- paths on a mount, preloading ------------------------------------------------------------
+def gone(path: str, mount: str | None = None) -> Failure:
+    """The one line every command gives for a path on a stale mount (its daemon is gone)."""
+    if mount is None:
+        try:
+            mount = mounttable.mount_of(path)
+        except Failure:
+            mount = path
+    return Failure(f"{path}: the daemon of the acpfs mount {mount} is gone; run "
+                   f"'acpfs umount {mount}'")
+
+
+def existing(path: str) -> None:
+    """``path`` exists (a UsageError if not); one on a mount whose daemon is gone is named
+    as such (a Failure), not as a missing path."""
+    try:
+        os.lstat(path)
+    except OSError as e:
+        if e.errno in DEAD_ERRNOS:
+            raise gone(path) from None
+        raise UsageError(f"{path} does not exist") from None
+
+
+def live_mount(path: str) -> str:
+    """The live acpfs mount holding ``path``, which exists. A stale mount is a Failure
+    (``gone``) even when the kernel still answers ``lstat`` from its caches: the status
+    attribute asked here never is."""
+    existing(path)
+    mount = mounttable.mount_of(path)
+    if is_stale(mount):
+        raise gone(path, mount)
+    return mount
+
+
+def files_under(paths: list[str]) -> list[tuple[str, int]]:
+    """Regular files named by ``paths`` (directories walked, symlinks not followed), with sizes."""
+    out = []
+
+    def unreadable(e: OSError) -> None:   # os.walk skips what it cannot list unless told
+        if e.errno in DEAD_ERRNOS:
+            raise gone(e.filename or path) from None
+        raise e
+    for path in paths:
+        live_mount(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            for dirpath, _, names in os.walk(path, onerror=unreadable):
+                for name in sorted(names):
+                    p = os.path.join(dirpath, name)
+                    st = os.lstat(p)
+                    if stat.S_ISREG(st.st_mode):
+                        out.append((p, st.st_size))
+        else:
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise UsageError(f"{path} is not a regular file or a directory")
+            out.append((path, st.st_size))
+    return out
+
+
+def preload(paths: list[str], quiet: bool = False) -> tuple[int, int, list[str]]:
+    """Read files into their mount's cache, in the order given, at most what the cache holds.
+
+    Returns (files loaded, bytes loaded, files left out with the reason). Files are loaded in
+    the order given; a file that does not fit is left out and the rest still tried.
+    """
+    files = files_under(paths)
+    total = sum(size for _, size in files)
+    limits: dict[str, int] = {}
+    prog = Progress() if not quiet else None
+    done_files = done_bytes = 0
+    left_out: list[str] = []
+    start = time.monotonic()
+    for path, size in files:
+        mount = mounttable.mount_of(path)
+        if mount not in limits:
+            limits[mount] = read_status(mount)["cache"]["limit_bytes"]
+        if size > limits[mount]:
+            left_out.append(f"{path}: {format_size(size)}, but only {format_size(limits[mount])} of "
+                            f"the cache is left for preloading")
+            continue
+        if not preload_file(path):
+            left_out.append(f"{path}: the cache is full")
+            continue
+        limits[mount] -= size
+        done_files += 1
+        done_bytes += size
+        if prog:
+            rate = done_bytes / max(1e-6, time.monotonic() - start)
+            prog.update(f"preload: {bar(done_bytes / max(1, total))} {done_files}/{len(files)} files, "
+                        f"{format_size(done_bytes)} of {format_size(total)}, {format_size(rate)}/s")
+    if prog:
+        prog.done()
+    return done_files, done_bytes, left_out
 
 
 # -- waiting for durability ----------------------------------------------------------------------

@@ -177,10 +177,10 @@ def test_read_files_and_preload(xattrs):
     table["/m/ok", control.PRELOAD] = b'{"size": 1, "cached": true}'
     table["/m/big", control.PRELOAD] = errno.ENOSPC
     table["/m/bad", control.PRELOAD] = errno.EIO
-    assert client.preload("/m/ok") is True
-    assert client.preload("/m/big") is False
+    assert client.preload_file("/m/ok") is True
+    assert client.preload_file("/m/big") is False
     with pytest.raises(client.Failure, match=r"^cannot preload /m/bad: Input/output error$"):
-        client.preload("/m/bad")
+        client.preload_file("/m/bad")
 
 
 # -- waiting for durability ----------------------------------------------------------------------

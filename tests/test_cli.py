@@ -63,18 +63,17 @@ def test_mount_help_gives_the_defaults_that_config_holds():
 
 def test_mount_options_come_from_the_command_line_then_the_environment_then_config(monkeypatch):
     """What ``acpfs mount`` gives the daemon, without a mount: config's defaults where
-    neither the command line nor an ACPFS_* variable names the option; and the
-    daemon's Options and the control interface's MountInfo default to the same values."""
+    neither the command line nor an ACPFS_* variable names the option; and the defaults
+    of ``Options``, the one object the daemon is given, are the same values."""
     import dataclasses
 
-    from acpfs.commands import cli
     from acpfs import config
+    from acpfs.commands import cli
     from acpfs.core import control
-    from acpfs.daemon import daemon
     for name in [n for n in os.environ if n.startswith("ACPFS_")]:
         monkeypatch.delenv(name)
     parse = cli.build_parser().parse_args
-    settings = cli.mount_settings(parse(["mount", "/mnt", "--backing", "/b"]))
+    settings = config.settings(parse(["mount", "/mnt", "--backing", "/b"]))
     defaults = dict(fsync_backing=config.DEFAULT_FSYNC == "backing",
                     flush_workers=config.DEFAULT_FLUSH_WORKERS, log_level=config.DEFAULT_LOG_LEVEL,
                     cache_full_timeout=config.DEFAULT_CACHE_FULL_TIMEOUT,
@@ -86,16 +85,17 @@ def test_mount_options_come_from_the_command_line_then_the_environment_then_conf
                     block_size=config.DEFAULT_BLOCK_SIZE, foreground=False,
                     passthrough=config.DEFAULT_PASSTHROUGH, metrics=config.DEFAULT_METRICS)
     assert settings == defaults
-    for field in dataclasses.fields(daemon.Options):
+    flags = {"allow_other": False, "noexec": False, "mlock": False}   # read with the places
+    for field in dataclasses.fields(config.Options):
         if field.default is not dataclasses.MISSING:
-            assert field.default == defaults[field.name], field.name
-    info_fields = {f.name: f for f in dataclasses.fields(control.MountInfo)}
-    assert info_fields["coherence_timeout"].default == config.DEFAULT_COHERENCE_TIMEOUT
+            assert field.default == {**defaults, **flags}[field.name], field.name
+    assert all(f.name != "coherence_timeout" for f in dataclasses.fields(control.MountInfo)), \
+        "MountInfo keeps runtime facts only: options are read from MountInfo.opts"
     monkeypatch.setenv("ACPFS_PEER_LEASE", "45")
     monkeypatch.setenv("ACPFS_BLOCK_SIZE", "1M")
     monkeypatch.setenv("ACPFS_PASSTHROUGH", "off")
     monkeypatch.setenv("ACPFS_METRICS", ":9710")
-    settings = cli.mount_settings(parse(["mount", "/mnt", "--backing", "/b", "--peer-lease", "50"]))
+    settings = config.settings(parse(["mount", "/mnt", "--backing", "/b", "--peer-lease", "50"]))
     assert (settings["peer_lease"], settings["block_size"], settings["passthrough"]) == (50, 1 << 20, "off")
     assert settings["metrics"] == ":9710"
 

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..config import DEFAULT_COHERENCE_TIMEOUT
+from ..config import Options
 from ..node import OpKind, OpState, node_path
 
 if TYPE_CHECKING:
@@ -54,15 +54,9 @@ PAGE_BYTES = 60000     # a page of the files listing: an xattr value is at most 
 
 @dataclasses.dataclass
 class MountInfo:
-    mountpoint: str
-    backing: str
-    cache_dir: str
-    log_file: str
-    fsync_backing: bool
-    flush_workers: int
-    cache_full_timeout: float
-    persist_open_after: float
-    coherence_timeout: float = DEFAULT_COHERENCE_TIMEOUT   # see Loader.refreshed
+    """What the status document tells of the mount beside its parts' own status: the options
+    it was mounted with (``opts``, whole) and the facts of this daemon's run."""
+    opts: Options
     recovery: dict | None = None   # what this daemon recovered from a dead one (recovery.py)
     # paths the recovery kept aside -> the seq of their publish (Recovered.aside_seqs)
     recovery_aside: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -213,19 +207,15 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
                            "next_retry_in_s": round(max(0.0, op.next_retry - now), 1)})
     return {
         "version": STATUS_VERSION,
-        "mountpoint": info.mountpoint,
-        "backing": info.backing,
+        "mountpoint": info.opts.mountpoint,
+        "backing": info.opts.backing,
         "pid": info.pid,
         "instance": cache.backing.instance,
         "backing_reopened": {"count": cache.backing.reopened, "last": cache.backing.last_reopen},
-        "cache_dir": info.cache_dir,
-        "log_file": info.log_file,
+        "cache_dir": info.opts.cache_dir,
+        "log_file": info.opts.log_file,
         "uptime_s": round(now - info.started, 1),
-        "options": {"fsync": "backing" if info.fsync_backing else "memory",
-                    "flush_workers": info.flush_workers,
-                    "cache_full_timeout_s": info.cache_full_timeout,
-                    "persist_open_after_s": info.persist_open_after,
-                    "coherence_timeout_s": info.coherence_timeout},
+        "options": info.opts.as_status(),
         "cache": {"used_bytes": used, "limit_bytes": store.limit, "peak_used_bytes": peak,
                   "block_size": store.unit, "cached_files": cached_files, "store": store.kind},
         "dirty": {"files": len(cache.files.dirty_nodes), "bytes": dirty_bytes},

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 import trio
 
-from ..config import format_size
+from ..config import Options, format_size
 from ..store.api import CacheFull
 from ..cache.files import Files
 from .loader import Loader
@@ -38,7 +38,6 @@ from ..node import Node, err, node_path
 from .writethrough import WriteThrough
 
 if TYPE_CHECKING:
-    from .control import MountInfo
     from ..fuse.passthrough import Kernel
 
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -69,7 +68,7 @@ class Handle:
 
 class Handles:
     def __init__(self, inodes: Inodes, files: Files, names: Namespace, loader: Loader,
-                 wt: WriteThrough, longopen: LongOpen, info: MountInfo, *,
+                 wt: WriteThrough, longopen: LongOpen, opts: Options, *,
                  kernel: Kernel | None, direct_io_mmap: Callable[[], bool]) -> None:
         self.inodes = inodes
         self.files = files
@@ -79,7 +78,7 @@ class Handles:
         self.loader = loader
         self.wt = wt
         self.longopen = longopen    # a staged copy of a file passed through goes at its close
-        self.info = info            # fsync_backing
+        self.opts = opts            # fsync_backing
         self.kernel = kernel   # passthrough (passthrough.py); None: every request comes here
         self.direct_io_mmap = direct_io_mmap   # asked at each open: the INIT reply decides
         self.handles: dict[int, Handle] = {}
@@ -360,7 +359,7 @@ class Handles:
             await self.longopen.closed(node)
 
     async def fsync(self, fh: int) -> None:
-        if self.info.fsync_backing:
+        if self.opts.fsync_backing:
             await self.wt.fsync(self.handle(fh).node)
 
     async def preload(self, node: Node) -> bytes:

@@ -1,7 +1,7 @@
 """Loading and revalidation: what requests learn from the backing, in worker threads.
 
 Owns the checks of the backing that requests make under trio: a directory's entries
-loaded once (``loaded``) and listed again once ``MountInfo.coherence_timeout`` has passed
+loaded once (``loaded``) and listed again once ``Options.coherence_timeout`` has passed
 (``refreshed``), extended attributes loaded once (``xattrs_loaded``), a name the view lacks
 looked up (``found_elsewhere``), a clean file or another entry compared with its backing
 copy (``revalidated``, ``entry_checked``). It owns the locks that let one listing of a
@@ -29,7 +29,7 @@ import trio
 
 from ..backing.backing import Backing, is_internal_name
 from ..cache.coherence import Coherence, Relisting
-from .control import MountInfo
+from ..config import Options
 from ..cache.inodes import Inodes
 from ..node import KernelNotices, Node, err, name_path, node_path
 
@@ -43,12 +43,12 @@ COHERENCE_WAIT = 0.5
 
 class Loader:
     def __init__(self, inodes: Inodes, coherence: Coherence, backing: Backing,
-                 info: MountInfo, kernel_notices: KernelNotices,
+                 opts: Options, kernel_notices: KernelNotices,
                  invalidate_attrs: Callable[[int], None]) -> None:
         self.inodes = inodes
         self.coherence = coherence
         self.backing = backing
-        self.info = info   # coherence_timeout
+        self.opts = opts   # coherence_timeout
         self.kernel_notices = kernel_notices   # forgets a name to be looked at again
         # the kernel forgets an inode's attributes before this returns (only ever called for
         # the inode of the request being answered: the kernel holds it, never evicting it)
@@ -97,7 +97,7 @@ class Loader:
         revalidates a directory it opens. Only directories this mount has put in the backing
         are looked at again; one listing at a time per directory."""
         coherence = self.coherence
-        timeout = self.info.coherence_timeout
+        timeout = self.opts.coherence_timeout
         if not self.inodes.present(node) or node.children is None or node.ino in self._checking \
                 or (not at_open and time.monotonic() - node.listed_at <= timeout):
             return node
@@ -159,7 +159,7 @@ class Loader:
         backing holds now (the old node lives on for the descriptors open on it)."""
         coherence = self.coherence
         if not node.is_reg or node.backing_parent is None \
-                or (not at_open and time.monotonic() - node.checked_at <= self.info.coherence_timeout) \
+                or (not at_open and time.monotonic() - node.checked_at <= self.opts.coherence_timeout) \
                 or node.ino in self._checking or not coherence.quiescent(node):
             return node
         got = None

@@ -75,12 +75,13 @@ class Core:
         self.backing = cache.backing
         self.info = info
         self.background = Background()
-        self.loader = Loader(cache.inodes, cache.coherence, cache.backing, info, cache.kernel,
+        opts = self.opts = info.opts
+        self.loader = Loader(cache.inodes, cache.coherence, cache.backing, opts, cache.kernel,
                              invalidate_attrs)
-        self.wt = WriteThrough(cache.files, self.background, info.cache_full_timeout)
-        self.longopen = LongOpen(cache.files, self.wt, self.background, info.persist_open_after)
+        self.wt = WriteThrough(cache.files, self.background, opts.cache_full_timeout)
+        self.longopen = LongOpen(cache.files, self.wt, self.background, opts.persist_open_after)
         self.handles = Handles(cache.inodes, cache.files, cache.names, self.loader, self.wt,
-                               self.longopen, info, kernel=kernel, direct_io_mmap=direct_io_mmap)
+                               self.longopen, opts, kernel=kernel, direct_io_mmap=direct_io_mmap)
         self._statfs: os.statvfs_result | None = self.backing.statvfs()   # answers at mount
         self._statfs_call: trio.Event | None = None
 
@@ -240,7 +241,7 @@ class Core:
         return node
 
     async def fsyncdir(self) -> None:
-        if self.info.fsync_backing:
+        if self.opts.fsync_backing:
             await self.wt.wait_seq(self.oplog.seq)
 
     async def create(self, parent_ino: int, name: bytes, mode: int, flags: int,

@@ -8,7 +8,6 @@ at once; what was not persisted stays in the cache directory and the log says so
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import logging
 import math
@@ -20,10 +19,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, NamedTuple, TypeVar
 
-from ..config import format_size, ram_filesystem
-from ..config import (DEFAULT_COHERENCE_TIMEOUT, DEFAULT_GLOBAL_ORDER, DEFAULT_MAX_CLOCK_SKEW,
-                     DEFAULT_METRICS, DEFAULT_PASSTHROUGH, DEFAULT_PEER_HEARTBEAT,
-                     DEFAULT_PEER_LEASE)
+from ..config import Options, format_size, ram_filesystem
 from .metrics_http import Endpoint, Unavailable
 from ..userdirs import open_private, secure_dir, write_mount_record
 from ..backing.retry import describe
@@ -36,33 +32,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("acpfs")
 T = TypeVar("T")
 RECORDS_AT_MOUNT = 5.0   # s the mount waits for the node records before it goes on without
-
-
-@dataclasses.dataclass
-class Options:
-    mountpoint: str
-    backing: str
-    cache_dir: str
-    cache_size: int
-    fsync_backing: bool
-    flush_workers: int
-    log_level: str
-    log_file: str
-    allow_other: bool
-    noexec: bool
-    cache_full_timeout: float
-    persist_open_after: float
-    block_size: int
-    mlock: bool
-    foreground: bool
-    # the defaults of the options (config.py holds them)
-    coherence_timeout: float = DEFAULT_COHERENCE_TIMEOUT
-    global_order: bool = DEFAULT_GLOBAL_ORDER == "on"
-    max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW
-    peer_heartbeat: float = DEFAULT_PEER_HEARTBEAT
-    peer_lease: float = DEFAULT_PEER_LEASE
-    passthrough: str = DEFAULT_PASSTHROUGH   # passthrough.MODES
-    metrics: str = DEFAULT_METRICS           # --metrics HOST:PORT, "" for none
 
 
 def setup_logging(opts: Options) -> None:
@@ -273,10 +242,7 @@ class Daemon:
         cache = self.cache = Cache(self.oplog, self.backing, self.store, KernelCacheNotices())
         order = GlobalOrder(self.peers, self.oplog) if self.peers is not None else None
         self.flusher = Flusher(self.oplog, cache, self.backing, order, opts.flush_workers)
-        self.info = MountInfo(opts.mountpoint, opts.backing, opts.cache_dir, opts.log_file,
-                              opts.fsync_backing, opts.flush_workers, opts.cache_full_timeout,
-                              opts.persist_open_after, coherence_timeout=opts.coherence_timeout,
-                              passthrough=self.kernel.state if self.kernel is not None else
+        self.info = MountInfo(opts, passthrough=self.kernel.state if self.kernel is not None else
                               (lambda: {"on": False, "why_not": why_not}),
                               metrics=self.endpoint.address if self.endpoint else None)
         self.core = Core(self.flusher, self.info, order=order, kernel=self.kernel,

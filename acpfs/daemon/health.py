@@ -7,9 +7,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .. import mounttable
-from ..commands import client
-from ..errors import Failure
 from ..config import age, safe
 
 HEALTHY, DEGRADED, DOWN = 0, 1, 2   # exit status of 'acpfs status --check'
@@ -40,33 +37,3 @@ def held_text(held: dict[str, Any]) -> str:
     who = f"node {held['waiting_for']}" if held["waiting_for"] else "a fresh listing of the nodes"
     return (f"held for global order {age(max(0.0, time.time() - held['since']))}: "
             f"{held['op']} {safe(held['path'])} waits for {who}")
-
-
-def check_status(mountpoint: str | None, max_unsaved_age: float | None) -> int:
-    """``status --check [MOUNTPOINT]``: one line per mount, exit status the worst of them."""
-    if mountpoint:
-        try:
-            mounts = [mounttable.mount_of(mountpoint)]
-        except Failure:
-            print(f"DOWN {safe(mountpoint)}: not an acpfs mount")
-            return DOWN
-    else:
-        mounts = mounttable.acpfs_mounts()
-        if not mounts:
-            print("DOWN: no acpfs mounts")
-            return DOWN
-    worst = HEALTHY
-    for m in mounts:
-        try:
-            doc = {"mountpoint": m, "stale": True} if client.is_stale(m) else client.read_status(m)
-        except Failure as e:
-            doc, code, why = {}, DOWN, [str(e)]
-        else:
-            code, why = health(doc, max_unsaved_age)
-        if code == HEALTHY:
-            print(f"OK {safe(m)}: {doc['dirty']['files']} files unsaved, "
-                  f"{doc['queue']['pending_ops']} operations to persist")
-        else:
-            print(f"{'DEGRADED' if code == DEGRADED else 'DOWN'} {safe(m)}: " + "; ".join(why))
-        worst = max(worst, code)
-    return worst

@@ -18,48 +18,22 @@ from __future__ import annotations
 
 import http.server
 import logging
-import re
 import socket
 import socketserver
 import threading
 import urllib.parse
 from typing import Callable
 
-from ..config import METRICS_CLIENT_TIMEOUT, METRICS_HOST, METRICS_MAX_SCRAPES
-from ..errors import UsageError
+from ..config import METRICS_CLIENT_TIMEOUT, METRICS_MAX_SCRAPES, parse_address
 from .metrics import CONTENT_TYPE
 from ..backing.retry import describe
 
 log = logging.getLogger(__name__)
 PATH = "/metrics"
-HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 
 
 class Unavailable(Exception):
     """The daemon has no document to render yet (503): why, in one line."""
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """(host, port) of a ``--metrics`` value: ``PORT``, ``:PORT`` (both on loopback),
-    ``HOST:PORT`` or ``[IPV6]:PORT``; port 0 takes any free port (``status`` shows which)."""
-    usage = (f"invalid --metrics {text!r}: use PORT or :PORT (on {METRICS_HOST}), HOST:PORT or "
-             "[IPV6]:PORT")
-    host, sep, port = text.strip().rpartition(":")
-    if not sep:
-        host = ""
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        if ":" not in host:
-            raise UsageError(usage)
-    elif ":" in host:
-        raise UsageError(f"invalid --metrics {text!r}: write an IPv6 address in brackets, "
-                         "[::1]:PORT")
-    elif host and not HOST_NAME.fullmatch(host):
-        raise UsageError(usage)
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise UsageError(f"invalid --metrics {text!r}: the port must be a number from 0 to 65535"
-                         if port else usage)
-    return host or METRICS_HOST, int(port)
 
 
 class Endpoint:

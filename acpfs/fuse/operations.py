@@ -352,5 +352,5 @@ def invalidate_attrs_now(ino: int) -> None:
 def make_operations(core: Core) -> Operations:
     """The adapter over ``core``."""
     global kernel_timeout
-    kernel_timeout = min(ATTR_TIMEOUT, core.info.coherence_timeout)
+    kernel_timeout = min(ATTR_TIMEOUT, core.opts.coherence_timeout)
     return Operations(core)

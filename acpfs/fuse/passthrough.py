@@ -27,7 +27,6 @@ PROC_USER_INIT_INO = 0xEFFFFFFD     # the initial user namespace's inode (includ
 CAP_SYS_ADMIN = 21
 OVERLAYFS_MAGIC = 0x794C7630
 FUSE_SUPER_MAGIC = 0x65735546
-MODES = ("auto", "on", "off")   # acpfs mount --passthrough (ACPFS_PASSTHROUGH)
 
 
 def _fs_type(path: str) -> int | None:
@@ -62,7 +61,7 @@ def _admin_in_initial_namespace() -> bool:
 def plan(mode: str, cache_dir: str, ext: ModuleType | None) -> tuple[int, str]:
     """(max_stack_depth to ask for, why not): depth 0 means no passthrough, for the reason
     given; 1 for a cache directory on an ordinary filesystem, 2 on overlayfs (a container's
-    root), whose files are themselves stacked. ``mode`` is one of MODES; with "on", the
+    root), whose files are themselves stacked. ``mode`` is one of ``config.PASSTHROUGH_MODES``; with "on", the
     caller refuses the mount where the depth is 0."""
     if mode == "off":
         return 0, "turned off (--passthrough off)"

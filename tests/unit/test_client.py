@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from acpfs import mounttable
-from acpfs.commands import cli, client, syncing
+from acpfs.commands import client, syncing
 from acpfs.core import control
+from acpfs.errors import Failure
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -248,7 +249,7 @@ def test_acpfs_sync_shows_progress_and_names_the_error_on_timeout(statuses, monk
     monkeypatch.setattr(syncing, "Progress", lambda: progress(out))
     err = {"path": "run/a.pt", "op": "publish", "reason": "Input/output error", "attempts": 3}
     answers[:] = [status(4), status(7, [err])]
-    with pytest.raises(cli.Failure) as e:
+    with pytest.raises(Failure) as e:
         syncing.wait_durable("/m", 10, 0.1, "sync /m")
     assert str(e.value) == ("sync /m: timed out after 0.1s with 3 operations not yet persisted "
                             "(run/a.pt: Input/output error)")

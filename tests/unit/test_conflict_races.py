@@ -132,7 +132,6 @@ def test_C_revalidate_applies_a_stat_older_than_its_own_publish(core):
     cache.coherence.stat_backing = slow_to_resume
 
     async def test(c):
-        c.info.coherence_timeout = 0.0
         fh, node = await tc.create(c, b"f")
         await tc.write(c, fh, b"v1")
         await tc.close(c, fh)
@@ -157,7 +156,7 @@ def test_C_revalidate_applies_a_stat_older_than_its_own_publish(core):
         print(core.flusher.repairs.conflicts.status()["by_kind"])
         print("backing still has f:", (back / "f").exists())
         assert size_ok and not (back / "f").exists()
-    tc.run(core, test)
+    tc.run(core, test, coherence_timeout=0.0)
 
 
 # D: a reader of an uncached file switches to another node's version in the middle of a read
@@ -167,7 +166,6 @@ def test_D_open_reader_switches_versions_mid_read(core):
     v1, v2 = b"1" * (2 * BS), b"2" * (2 * BS)
 
     async def test(c):
-        c.info.coherence_timeout = 0.0
         d = cache.names.mkdir(cache.inodes.root, b"d", 0o755, 0, 0)
         fh, node = await tc.create(c, b"f", parent=d.ino)
         await tc.write(c, fh, v1)
@@ -186,4 +184,4 @@ def test_D_open_reader_switches_versions_mid_read(core):
         await c.handles.release(rfh)
         print(first[:4], second[:4])
         assert first[:1] == second[:1], "one open read a mix of two versions"
-    tc.run(core, test)
+    tc.run(core, test, coherence_timeout=0.0)

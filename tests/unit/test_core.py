@@ -403,7 +403,6 @@ def test_an_open_sees_another_writers_version_at_once(seeded):
     forgot = []
 
     async def test(core):
-        core.info.coherence_timeout = 3600.0
         core.loader.invalidate_attrs = forgot.append
         node = await core.lookup(ROOT, b"f")
         fh, _, _ = await core.handles.open(node.ino, os.O_RDONLY)
@@ -420,7 +419,7 @@ def test_an_open_sees_another_writers_version_at_once(seeded):
         await write(core, fa, b"+tail", off=3)        # the kernel's offset from an old size
         await close(core, fa)
         await drain(h)
-    run(h, test)
+    run(h, test, coherence_timeout=3600.0)
     assert (h.back / "f").read_bytes() == b"four" * 10 + b"+tail"
 
 
@@ -428,7 +427,6 @@ def test_a_version_replaced_while_open_here_answers_estale_and_moves_the_name(se
     h = seeded({"f": b"old" * 100})
 
     async def test(core):
-        core.info.coherence_timeout = 3600.0
         node = await core.lookup(ROOT, b"f")
         old, _, _ = await core.handles.open(node.ino, os.O_RDONLY)
         _replace(h.back / "f", b"new" * 200)
@@ -445,7 +443,7 @@ def test_a_version_replaced_while_open_here_answers_estale_and_moves_the_name(se
         os.unlink(h.back / "f")
         await raises(errno.ESTALE, core.handles.open, fresh.ino, os.O_RDONLY)
         await raises(errno.ENOENT, core.lookup, ROOT, b"f")
-    run(h, test)
+    run(h, test, coherence_timeout=3600.0)
 
 
 def test_a_copy_of_another_version_than_checked_is_estale(seeded):
@@ -454,19 +452,17 @@ def test_a_copy_of_another_version_than_checked_is_estale(seeded):
     h = seeded({"f": b"a" * 100})
 
     async def test(core):
-        core.info.coherence_timeout = 3600.0
         node = await core.lookup(ROOT, b"f")
         _replace(h.back / "f", b"b" * 300)               # after the check of the lookup
         await raises(errno.ESTALE, core.handles.preload, node)
         assert node.content is None and h.store.used == 0 * BS
-    run(h, test)
+    run(h, test, coherence_timeout=3600.0)
 
 
 def test_a_name_the_view_lacks_is_looked_up_and_opendir_relists_a_changed_directory(seeded):
     h = seeded({"d/mine": b"m"})
 
     async def test(core):
-        core.info.coherence_timeout = 3600.0
         d = await core.lookup(ROOT, b"d")
         fh = await core.handles.opendir(d.ino)
         assert [n for n, _ in core.handles.dir_entries(fh)] == [b"mine"]
@@ -482,4 +478,4 @@ def test_a_name_the_view_lacks_is_looked_up_and_opendir_relists_a_changed_direct
         await core.unlink(d.ino, b"theirs")
         await raises(errno.ENOENT, core.lookup, d.ino, b"theirs")
         await raises(errno.ENOENT, core.lookup, d.ino, b".acpfs-nodes")
-    run(h, test)
+    run(h, test, coherence_timeout=3600.0)

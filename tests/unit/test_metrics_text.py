@@ -22,7 +22,8 @@ from acpfs.daemon import metrics
 from acpfs.config import CLOSE_TO_DURABLE_BUCKETS, METRICS_MAX_SCRAPES
 from acpfs.errors import UsageError
 from acpfs.flusher.histogram import Histogram
-from acpfs.daemon.metrics_http import Endpoint, Unavailable, parse_address
+from acpfs.config import parse_address
+from acpfs.daemon.metrics_http import Endpoint, Unavailable
 from triocore import close, create, drain, mount_info, run, write
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -48,15 +49,15 @@ def test_render_escapes_labels_and_joins_mounts(core):
     run(core, one_file)
     info = mount_info(core)
     docs = [control.status(core.flusher, info),
-            control.status(core.flusher, dataclasses.replace(info, mountpoint=ODD)),
+            control.status(core.flusher, dataclasses.replace(info, opts=dataclasses.replace(info.opts, mountpoint=ODD))),
             {"mountpoint": "/gone", "stale": True}]
     text = metrics.render(docs)
     assert text.count("# TYPE acpfs_up gauge") == 1
     got = families(text)
     ups = {s.labels["mountpoint"]: s.value for s in got["acpfs_up"]}
-    assert ups == {info.mountpoint: 1, ODD: 1, "/gone": 0}
+    assert ups == {info.opts.mountpoint: 1, ODD: 1, "/gone": 0}
     persisted = {s.labels["mountpoint"]: s.value for s in got["acpfs_persisted_bytes"]}
-    assert persisted == {info.mountpoint: 70_000, ODD: 70_000}
+    assert persisted == {info.opts.mountpoint: 70_000, ODD: 70_000}
     buckets = [s for s in got["acpfs_close_to_durable_seconds"]
                if s.name.endswith("_bucket") and s.labels["mountpoint"] == ODD]
     assert [s.labels["le"] for s in buckets] == \

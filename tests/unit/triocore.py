@@ -12,6 +12,7 @@ from typing import Awaitable, Callable
 
 import trio
 
+from acpfs.config import Options
 from acpfs.core.control import MountInfo
 from acpfs.core.requests import Core
 from acpfs.node import ROOT_INODE
@@ -20,17 +21,19 @@ ROOT = ROOT_INODE
 CALLER = types.SimpleNamespace(uid=0, gid=0, umask=0o022)   # what pyfuse3's RequestContext has
 
 
-def mount_info(h, *, cache_full_timeout: float = 1.0, persist_open_after: float = 0.0,
-               fsync_backing: bool = False) -> MountInfo:
-    return MountInfo(mountpoint=str(h.back.parent / "mnt"), backing=str(h.back),
-                     cache_dir=str(h.cache_dir), log_file="-", fsync_backing=fsync_backing,
-                     flush_workers=2, cache_full_timeout=cache_full_timeout,
-                     persist_open_after=persist_open_after)
+def mount_info(h, **options) -> MountInfo:
+    """The mount's facts over harness ``h``; ``options``: fields of ``Options`` that differ
+    from these (a short cache-full timeout, no long-open persisting, 2 flush workers)."""
+    settings = {"cache_full_timeout": 1.0, "persist_open_after": 0.0, "flush_workers": 2, **options}
+    return MountInfo(Options(mountpoint=str(h.back.parent / "mnt"), backing=str(h.back),
+                             cache_dir=str(h.cache_dir), cache_size=h.store.limit, log_file="-",
+                             **settings))
 
 
-def run(h, test: Callable[[Core], Awaitable[None]], *, timeout: float = 15, **info) -> Core:
-    """``await test(core)`` with a Core over harness ``h``'s flusher; fails after ``timeout``."""
-    core = Core(h.flusher, mount_info(h, **info))
+def run(h, test: Callable[[Core], Awaitable[None]], *, timeout: float = 15, **options) -> Core:
+    """``await test(core)`` with a Core over harness ``h``'s flusher (``options``: see
+    ``mount_info``); fails after ``timeout``."""
+    core = Core(h.flusher, mount_info(h, **options))
 
     async def main() -> None:
         with trio.fail_after(timeout):

@@ -1,0 +1,198 @@
+"""``acpfs status``: the status document of each mount shown as text, JSON, the pending files
+or Prometheus text, ``--check`` (the health rule of ``daemon.health``, one line per mount)
+and ``--watch``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from .. import mounttable
+from ..config import DEFAULT_WATCH_INTERVAL, age, format_size, safe
+from ..daemon import health
+from ..daemon.health import held_text
+from ..errors import Failure, UsageError
+from . import client, watch
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    """Every mount, or the one named. The one named being stale is a failure (exit 1, the
+    ``gone`` line on stderr) after its document; in the list of every mount a stale one is
+    a line of the report."""
+    if a.max_unsaved_age is not None and not a.check:
+        raise UsageError("--max-unsaved-age goes with --check")
+    if a.check:
+        if a.json or a.files or a.watch or a.prometheus:
+            raise UsageError("--check prints one line per mount: not with --json, --files, "
+                             "--watch or --prometheus")
+        return check_status(a.mountpoint, a.max_unsaved_age)
+    if a.watch:
+        if a.prometheus:
+            raise UsageError("--watch prints a line per interval: not with --prometheus")
+        return watch_status(a)
+    if a.interval is not None or a.count is not None:
+        raise UsageError("--interval and --count go with --watch")
+    if a.prometheus and (a.json or a.files):
+        raise UsageError("--prometheus prints the metrics text: not with --json or --files")
+    mounts = [mounttable.mount_of(a.mountpoint)] if a.mountpoint else mounttable.acpfs_mounts()
+    docs = []
+    for m in mounts:
+        if client.is_stale(m):
+            doc: dict[str, Any] = {"mountpoint": m, "stale": True}
+        else:
+            doc = client.read_status(m)
+            if a.files:
+                doc["files"] = client.read_files(m)
+        docs.append(doc)
+    if a.prometheus:
+        from ..daemon.metrics import render
+        sys.stdout.write(render(docs))
+    elif a.json:
+        print(json.dumps(docs[0] if a.mountpoint else docs, indent=2))
+    elif not docs:
+        print("no acpfs mounts")
+    else:
+        for doc in docs:
+            print(render_status(doc))
+    if a.mountpoint and docs[0].get("stale"):
+        sys.stdout.flush()
+        raise client.gone(a.mountpoint, docs[0]["mountpoint"])
+    return 0
+
+
+def watch_status(a: argparse.Namespace) -> int:
+    """``status --watch``: rates of one mount, a line per interval, until interrupted."""
+    if a.json or a.files:
+        raise UsageError("--watch prints a line per interval: not with --json or --files")
+    interval = DEFAULT_WATCH_INTERVAL if a.interval is None else a.interval
+    if interval <= 0:
+        raise UsageError("--interval must be more than 0")
+    if a.count is not None and a.count < 1:
+        raise UsageError("--count must be at least 1")
+    if a.mountpoint:
+        mount = client.live_mount(a.mountpoint)
+    else:
+        mounts = [m for m in mounttable.acpfs_mounts() if not client.is_stale(m)]
+        if len(mounts) != 1:
+            raise UsageError("--watch watches one mount: name it" + (
+                f" ({', '.join(mounts[:5])})" if mounts else "; there is no live acpfs mount"))
+        mount = mounts[0]
+    try:
+        return watch.watch(mount, interval, a.count)
+    except KeyboardInterrupt:
+        return 0   # the way to stop it
+
+
+def render_peers(pe: dict[str, Any]) -> list[str]:
+    live = [p for p in pe["peers"] if p["state"] in ("up", "idle")]
+    lines = [f"  nodes      this one and {len(live)} other live nodes share the backing "
+             f"(skew {pe['skew']:g}s, lease {pe['lease']:g}s)"]
+    if pe.get("error"):
+        lines.append(f"  ERROR      node records: {pe['error']}")
+    for p in pe["peers"][:20]:
+        if p["state"] == "left":
+            continue
+        lag = f", frontier {p['frontier_lag']:.1f}s behind" if p["state"] == "up" else ""
+        lines.append(f"    {p['state']:<8} {safe(p['node'])} ({p['instance']}): heartbeat "
+                     f"{p['last_heartbeat']:.1f}s ago{lag}")
+    if pe.get("held"):
+        lines.append(f"  HELD       {held_text(pe['held'])}")
+    return lines
+
+
+def data_path(d: dict[str, Any]) -> str:
+    """Who reads and writes cached files: the kernel (passthrough) or the daemon, and why."""
+    pt = d.get("passthrough") or {}
+    store = d["cache"].get("store", "pool")
+    if pt.get("on"):
+        return f"kernel passthrough into {store} ({pt.get('opens', 0)} opens passed through)"
+    return f"through the daemon, {store} ({pt.get('why_not') or 'passthrough not asked for'})"
+
+
+def render_status(d: dict[str, Any]) -> str:
+    if d.get("stale"):
+        return f"{d['mountpoint']}  STALE: the daemon is gone; run 'acpfs umount {d['mountpoint']}'"
+    c, di, fl, p = d["cache"], d["dirty"], d["flushing"], d["persisted_since_mount"]
+    lines = [
+        f"{d['mountpoint']}  (backing {d['backing']}, pid {d['pid']}, up {age(d['uptime_s'])})",
+        f"  cache      {format_size(c['used_bytes'])} used of {format_size(c['limit_bytes'])} "
+        f"(peak {format_size(c['peak_used_bytes'])}), {c['cached_files']} files cached",
+        f"  data path  {data_path(d)}",
+        f"  dirty      {di['files']} files, {format_size(di['bytes'])}",
+        f"  flushing   {fl['files']} files, {format_size(fl['bytes'])} "
+        f"({fl['in_flight']} uploads in flight, {d['queue']['pending_ops']} operations queued)",
+        f"  persisted  {p['files']} files, {format_size(p['bytes'])} since mount; "
+        f"rate {format_size(d['flush_rate_bytes_per_s'])}/s",
+    ]
+    if d["oldest_dirty_age_s"] is not None:
+        lines.append(f"  oldest unsaved change: {age(d['oldest_dirty_age_s'])} ago")
+    rec = d.get("recovery")
+    if rec:
+        lines.append(f"  recovered  {rec['files']} files and {rec['replayed_ops']} operations from a "
+                     f"dead daemon ({age(max(0.0, time.time() - rec['started']))} ago)")
+        for path in rec["lost_open_files"][:10]:
+            lines.append(f"  LOST       {safe(path)}: open for writing at the crash; unsaved changes dropped")
+        pending = set(rec.get("aside_pending", ()))
+        for path in rec["kept_aside"][:10]:
+            where = ("in the backing" if path not in pending else "pending: not in the backing "
+                     "yet" + ("; see ERROR below" if d["errors"] else ""))
+            lines.append(f"  KEPT ASIDE {safe(path)} ({where}): content the recovery could not "
+                         "put in its place")
+    if d.get("journal_error"):
+        lines.append(f"  ERROR      the crash journal cannot be written ({d['journal_error']}): a "
+                     f"daemon crash now would lose what is pending")
+    if not d.get("flusher_alive", True):
+        lines.append(f"  ERROR      the flusher has stopped: nothing more is persisted; see {d['log_file']}")
+    if d["errors"]:
+        for e in d["errors"]:
+            lines.append(f"  ERROR      {e['op']} {safe(e['path'])}: {e['reason']} "
+                         f"({e['attempts']} attempts, next in {e['next_retry_in_s']}s)")
+    else:
+        lines.append("  errors     none")
+    cf = d.get("conflicts")
+    if cf and cf["total"]:
+        kinds = ", ".join(f"{n} {k}" for k, n in cf["by_kind"].items() if n)
+        lines.append(f"  conflicts  {cf['total']} with other writers of the backing ({kinds}); "
+                     f"see {d['log_file']}")
+        for c in cf["recent"][-3:]:
+            lines.append(f"    {c['kind']:<13} {safe(c['path'])}: {safe(c['resolution'])}")
+    if d.get("peers") and (d["peers"]["peers"] or d["peers"].get("held") or d["peers"].get("error")):
+        lines.extend(render_peers(d["peers"]))
+    for f in d.get("files", {}).get("files", []):
+        lines.append(f"    {safe(f['state']):<10} {format_size(f['size']):>10}  {safe(f['path'])}")
+    if d.get("files", {}).get("truncated"):
+        lines.append(f"    ... {d['files']['total']} files in all")
+    return "\n".join(lines)
+
+
+def check_status(mountpoint: str | None, max_unsaved_age: float | None) -> int:
+    """``status --check [MOUNTPOINT]``: one line per mount, exit status the worst of them."""
+    if mountpoint:
+        try:
+            mounts = [mounttable.mount_of(mountpoint)]
+        except Failure:
+            print(f"DOWN {safe(mountpoint)}: not an acpfs mount")
+            return health.DOWN
+    else:
+        mounts = mounttable.acpfs_mounts()
+        if not mounts:
+            print("DOWN: no acpfs mounts")
+            return health.DOWN
+    worst = health.HEALTHY
+    for m in mounts:
+        try:
+            doc = {"mountpoint": m, "stale": True} if client.is_stale(m) else client.read_status(m)
+        except Failure as e:
+            doc, code, why = {}, health.DOWN, [str(e)]
+        else:
+            code, why = health.health(doc, max_unsaved_age)
+        if code == health.HEALTHY:
+            print(f"OK {safe(m)}: {doc['dirty']['files']} files unsaved, "
+                  f"{doc['queue']['pending_ops']} operations to persist")
+        else:
+            print(f"{'DEGRADED' if code == health.DEGRADED else 'DOWN'} {safe(m)}: " + "; ".join(why))
+        worst = max(worst, code)
+    return worst

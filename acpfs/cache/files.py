@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import errno
 import time
+from typing import Any
 
 from ..backing.backing import Backing
 from ..store.api import CacheFull, Content, Store
@@ -454,6 +455,16 @@ class Files:
             self._mark_dirty(node)
 
     # -- state, for xattrs and status ----------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """The files' part of the status document (docs/status.md): cached files, dirty
+        files and their bytes, and since when the oldest is dirty (``dirty_since``, None
+        when none is)."""
+        dirty = list(self.dirty_nodes)
+        return {"cached_files": sum(1 for n in self.inodes.nodes.values()
+                                    if n.content is not None and n.size),
+                "dirty": {"files": len(dirty), "bytes": sum(n.size for n in dirty)},
+                "dirty_since": min((n.dirty_since for n in dirty), default=None)}
+
     def state_of(self, node: Node) -> str:
         # a file the kernel writes is dirty again after each snapshot: unchanged, it is not
         unchanged = self.unchanged_since_snapshot(node)

@@ -62,6 +62,8 @@ class MountInfo:
     recovery_aside: dict[str, int] = dataclasses.field(default_factory=dict)
     # the kernel's passthrough state (passthrough.Kernel.state), None where not asked for
     passthrough: Callable[[], dict] | None = None
+    # whether WRITEs reach the store by the C hook (fastwrite.state), None where not asked for
+    fast_write: Callable[[], dict] | None = None
     # FUSE requests the daemon handled, by kind (fs.py): what passthrough leaves to it
     requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     metrics: str | None = None   # where the Prometheus endpoint listens (metrics_http.py)
@@ -173,38 +175,25 @@ def hide_names(doc: dict[str, Any]) -> dict[str, Any]:
 
 def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict[str, Any]:
     """The status document (docs/status.md), on the trio thread like every request, or
-    where no request runs (the drain)."""
-    from ..fuse import fastwrite  # here: importing control (acpfs.commands.client does) must not load the C extension
+    where no request runs (the drain): each owner's part (op log, flusher, files, store,
+    write-through), taken together under the op log's lock so that they agree."""
     cache, oplog = fl.cache, fl.oplog
     now = time.time()
-    store = cache.store
-    dirty_bytes = sum(n.size for n in cache.files.dirty_nodes)
     with oplog.lock:
-        queue = list(oplog.queue)
-        applied = oplog.applied_seq
-        flushing_files = len({op.node.ino for op in queue if op.kind == OpKind.PUBLISH and op.state != OpState.VOID})
-        queued_bytes = oplog.queued_bytes
-        queued_since = {"files": oplog.queued_total_files, "bytes": oplog.queued_total_bytes}
-        in_flight = fl.uploads.running
-        persisted_files, persisted_bytes = fl.persisted_files, fl.persisted_bytes
-        close_to_durable = fl.close_to_durable.as_dict()
-        failures = {"calls": fl.attempts.failed_calls, "retries": fl.attempts.retries}
-        used, peak = store.used, store.peak
-        cached_files = sum(1 for n in cache.inodes.nodes.values() if n.content is not None and n.size)
-        peers = fl.order.status() if fl.order is not None else None
-    oldest = min([n.dirty_since for n in cache.files.dirty_nodes] + [op.since for op in queue[:1]],
+        log_part = oplog.status()
+        fl_part = fl.status()
+        files = cache.files.status()
+        store = cache.store.status()
+    head_since = log_part.pop("head_since")
+    oldest = min([t for t in (files.pop("dirty_since"), head_since) if t is not None],
                  default=None)
     recovery = info.recovery
     if recovery is not None:
         # content kept aside by the recovery lands like any change: pending until applied
+        applied = log_part["queue"]["applied_seq"]
         recovery = {**recovery, "aside_pending": [p for p, seq in info.recovery_aside.items()
                                                   if seq > applied]}
-    errors = []
-    for op in queue[:fl.window]:
-        if op.error:
-            errors.append({"path": op.path, "op": op.kind, "reason": op.error,
-                           "attempts": op.attempts, "since": round(op.since, 3),
-                           "next_retry_in_s": round(max(0.0, op.next_retry - now), 1)})
+    flushing = {**log_part.pop("flushing"), "in_flight": fl_part.pop("in_flight")}
     return {
         "version": STATUS_VERSION,
         "mountpoint": info.opts.mountpoint,
@@ -216,25 +205,16 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         "log_file": info.opts.log_file,
         "uptime_s": round(now - info.started, 1),
         "options": info.opts.as_status(),
-        "cache": {"used_bytes": used, "limit_bytes": store.limit, "peak_used_bytes": peak,
-                  "block_size": store.unit, "cached_files": cached_files, "store": store.kind},
-        "dirty": {"files": len(cache.files.dirty_nodes), "bytes": dirty_bytes},
-        "flushing": {"files": flushing_files, "bytes": queued_bytes, "in_flight": in_flight},
-        "queue": {"pending_ops": len(queue), "applied_seq": applied, "last_seq": oplog.seq},
-        "persisted_since_mount": {"files": persisted_files, "bytes": persisted_bytes},
-        "queued_since_mount": queued_since,
-        "close_to_durable_s": close_to_durable,
-        "errors_since_mount": failures,
+        "cache": {**store, "cached_files": files["cached_files"]},
+        "dirty": files["dirty"],
+        "flushing": flushing,
+        **log_part,
+        **fl_part,
         "write_through": wt.status() if wt is not None else {"files": 0, "bytes": 0},
-        "flush_rate_bytes_per_s": round(fl.rate()),
         "oldest_dirty_age_s": None if oldest is None else round(now - oldest, 1),
-        "errors": errors,
-        "conflicts": fl.repairs.conflicts.status(),
-        "peers": peers,
-        "flusher_alive": fl.thread.is_alive(),
-        "journal_error": oplog.journal.error if oplog.journal is not None else None,
         "recovery": recovery,
-        "fast_write": fastwrite.state(),
+        "fast_write": info.fast_write() if info.fast_write is not None else
+        {"on": False, "why_not": "not asked for"},
         "passthrough": info.passthrough() if info.passthrough is not None else
         {"on": False, "why_not": "not asked for"},
         "requests": dict(sorted(info.requests.items())),

@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import stat as statmod
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import trio
 
@@ -37,13 +37,19 @@ from ..oplog.log import OpLog
 from ..node import Node, err, node_path
 from .writethrough import WriteThrough
 
-if TYPE_CHECKING:
-    from ..fuse.passthrough import Kernel
-
 FALLOC_FL_KEEP_SIZE = 0x01
 log = logging.getLogger(__name__)
 
 PRIV_BITS = statmod.S_ISUID | statmod.S_ISGID
+
+
+class Kernel(Protocol):
+    """What open files need of the kernel's passthrough (``fuse.passthrough.Kernel``, which
+    the daemon hands in): whether the kernel granted it, and a backing id for a descriptor."""
+
+    def granted(self) -> bool: ...
+
+    def register(self, fd: int) -> int: ...
 PASSTHROUGH_LOOK = 0.5   # s between looks at the files writers passed through have written
 UNSHARED_POLL = 0.005   # s between looks at a memory file an upload still holds (Handles.unshared)
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import trio
 
 from . import control
-from .handles import PRIV_BITS, Handles
+from .handles import PRIV_BITS, Handles, Kernel
 from .loader import Loader
 from .longopen import LongOpen
 from ..node import Node, err, node_path
@@ -42,7 +42,6 @@ from .writethrough import Background, WriteThrough
 
 if TYPE_CHECKING:
     from ..flusher.flusher import Flusher
-    from ..fuse.passthrough import Kernel
     from ..cluster.globalorder import GlobalOrder
 
 log = logging.getLogger(__name__)

@@ -43,6 +43,11 @@ class Attempts:
         self.failed_calls = 0         # (lock) calls that failed at least once
         self.retries = 0              # (lock) failed attempts, each retried
 
+    def status(self) -> dict[str, int]:
+        """Failures since the mount: calls that failed at least once, attempts retried."""
+        with self.lock:
+            return {"calls": self.failed_calls, "retries": self.retries}
+
     def until_done(self, fn: Callable[[], T], op: Op, what: str,
                    repair: Callable[[BaseException], None] | None = None) -> T:
         """``fn()`` until it succeeds; ``repair(exc)`` before the next attempt."""

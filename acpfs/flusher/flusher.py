@@ -106,6 +106,27 @@ class Flusher:
     def failing_op(self) -> Op | None:
         return self.oplog.failing_op(self.window)
 
+    def status(self) -> dict[str, Any]:
+        """The flusher's part of the status document (docs/status.md): uploads in flight,
+        what was persisted and how long it took, failures, the failing ops at the head of
+        the queue, conflicts, global order, and whether the sequencer lives."""
+        now = time.time()
+        with self.lock:
+            errors = [{"path": op.path, "op": op.kind, "reason": op.error,
+                       "attempts": op.attempts, "since": round(op.since, 3),
+                       "next_retry_in_s": round(max(0.0, op.next_retry - now), 1)}
+                      for op in itertools.islice(self.oplog.queue, 0, self.window) if op.error]
+            return {"in_flight": self.uploads.running,
+                    "persisted_since_mount": {"files": self.persisted_files,
+                                              "bytes": self.persisted_bytes},
+                    "close_to_durable_s": self.close_to_durable.as_dict(),
+                    "errors_since_mount": self.attempts.status(),
+                    "flush_rate_bytes_per_s": round(self.rate()),
+                    "errors": errors,
+                    "conflicts": self.repairs.conflicts.status(),
+                    "peers": self.order.status() if self.order is not None else None,
+                    "flusher_alive": self.thread.is_alive()}
+
     def rate(self) -> float:
         """Bytes per second persisted over the last 10 seconds."""
         cutoff = time.time() - 10

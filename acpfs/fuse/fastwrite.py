@@ -84,15 +84,9 @@ def ask_passthrough(depth: int) -> None:
         _ext.set_passthrough(depth)
 
 
-def uninstall() -> None:
-    if _ext is not None:
-        _ext.set_handler(None)
-        _ext.set_fallocate_handler(None)
-
-
 def direct_io_mmap() -> bool:
     """Whether files may get direct_io without losing shared mmap: the INIT reply granted
-    FUSE_DIRECT_IO_ALLOW_MMAP (see acpfs/_fastwrite.c; off with ACPFS_NO_READ_DIRECT_IO=1)."""
+    FUSE_DIRECT_IO_ALLOW_MMAP (see acpfs/fuse/_fastwrite.c; off with ACPFS_NO_READ_DIRECT_IO=1)."""
     return _ext is not None and _ext.direct_io_mmap()
 
 

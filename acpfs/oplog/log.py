@@ -29,11 +29,12 @@ import itertools
 import os
 import threading
 import time
+from typing import Any
 
 from ..store.api import Content, Store
 from .journal import CLEAN, DIRTY, FLUSHED, Journal, Record
 from .ops import Op, Publish, content_record
-from ..node import JournalState, Node, OpState, Staged, mount_path, node_path
+from ..node import JournalState, Node, OpKind, OpState, Staged, mount_path, node_path
 
 
 def stamp_after(now: float, last: float) -> float:
@@ -104,6 +105,22 @@ class OpLog:
         return self.next_stamp(), False
 
     # -- the queue ---------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """The op log's part of the status document (docs/status.md): the queue, what it
+        holds to flush, what was queued since the mount, the journal's error, and when the
+        oldest queued op was queued (``head_since``, None when the queue is empty)."""
+        with self.lock:
+            queue = self.queue
+            files = len({op.node.ino for op in queue
+                         if op.kind == OpKind.PUBLISH and op.state != OpState.VOID})
+            return {"queue": {"pending_ops": len(queue), "applied_seq": self.applied_seq,
+                              "last_seq": self.seq},
+                    "flushing": {"files": files, "bytes": self.queued_bytes},
+                    "queued_since_mount": {"files": self.queued_total_files,
+                                           "bytes": self.queued_total_bytes},
+                    "journal_error": self.journal.error if self.journal is not None else None,
+                    "head_since": queue[0].since if queue else None}
+
     def push(self, op: Op, stamp: tuple[float, float] = (0.0, 0.0)) -> Op:
         """Queue one mutation, journaled first (``stamp``: (stamp, floor) of a change close()
         acknowledged earlier, else it is stamped here)."""

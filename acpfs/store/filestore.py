@@ -29,7 +29,7 @@ import errno
 import logging
 import os
 import threading
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from .api import CacheFull, copy_fd
 
@@ -81,6 +81,11 @@ class MemFiles:
         self._fds: collections.OrderedDict[int, MemFile] = collections.OrderedDict()
         self._lock = threading.Lock()    # ids, the used counter and _fds: uploads drop files too
         self.unregister = unregister
+
+    def status(self) -> dict[str, Any]:
+        """The store's part of the status document's ``cache`` (docs/status.md)."""
+        return {"used_bytes": self.used, "limit_bytes": self.limit, "peak_used_bytes": self.peak,
+                "block_size": self.unit, "store": self.kind}
 
     @property
     def used(self) -> int:

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from acpfs.cluster.peers import RecordName
+from acpfs.cluster.records import RecordName
 from conftest import Node, Worker, content, wait_for
 
 ROUNDS = int(os.environ.get("MULTINODE_CRASH_ROUNDS", "3"))

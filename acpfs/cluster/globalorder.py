@@ -25,7 +25,8 @@ import trio
 from ..errors import Aborted
 from ..oplog.log import UNIT, OpLog
 from ..oplog.ops import Op
-from .peers import UP, Peers
+from .peers import Peers
+from .records import UP
 
 log = logging.getLogger(__name__)
 

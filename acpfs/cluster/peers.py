@@ -31,91 +31,42 @@ How (docs/design.md, "Global order across nodes"):
   everything renames its record to state "left", and nobody waits for it. So does a daemon
   restarted over the same cache directory, for its dead predecessor's record, once its own
   record covers what the predecessor acknowledged (``forget_predecessor``).
-- Whose records count: the records directory is 1777, so that every user's mounts of a
-  backing keep records there, and a record is believed only if its file belongs to this
-  daemon's user, to root, or to the owner the backing gives this daemon's own record (an
-  NFS export that squashes root). Any other record is ignored, with a WARNING naming the
-  file and its owner: another user could otherwise plant a record whose frontier never
-  passes and whose heartbeat never ages, and hold every change of the job. The sticky bit
-  keeps other users from renaming or removing a counted record. Owners are looked up once
-  per record file (``_counted``: by inode, which a rename keeps), not at every listing.
+- Whose records count: only those of this daemon's user, of root, or of the owner the
+  backing gives this daemon's own record; the others are ignored with a WARNING. That, the
+  records' format and their I/O through ``Backing``: ``records`` (``RecordName``,
+  ``RecordsDir``).
 
 Cost: a node with nothing pending renames its record and lists the directory once per
 ``heartbeat`` each; while some node has changes pending, a node lists and renames at most
 every ``poll`` seconds. ``ops`` counts them.
 
-I/O: every system call on the records goes through ``Backing`` (acpfs/backing_records.py),
-with its stale-handle reopen; a unit test can hand ``Peers`` a wrapped backing that fails or
-hangs any one of them (tests/unit/faulty.py). ``Peers`` takes the daemon's ``Backing``, or
-the backing's path, and then opens one of its own at its first I/O (in the thread that does
-it: the daemon gives that a bounded time at mount, ``Daemon._records``).
-
-Threads: one thread of its own (``acpfs-peers``) does all I/O but the first, at mount, and
-``announce``'s; ``cleared``, ``commit_until`` and ``status`` read its results under ``lock``
-(the cache's lock, which the sequencer waits on). Invariant: ``frontier`` is computed and
-the record renamed by that thread only, so records of one instance carry increasing versions
-and non-decreasing frontiers.
+Threads: one thread of its own (``acpfs-peers``) does all I/O but the first, at mount (the
+daemon gives that a bounded time, ``Daemon._records``), and ``announce``'s; ``cleared``,
+``commit_until`` and ``status`` read its results under ``lock`` (the cache's lock, which the
+sequencer waits on). Invariant: ``frontier`` is computed and the record renamed by that
+thread only, so records of one instance carry increasing versions and non-decreasing
+frontiers. The I/O itself goes through ``RecordsDir`` (``records``, with its own lock).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import re
 import socket
-import stat
 import threading
 import time
 from typing import Callable
 
-from ..backing.backing import NODES_DIR, Backing
+from ..backing.backing import Backing
 from ..oplog.log import UNIT
 from ..config import DEFAULT_MAX_CLOCK_SKEW, DEFAULT_PEER_HEARTBEAT, DEFAULT_PEER_LEASE
-from ..userdirs import owner_name
 from ..backing.retry import describe
+from .records import IDLE, LEFT, UP, RecordName, RecordsDir, safe_label, whole_us
 
 log = logging.getLogger(__name__)
 
-UP, IDLE, LEFT = "up", "idle", "left"    # pending changes / nothing pending / unmounted
-RECORD = re.compile(rb"([0-9a-f]{12})\.(\d+)\.(\d+)\.(\d+)\.(up|idle|left)\.(.*)", re.S)
-LABEL_MAX = 120
 FORGET_LEFT_AFTER = 60.0        # a "left" record is removed by anyone after this long
 FORGET_DEAD_AFTER = 24 * 3600.0  # an expired record is removed by anyone after this long
-
-
-@dataclasses.dataclass(frozen=True)
-class RecordName:
-    """One node's record, as the name of an empty file in ``.acpfs-nodes``:
-    ``<instance>.<version>.<frontier us>.<heartbeat us>.<state>.<label>``."""
-    instance: str
-    version: int
-    frontier: float    # the writer's clock: everything it acknowledged before is durable
-    heartbeat: float   # the writer's clock when it wrote this record
-    state: str
-    label: str         # for humans: host name and mount point
-
-    def encode(self) -> bytes:
-        return b"%s.%d.%d.%d.%s.%s" % (self.instance.encode(), self.version,
-                                       round(self.frontier * 1e6), round(self.heartbeat * 1e6),
-                                       self.state.encode(), self.label.encode()[:LABEL_MAX])
-
-    @classmethod
-    def parse(cls, name: bytes) -> RecordName | None:
-        m = RECORD.fullmatch(name)
-        if m is None:
-            return None
-        inst, ver, front, beat, state, label = m.groups()
-        return cls(inst.decode(), int(ver), int(front) / 1e6, int(beat) / 1e6, state.decode(),
-                   label.decode(errors="replace"))
-
-
-def whole_us(t: float) -> float:
-    return round(t * 1e6) / 1e6
-
-
-def safe_label(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_:@+,=-]", "_", text)[:LABEL_MAX]
 
 
 @dataclasses.dataclass
@@ -136,11 +87,9 @@ class Peers:
                  lease: float = DEFAULT_PEER_LEASE, clock: Callable[[], float] = time.time,
                  lock: threading.Condition | None = None,
                  frontier: Callable[[], tuple[float, bool]] | None = None) -> None:
-        self._own = isinstance(backing, str)     # opened here, closed at leave
-        self._backing: Backing | None = None if isinstance(backing, str) else backing
-        self._opening = threading.Lock()
-        self.root = backing if isinstance(backing, str) else backing.root
-        self.dir = os.path.join(self.root, os.fsdecode(NODES_DIR))   # for messages
+        self.records = RecordsDir(backing)   # the records' I/O, and whose count
+        self.root = self.records.root
+        self.dir = self.records.dir          # for messages
         self.instance = instance
         self.label = safe_label(f"{socket.gethostname()}:{mountpoint}")
         # the op log's lock (the sequencer waits on it), and this node's frontier
@@ -165,9 +114,6 @@ class Peers:
         self.mine: RecordName | None = None
         self._written = (0.0, -1.0, "")  # when, frontier, state of the last record written
         self._kept: set[str] = set()     # records this node may not remove (another user's)
-        self.owners = {0, os.geteuid()}  # whose records count; + the backing's owner of ours
-        self._owner_of: dict[int, tuple[bytes, int]] = {}   # inode -> (instance, owner) seen
-        self._ignored: set[tuple[bytes, int]] = set()       # (instance, owner) warned about
         self.list_failing_since: float | None = None   # listings fail since (this clock)
         self._suspended = False          # (lock) changes go on unordered: records unreadable
         self.promise = 2 * heartbeat      # how far ahead an idle node's frontier is (_publish)
@@ -182,9 +128,9 @@ class Peers:
         """Before a recovery: the frontier in the record of ``predecessor`` (the dead daemon
         on this cache directory, whose acknowledged changes this one replays), None if it
         left none. Its record is this daemon's to replace from now on."""
-        self._ensure_dir()
+        self.records.ensure_dir()
         self.ignore = predecessor
-        names = self._names(warn=False)   # also: the directory is one, and readable
+        names = self.records.names(warn=False)   # also: the directory is one, and readable
         if predecessor is None:
             return None
         for name in names:
@@ -200,7 +146,7 @@ class Peers:
         before serving: ``join_wait`` if other nodes are live, so that they have listed this
         one before it acknowledges anything."""
         self._publish(create=True)
-        self._check_dir()
+        self.records.check_dir()
         self._list()
         with self.lock:
             live = self.live()
@@ -213,82 +159,8 @@ class Peers:
 
     # -- the records' I/O, through the backing ---------------------------------------------
     def backing(self) -> Backing:
-        """The ``Backing`` the records are kept in (opened now if only its path was given;
-        not under ``_opening``, which no thread holds across I/O)."""
-        back = self._backing
-        if back is None:
-            fresh: Backing | None = Backing(self.root)
-            with self._opening:
-                if self._backing is None:
-                    self._backing, fresh = fresh, None
-                back = self._backing
-            if fresh is not None:   # another thread opened one meanwhile
-                fresh.close()
-        assert back is not None
-        return back
-
-    def _names(self, warn: bool = True) -> list[bytes]:
-        """The names of the records that count in the records directory (``_counted``). It
-        is opened anew each time, by name (``Backing.list_records``): an NFS client
-        revalidates it then (close-to-open), so the listing is current."""
-        for _ in range(3):   # a record renamed under the listing: list again
-            counted, moved = self._counted(self.backing().list_records(), warn)
-            if not moved:
-                break
-        return counted
-
-    def _counted(self, listed: list[tuple[bytes, int]], warn: bool) -> tuple[list[bytes], bool]:
-        """The record names of a listing ((name, inode) pairs) whose files belong to an owner
-        in ``owners``, and whether a record was renamed between the listing and the look at
-        its owner (its new name is in a listing started after: the caller lists again). The
-        others are ignored, each (instance, owner) with one WARNING if ``warn`` (not before
-        this node has written a record: the owner the backing gives it may count too)."""
-        counted: list[bytes] = []
-        seen: dict[int, tuple[bytes, int]] = {}
-        moved = False
-        for name, ino in listed:
-            inst = name.split(b".", 1)[0]
-            if RecordName.parse(name) is None:
-                continue
-            known = self._owner_of.get(ino) if ino else None
-            if known is None or known[0] != inst:     # a new file, or an inode used again
-                st = self.backing().stat_record(name)
-                if st is None:
-                    moved = True
-                    continue
-                known = (inst, st.st_uid if stat.S_ISREG(st.st_mode) else -1)
-            if ino:
-                seen[ino] = known
-            owner = known[1]
-            if owner in self.owners:
-                counted.append(name)
-            elif warn and known not in self._ignored:
-                self._ignored.add(known)
-                log.warning("global order: ignoring the node record %s in %s: %s; only records "
-                            "of this daemon's user or root count, so it holds nobody back",
-                            name.decode(errors="replace"), self.dir,
-                            f"it belongs to {owner_name(owner)}" if owner >= 0
-                            else "it is not a regular file")
-        self._owner_of = seen
-        return counted, moved
-
-    def _ensure_dir(self) -> None:
-        """Make the records directory if it is not there (mode 1777: every user's mounts keep
-        records there; the sticky bit keeps each one's own); its owner counts."""
-        owner = self.backing().make_records_dir()
-        if owner is not None:
-            self.owners.add(owner)
-
-    def _check_dir(self) -> None:
-        """Say so if other users may remove or rename this node's record (after it is
-        written: ``owners`` then holds the owner the backing gives this node's files)."""
-        st = self.backing().stat_records_dir()
-        if stat.S_ISDIR(st.st_mode) and (st.st_uid not in self.owners or (
-                st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX)):
-            log.warning("global order: the node records directory %s belongs to %s, mode %04o: "
-                        "other users can remove or rename this node's record there (the other "
-                        "nodes may then stop waiting for it); make it root's or this user's, "
-                        "mode 1777", self.dir, owner_name(st.st_uid), stat.S_IMODE(st.st_mode))
+        """The ``Backing`` the records are kept in (``RecordsDir.backing``)."""
+        return self.records.backing()
 
     def forget_predecessor(self, predecessor: str) -> None:
         """This node's record now covers what ``predecessor`` (the dead daemon on this cache
@@ -304,7 +176,7 @@ class Peers:
         every other node 27 s). A record saying "left" is removed by anyone a minute later,
         this node included (it stops ignoring it here)."""
         try:
-            names = self._names()
+            names = self.records.names()
         except OSError as e:
             self._not_left(predecessor, e)
             return
@@ -353,10 +225,7 @@ class Peers:
             except OSError as e:
                 log.warning("could not mark this node's record as left (%s): the other nodes "
                             "stop waiting for it after %.0f s", describe(e), self.lease)
-        with self._opening:
-            if self._own and self._backing is not None:
-                self._backing.close()
-                self._backing = None
+        self.records.close()
 
     # -- asked by the sequencer and the FUSE thread (lock held) ----------------------------
     def live(self) -> list[Peer]:
@@ -506,12 +375,7 @@ class Peers:
                             "again", self.dir)
                 create = True
         if old is None or create:
-            # the owner the backing gives this daemon's files counts (root squashed by NFS)
-            try:
-                self.owners.add(back.create_record(name))
-            except FileNotFoundError:   # the directory itself was removed
-                self._ensure_dir()
-                self.owners.add(back.create_record(name))
+            self.records.create(name)
         with self.lock:
             self.ops += 1
             self.mine = new
@@ -520,7 +384,7 @@ class Peers:
 
     def _list(self) -> None:
         started = self.clock()
-        names = self._names()
+        names = self.records.names()
         found: dict[str, RecordName] = {}
         for name in names:
             r = RecordName.parse(name)

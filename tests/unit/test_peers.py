@@ -22,7 +22,8 @@ from faulty import FaultyBacking
 
 from acpfs.backing.backing import NODES_DIR, Backing
 from acpfs.oplog.log import UNIT, stamp_after
-from acpfs.cluster.peers import Peers, RecordName, whole_us
+from acpfs.cluster.peers import Peers
+from acpfs.cluster.records import RecordName, whole_us
 
 SEEDS = int(os.environ.get("PEERS_SEEDS", "60"))
 

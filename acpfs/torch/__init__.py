@@ -70,8 +70,9 @@ symbolic links are followed up to the mount point, not inside it.
 Limits (read before relying on the fallback):
 
 - A write into a hung FUSE daemon cannot be cancelled. The abandoned worker thread (a daemon
-  thread) stays blocked until the daemon answers or dies; if the daemon resumes, the thread
-  finishes its temporary file and removes it instead of renaming it over ``path``.
+  thread named ``acpfs-torch-save PATH``) stays blocked until the daemon answers or dies; if
+  the daemon resumes, the thread finishes its temporary file and removes it instead of
+  renaming it over ``path``.
 - If the daemon only hung (it was not killed), files it had already acknowledged but not yet
   persisted are still persisted when it resumes, possibly over a newer fallback version of the
   same name (e.g. ``latest``). Per-step file names are not affected. A killed daemon is
@@ -97,19 +98,18 @@ import errno
 import logging
 import os
 import secrets
-import stat
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Iterable, Literal
 
 import torch
 
-from . import mounttable
-from .commands import client
-from . import userdirs
-from .errors import Failure, UsageError
-from .oplog import journal
+from ..commands import client
+from ..errors import Failure, UsageError
+from ._backing import _check_backing, _tell_recovery, _warn_once, _write_atomic
+from ._target import (PROBE_TIMEOUT, NotPersisted, _Target, _fallen, _in_thread, _lock,
+                      _overrides, _probe, _resolve, _saved, _warned)
 
 __all__ = ["save", "load", "wait_persisted", "preload", "configure", "Saved", "Preloaded",
            "NotPersisted"]
@@ -117,11 +117,6 @@ __all__ = ["save", "load", "wait_persisted", "preload", "configure", "Saved", "P
 log = logging.getLogger("acpfs.torch")
 
 DEFAULT_SAVE_TIMEOUT = 600.0
-PROBE_TIMEOUT = 5.0          # how long statvfs may take before a mount counts as hung
-
-
-class NotPersisted(Exception):
-    """The mount's daemon is gone and the path is not (completely) in the backing directory."""
 
 
 @dataclass(frozen=True)
@@ -148,15 +143,7 @@ class Preloaded:
     left_out: list[str] = field(default_factory=list)
 
 
-# -- state of this process ----------------------------------------------------------------------
-_lock = threading.Lock()
-_overrides: dict[str, str] = {}                 # mount point (real path) -> backing
-_timeout: float | None = None
-_fallen: dict[str, str] = {}                    # mount key -> reason: saves go to the backing
-_warned: set[str] = set()                       # mount points warned about
-_saved: dict[str, tuple[str, int, int]] = {}    # mount-side path -> (route, size, mtime_ns)
-_abandoned: list[threading.Thread] = []         # writer threads given up on (hung daemon)
-_probes: dict[str, threading.Thread] = {}       # mount point -> statvfs probe still running
+_timeout: float | None = None                   # configure(timeout=...)
 
 
 def configure(mountpoint: str | os.PathLike | None = None, backing: str | os.PathLike | None = None,
@@ -188,241 +175,7 @@ def _save_timeout(timeout: float | None) -> float:
     return DEFAULT_SAVE_TIMEOUT
 
 
-# -- resolving a path ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Target:
-    path: str                     # absolute path, symlinks resolved up to the mount point
-    kind: Literal["plain", "mounted", "unmounted"]
-    mountpoint: str | None = None
-    mount_id: str | None = None
-    rel: str = ""
-    backing: str | None = None    # None for "mounted" until asked for (live status)
-
-    @property
-    def key(self) -> str:
-        return f"{self.mountpoint}#{self.mount_id}"
-
-    def backing_root(self) -> str:
-        b = self.backing or _backing_from_status(self.mountpoint)
-        if b is None:
-            raise NotPersisted(f"{self.path}: the backing directory of the acpfs mount point "
-                               f"{self.mountpoint} is unknown (no mount record, daemon not answering); "
-                               f"use acpfs.torch.configure(mountpoint=..., backing=...) or ACPFS_BACKING")
-        return b
-
-    def backing_of(self, path: str) -> str:
-        """The backing path of ``path`` (this target or a path under it)."""
-        rel = os.path.relpath(path, self.mountpoint)
-        return self.backing_root() if rel == "." else os.path.join(self.backing_root(), rel)
-
-    def backing_path(self) -> str:
-        return self.backing_of(self.path)
-
-
-def _env_backing(mountpoint: str, mounted: bool) -> str | None:
-    env_mnt, env_back = os.environ.get("ACPFS_MOUNTPOINT"), os.environ.get("ACPFS_BACKING")
-    if env_back and env_mnt and os.path.realpath(env_mnt) == mountpoint:
-        return os.path.realpath(env_back)
-    if env_back and not env_mnt and mounted:
-        return os.path.realpath(env_back)
-    return None
-
-
-def _known_backing(mountpoint: str, mounted: bool) -> str | None:
-    """configure(), then the mount record, then the environment (the status is asked later)."""
-    if mountpoint in _overrides:
-        return _overrides[mountpoint]
-    rec = userdirs.read_mount_record(mountpoint)
-    if rec and rec.get("backing"):
-        return rec["backing"]
-    return _env_backing(mountpoint, mounted)
-
-
-def _recorded_backing(directory: str) -> str | None:
-    """The backing of a directory that is a recorded (or configured) but unmounted mount point."""
-    if directory in _overrides:
-        return _overrides[directory]
-    rec = userdirs.read_mount_record(directory)
-    if rec and rec.get("backing") and os.path.isdir(rec["backing"]):
-        return rec["backing"]
-    return _env_backing(directory, False)
-
-
-def _resolve(path: str | os.PathLike) -> _Target:
-    """Find the acpfs mount (or recorded mount point) holding ``path`` without touching it.
-
-    Symbolic links are followed (like realpath) up to an acpfs mount point; inside a mount the
-    rest of the path is taken as written (normalized), so a hung daemon cannot block this.
-    """
-    mounts = mounttable.acpfs_mount_ids()
-    pending = os.path.abspath(os.fspath(path)).split("/")[1:]
-    cur = "/"
-    hops = 0
-    hit: tuple[str, str] | None = None       # (unmounted mount point, its backing)
-    while pending:
-        comp = pending.pop(0)
-        if comp in ("", "."):
-            continue
-        if comp == "..":
-            cur = os.path.dirname(cur)
-            continue
-        cand = os.path.join(cur, comp)
-        if cand in mounts:                      # never lstat inside an acpfs mount
-            full = os.path.normpath(os.path.join(cand, *pending)) if pending else cand
-            if full == cand or full.startswith(cand + "/"):
-                rel = os.path.relpath(full, cand)
-                return _Target(full, "mounted", cand, mounts[cand], "" if rel == "." else rel,
-                               _known_backing(cand, True))
-            pending = full.split("/")[1:]       # '..' leads out of the mount again
-            cur = "/"
-            continue
-        try:
-            st = os.lstat(cand)
-        except OSError:
-            st = None
-        if st is not None and stat.S_ISLNK(st.st_mode):
-            hops += 1
-            if hops > 40:
-                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fspath(path))
-            target = os.readlink(cand)
-            if target.startswith("/"):
-                cur = "/"
-            pending = [c for c in target.split("/") if c] + pending
-            continue
-        cur = cand
-        b = _recorded_backing(cur)
-        if b is not None and (cur in _overrides or not os.path.ismount(cur)):
-            hit = (cur, b)           # a recorded mount point, now a bare directory
-    if hit and (cur == hit[0] or cur.startswith(hit[0] + "/")):
-        rel = os.path.relpath(cur, hit[0])
-        return _Target(cur, "unmounted", hit[0], None, "" if rel == "." else rel, hit[1])
-    return _Target(cur, "plain")
-
-
-def _backing_from_status(mountpoint: str | None) -> str | None:
-    if mountpoint is None:
-        return None
-    ok, val = _in_thread(lambda: client.read_status(mountpoint), PROBE_TIMEOUT)
-    if ok == "done":
-        return val.get("backing")
-    return None
-
-
-# -- running things that may hang -----------------------------------------------------------------
-def _in_thread(fn: Callable[[], Any], timeout: float | None,
-               name: str = "acpfs-torch") -> tuple[str, Any]:
-    """Run ``fn`` in a daemon thread: ("done", result), ("error", exception) or ("hung", thread)."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["ok"] = fn()
-        except BaseException as e:  # handed to the caller
-            box["err"] = e
-    t = threading.Thread(target=run, name=name, daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        return "hung", t
-    if "err" in box:
-        return "error", box["err"]
-    return "done", box.get("ok")
-
-
-def _probe(mountpoint: str, timeout: float = PROBE_TIMEOUT) -> Literal["live", "dead", "hung"]:
-    """Is the daemon of ``mountpoint`` answering? statvfs is never answered from a kernel cache."""
-    if mountpoint not in mounttable.acpfs_mount_ids():
-        return "dead"
-    prev = _probes.get(mountpoint)
-    if prev is not None and prev.is_alive():
-        return "hung"
-    ok, val = _in_thread(lambda: os.statvfs(mountpoint), timeout, "acpfs-torch-probe")
-    if ok == "hung":
-        _probes[mountpoint] = val
-        return "hung"
-    if ok == "error":
-        return "dead" if isinstance(val, OSError) and val.errno in client.DEAD_ERRNOS else "live"
-    return "live"
-
-
 # -- save -------------------------------------------------------------------------------------
-def _fsync_dir(d: str) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _makedirs_durable(d: str) -> None:
-    """``os.makedirs`` that also fsyncs the parent of every directory it creates."""
-    missing = []
-    p = d
-    while not os.path.isdir(p):
-        missing.append(p)
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    for m in reversed(missing):
-        try:
-            os.mkdir(m)
-        except FileExistsError:
-            pass
-        _fsync_dir(os.path.dirname(m))
-
-
-def _write_atomic(obj: Any, final: str, kwargs: dict[str, Any], tag: str) -> None:
-    """torch.save to a temporary name next to ``final``, fsync, rename, fsync the directory."""
-    d, name = os.path.split(final)
-    _makedirs_durable(d)
-    tmp = os.path.join(d, f".{name}.acpfs-{tag}-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f, **kwargs)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(d)
-
-
-def _lost(t: _Target) -> list[str]:
-    """Files this process saved through the mount of ``t`` whose version is not in the backing."""
-    with _lock:
-        mine = [(p, v) for p, v in _saved.items()
-                if v[0] == "mount" and p.startswith(t.mountpoint.rstrip("/") + "/")]
-    out = []
-    for p, (_, size, mtime_ns) in mine:
-        try:
-            st = os.stat(t.backing_of(p))
-        except OSError:
-            out.append(p)
-            continue
-        if st.st_size != size or st.st_mtime_ns // 1000 != mtime_ns // 1000:
-            out.append(p)
-    return out
-
-
-def _warn_once(t: _Target, reason: str, dead: bool = False) -> None:
-    """One warning per mount point, until a save through it works again."""
-    with _lock:
-        if t.mountpoint in _warned:
-            return
-        _warned.add(t.mountpoint or "")
-    lost = _lost(t) if dead else []
-    log.warning("acpfs.torch: %s: %s; saving directly to the backing directory %s from now on "
-                "(atomic and fsynced, without the write-back cache)%s", t.mountpoint, reason,
-                t.backing_root(),
-                f". LOST with the daemon ({len(lost)} files saved through the mount but not in the "
-                f"backing): " + ", ".join(lost[:10]) + (" ..." if len(lost) > 10 else "") if lost else "")
-
-
 def _save_direct(obj: Any, t: _Target, kwargs: dict[str, Any], reason: str, start: float,
                  dead: bool = False) -> Saved:
     dest = t.backing_path()
@@ -432,21 +185,6 @@ def _save_direct(obj: Any, t: _Target, kwargs: dict[str, Any], reason: str, star
     with _lock:
         _saved[t.path] = ("backing", 0, 0)
     return Saved(t.path, "backing", dest, time.monotonic() - start, reason)
-
-
-def _tell_recovery(t: _Target) -> None:
-    """List the path in the cache directory of the mount, so that a recovery of the dead
-    daemon does not replay an older version over this one (``acpfs.daemon.recovery``)."""
-    if t.mountpoint is None:
-        return
-    rec = userdirs.read_mount_record(t.mountpoint)
-    if not rec or not rec.get("cache_dir") or not os.path.isdir(rec["cache_dir"]):
-        return
-    try:
-        journal.record_direct_write(rec["cache_dir"], os.path.relpath(t.path, t.mountpoint))
-    except OSError as e:
-        log.warning("acpfs.torch: cannot note %s in %s (%s): a recovery of the dead daemon may put "
-                    "an older version over it", t.path, rec["cache_dir"], e)
 
 
 class _MountWrite:
@@ -541,8 +279,8 @@ def save(obj: Any, path: str | os.PathLike, *, timeout: float | None = None,
             _warned.discard(t.mountpoint)
         return Saved(t.path, "mount", t.path, time.monotonic() - start)
     if state == "abandoned":
+        # th (a daemon thread named for the save) stays blocked until the daemon answers or dies
         with _lock:
-            _abandoned.append(th)
             reason = f"the daemon did not complete a save within {wait_s:g}s (hung)"
             _fallen[t.key] = reason
         return _save_direct(obj, t, torch_save_kwargs, reason, start)
@@ -586,32 +324,6 @@ def load(path: str | os.PathLike, **torch_load_kwargs: Any) -> Any:
 
 
 # -- wait_persisted ---------------------------------------------------------------------------------
-def _check_backing(t: _Target) -> bool:
-    """The daemon is gone: is ``t`` (and what this process saved under it) in the backing?"""
-    bpath = t.backing_path()
-    if not os.path.lexists(bpath):
-        raise NotPersisted(f"{t.path} is not persisted: the acpfs daemon of {t.mountpoint} is gone "
-                           f"and {bpath} does not exist in the backing")
-    missing = []
-    with _lock:
-        mine = [(p, v) for p, v in _saved.items()
-                if p == t.path or p.startswith(t.path.rstrip("/") + "/")]
-    for p, (route, size, mtime_ns) in mine:
-        bp = t.backing_of(p)
-        try:
-            st = os.stat(bp)
-        except OSError:
-            missing.append(f"{p} (missing)")
-            continue
-        if route == "mount" and (st.st_size != size or st.st_mtime_ns // 1000 != mtime_ns // 1000):
-            missing.append(f"{p} (the backing has another version)")
-    if missing:
-        raise NotPersisted(f"{t.path} is not completely persisted: the acpfs daemon of {t.mountpoint} "
-                           f"is gone and the backing lacks {len(missing)} saved files: "
-                           + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
-    return True
-
-
 class _Dead(Exception):
     pass
 
@@ -698,10 +410,3 @@ def preload(paths: Iterable[str | os.PathLike]) -> Preloaded:
     except Failure as e:
         raise OSError(errno.EIO, f"acpfs preload failed: {e}") from None
     return Preloaded(files, nbytes, list(left_out))
-
-
-def _abandoned_threads() -> list[threading.Thread]:
-    """Writer threads given up on and still blocked in the mount (for tests and diagnostics)."""
-    with _lock:
-        _abandoned[:] = [th for th in _abandoned if th.is_alive()]
-        return list(_abandoned)

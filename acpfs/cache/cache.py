@@ -3,7 +3,7 @@
 Holds, built in this order, each owning its own state (their module docstrings say what,
 and their lock rules):
 
-- ``inodes`` (``namespace.Inodes``): the inode table, the root, files met under several
+- ``inodes`` (``inodes.Inodes``): the inode table, the root, files met under several
   names in the backing, and the backing positions with ``position_lock``;
 - ``files`` (``files.Files``): the content of regular files, opens, dirty files and their
   snapshots, journal states, eviction and the passthrough writers;

@@ -37,7 +37,7 @@ def now_ns() -> int:
 
 
 class OpKind(str, enum.Enum):
-    """What an op (``ops.Op``) does to the backing. The values are what the journal stores."""
+    """What an op (``oplog.ops.Op``) does to the backing. The values are what the journal stores."""
     PUBLISH = "publish"    # a file's snapshot: upload to a temporary name, rename into place
     LINK = "link"          # one more name for a node (a hard link)
     MKDIR = "mkdir"
@@ -136,7 +136,7 @@ class Node:
         self.target = b""                                # symlinks
         self.rdev = 0                                    # device nodes: the device number
         self.content: Any = None                         # (lock) files: the store's handle
-                                                         # (content.py); None = not cached
+                                                         # (store/api.py); None = not cached
         self.backing_parent: Node | None = None          # (position lock) position in the
         self.backing_name = b""                          # backing; parent None = absent there
         self.writers = 0                                 # open handles that may write
@@ -342,7 +342,7 @@ class Snapshot:
 
 class KernelNotices:
     """What the cache tells the kernel when another node changed the backing under it
-    (``fs.KernelCacheNotices`` on a mount; this one, which tells nobody, in process)."""
+    (``fuse.operations.KernelCacheNotices`` on a mount; this one, which tells nobody, in process)."""
 
     def forget_entry(self, parent_ino: int, name: bytes) -> None:
         """The kernel drops its entry of ``name`` in directory ``parent_ino``, at once."""
@@ -354,7 +354,7 @@ class KernelNotices:
 class FsError(OSError):
     """The core's one error type: an errno for the caller (the FUSE reply, a CLI exit) and a
     message for the log. Anything that is not an OSError reaching the FUSE adapter is a bug:
-    it is logged with its traceback and answered EIO (``fs.errno_of``)."""
+    it is logged with its traceback and answered EIO (``fuse.operations.errno_of``)."""
 
 
 def err(code: int, msg: str = "") -> FsError:

@@ -1,7 +1,7 @@
 """File content: what the cache holds of each regular file, and when it may let it go.
 
 Owns, for every regular file of the view:
-- its content as a handle of the content store (``Node.content``, a ``content.Store``
+- its content as a handle of the content store (``Node.content``, a ``store.api.Store``
   handle), copied up from the backing (``copy_up``, ``read_backing_into``), read, written
   and truncated here;
 - the open counts (``open``, ``release``) and the files open for writing that the kernel

@@ -64,7 +64,7 @@ class MountInfo:
     passthrough: Callable[[], dict] | None = None
     # whether WRITEs reach the store by the C hook (fastwrite.state), None where not asked for
     fast_write: Callable[[], dict] | None = None
-    # FUSE requests the daemon handled, by kind (fs.py): what passthrough leaves to it
+    # FUSE requests the daemon handled, by kind (fuse/operations.py): what passthrough leaves to it
     requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     metrics: str | None = None   # where the Prometheus endpoint listens (metrics_http.py)
     pid: int = dataclasses.field(default_factory=os.getpid)

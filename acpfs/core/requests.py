@@ -19,7 +19,7 @@ last answer and the call in flight), and content acknowledged by a close whose R
 not come (``_queue_late_acks``; the waits of global order are ``order``'s, globalorder.py).
 The namespace and cached content are ``cache``'s.
 
-Errors are ``types.FsError`` (an errno); anything else raised here is a bug.
+Errors are ``node.FsError`` (an errno); anything else raised here is a bug.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The FUSE adapter: pyfuse3 requests in, ``Core`` calls out, replies back.
 
 Each handler resolves what the kernel sends (inode numbers, file handles, request fields),
-makes one call into ``core.Core`` (requests on file and directory handles: into
+makes one call into ``core.requests.Core`` (requests on file and directory handles: into
 ``Core.handles``), and builds the reply. It keeps the kernel's lookup counts
 (``Node.lookups``) and turns errors into FUSE errors in one place (``errno_of``). All
 semantics live in ``core`` and the parts it holds, ``cache`` and ``flusher``.
@@ -244,7 +244,7 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno_of(e, "read")) from None
 
     def write_now(self, fh: int, off: int, data: memoryview) -> int | None:
-        """WRITE straight from libfuse's buffer (acpfs/_fastwrite.c): bytes written, -errno,
+        """WRITE straight from libfuse's buffer (acpfs/fuse/_fastwrite.c): bytes written, -errno,
         or None to take the async path (``write``)."""
         self.core.info.requests["write"] += 1
         try:
@@ -253,7 +253,7 @@ class Operations(pyfuse3.Operations):
             return -errno_of(e, "write")
 
     def fallocate_now(self, fh: int, mode: int, off: int, length: int) -> int:
-        """FALLOCATE (acpfs/_fastwrite.c; pyfuse3 has no handler): 0 or -errno."""
+        """FALLOCATE (acpfs/fuse/_fastwrite.c; pyfuse3 has no handler): 0 or -errno."""
         try:
             return self.handles.fallocate(fh, mode, off, length)
         except Exception as e:

@@ -2,8 +2,8 @@
 
 With FUSE passthrough (Linux 6.9+, ``CONFIG_FUSE_PASSTHROUGH``) an open file's reads,
 writes, splices and mmaps go from the kernel straight to a *backing file* the daemon
-registered, a memory file of the cache (memfiles.py): the daemon sees none of them. The C
-extension (acpfs/_fastwrite.c) asks for it in the INIT reply, makes the two ioctls on the
+registered, a memory file of the cache (store/filestore.py): the daemon sees none of them. The C
+extension (acpfs/fuse/_fastwrite.c) asks for it in the INIT reply, makes the two ioctls on the
 session's descriptor, and puts the backing id into the OPEN or CREATE reply that Python
 chose it for (``reply``).
 

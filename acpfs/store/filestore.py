@@ -1,4 +1,4 @@
-"""Memory files: the content store of the passthrough path (see content.py).
+"""Memory files: the content store of the passthrough path (see api.py).
 
 Each cached file's bytes live in a file of their own, ``<cache dir>/files/<id>`` (tmpfs by
 default). The kernel reads, writes and maps them directly for opens that the daemon passes

@@ -1,4 +1,4 @@
-"""The block pool: the content store of the path every request takes (see content.py).
+"""The block pool: the content store of the path every request takes (see api.py).
 
 One file in the cache directory (``pool``), mapped shared into the daemon and viewed as
 numpy arrays. It is cut into fixed-size blocks; a file's content is a list of block

@@ -23,7 +23,7 @@ persisted file (it is then read from the backing); open for writing copies it ba
 
 Invariants:
 - Content shared with a snapshot or a journal record is never written in place: the store
-  copies it first (``content.Store.write``), or the open does (``Handles.open``, passthrough).
+  copies it first (``store.api.Store.write``), or the open does (``Handles.open``, passthrough).
 - A file is evictable (in ``lru``) only if clean, not open for writing, without queued
   operations, and present in the backing with its current content.
 

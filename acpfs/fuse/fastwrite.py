@@ -2,7 +2,7 @@
 acpfs.fuse._fastwrite before pyfuse3, and its state) and non-temporal copies.
 
 pyfuse3 hands each WRITE to Python as a fresh ``bytes`` copy of libfuse's buffer; the C
-extension (acpfs/fuse/_fastwrite.c) lets ``fs.Operations.write_now`` copy straight from that
+extension (acpfs/fuse/_fastwrite.c) lets ``operations.Operations.write_now`` copy straight from that
 buffer into the pool instead. It works by defining ``fuse_session_new`` in a library loaded
 RTLD_GLOBAL, so it must be loaded before pyfuse3 is: ``acpfs.fuse.operations`` imports this module first.
 

@@ -5,7 +5,7 @@ Two implementations, chosen once per mount (``daemon``):
     pool.Pool           one pre-faulted file cut into blocks; a file is a list of block
                         numbers, shared block by block with its snapshots (copy on write).
                         Every read and write goes through the daemon.
-    memfiles.MemFiles   one file per cached file in the cache directory; the kernel passes
+    filestore.MemFiles   one file per cached file in the cache directory; the kernel passes
                         reads, writes and mmap of an open file straight to it (FUSE
                         passthrough), so the daemon sees none of them.
 
@@ -26,7 +26,7 @@ import errno
 import os
 from typing import Any, ContextManager, Iterator, Protocol
 
-Content = Any   # a store's handle: list[int] for the pool, memfiles.MemFile for memory files
+Content = Any   # a store's handle: list[int] for the pool, filestore.MemFile for memory files
 
 
 class CacheFull(Exception):

@@ -195,7 +195,7 @@ class MemFiles:
         self._charge(new, _pages(size))
         return new
 
-    # -- the store interface (content.Store) ------------------------------------------------
+    # -- the store interface (api.Store) ------------------------------------------------
     def empty(self) -> MemFile:
         return self._new()
 

@@ -166,7 +166,7 @@ class Pool:
             freed_small.sort(reverse=True)
             self.free.extend(freed_small)
 
-    # -- the store interface (content.Store); a file's content is a list of blocks ------
+    # -- the store interface (api.Store); a file's content is a list of blocks ------
     def status(self) -> dict[str, Any]:
         """The store's part of the status document's ``cache`` (docs/status.md)."""
         return {"used_bytes": self.used, "limit_bytes": self.limit, "peak_used_bytes": self.peak,

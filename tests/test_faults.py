@@ -244,7 +244,7 @@ def test_full_backing_keeps_old_version_and_recovers(make_mount, faults):
 
 # -- 3. I/O errors -----------------------------------------------------------------------------
 
-RETRY_LINE = re.compile(r" (WARNING|ERROR) acpfs\.retry\[\d+\]: (.*) failed \((\w+): .*\), "
+RETRY_LINE = re.compile(r" (WARNING|ERROR) acpfs\.backing\.retry\[\d+\]: (.*) failed \((\w+): .*\), "
                         r"attempt (\d+); retrying in ")
 
 
@@ -292,7 +292,7 @@ def test_eio_backing_escalates_in_the_log_and_recovers(make_mount, faults, tmp_p
         firsts = [lv for lv, w, _, a in retries if w == what and a == "1"]
         assert firsts == ["WARNING"], (what, firsts)
     assert any(lv == "ERROR" for lv, *_ in retries)
-    assert any(re.search(r" WARNING acpfs\.retry\[\d+\]: .* succeeded after \d+ failed attempts", line)
+    assert any(re.search(r" WARNING acpfs\.backing\.retry\[\d+\]: .* succeeded after \d+ failed attempts", line)
                for line in log_lines(m))
     assert m.status()["errors"] == []
     assert tree(src) == tree(m.mnt)

@@ -41,18 +41,16 @@ from __future__ import annotations
 
 from .changes import TreeChanges
 from .staging import StagedFiles
-from .names import (CONFLICTS_DIR, IS_ROOT, NODES_DIR, OLD_STAGED, OLD_STAGING_DIR,
-                            RECOVERED_DIR, STAGED, STALE, TEMP_PREFIX, Comps, MissingDir,
-                            NotEmpty, check_name, flat_name, is_internal_name, new_instance,
-                            staged_ino, staging_dir_of)
+from .names import (CONFLICTS_DIR, IS_ROOT, NODES_DIR, RECOVERED_DIR, STAGED, STALE,
+                            TEMP_PREFIX, Comps, MissingDir, NotEmpty, check_name, flat_name,
+                            is_internal_name, new_instance, staged_ino, staging_dir_of)
 from .reads import TreeReads
 from .records import NodeRecords
 from .root import RootDir
 
-__all__ = ["Backing", "CONFLICTS_DIR", "IS_ROOT", "NODES_DIR", "OLD_STAGED", "OLD_STAGING_DIR",
-           "RECOVERED_DIR", "STAGED", "STALE", "TEMP_PREFIX", "Comps", "MissingDir", "NotEmpty",
-           "check_name", "flat_name", "is_internal_name", "new_instance", "staged_ino",
-           "staging_dir_of"]
+__all__ = ["Backing", "CONFLICTS_DIR", "IS_ROOT", "NODES_DIR", "RECOVERED_DIR", "STAGED", "STALE",
+           "TEMP_PREFIX", "Comps", "MissingDir", "NotEmpty", "check_name", "flat_name",
+           "is_internal_name", "new_instance", "staged_ino", "staging_dir_of"]
 
 
 class Backing(RootDir, TreeReads, TreeChanges, StagedFiles, NodeRecords):

@@ -35,8 +35,7 @@ class TreeChanges:
         Returns whether this call made it (False: it was there, or another writer made it
         meanwhile)."""
         check_name(name)
-        dfd = self.open_dir(comps)
-        try:
+        with self.dir(comps) as dfd:
             try:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
@@ -65,8 +64,6 @@ class TreeChanges:
                 raise
             os.fsync(dfd)
             return made
-        finally:
-            os.close(dfd)
 
     def _set_dir_owner_mode(self, dfd: int, name: bytes, mode: int, uid: int, gid: int) -> None:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
@@ -94,8 +91,7 @@ class TreeChanges:
 
     def symlink(self, comps: Comps, name: bytes, target: bytes, uid: int, gid: int) -> None:
         check_name(name)
-        dfd = self.open_dir(comps)
-        try:
+        with self.dir(comps) as dfd:
             try:
                 os.symlink(target, name, dir_fd=dfd)
             except FileExistsError:
@@ -104,15 +100,12 @@ class TreeChanges:
             if IS_ROOT:
                 os.chown(name, uid, gid, dir_fd=dfd, follow_symlinks=False)
             os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
     def mknod(self, comps: Comps, name: bytes, mode: int, rdev: int, uid: int, gid: int) -> None:
         """Make a FIFO, socket or device node with its owner and mode at once: made under a
         temporary name (mode 0), given its owner and mode, renamed into place."""
         check_name(name)
-        dfd = self.open_dir(comps)
-        try:
+        with self.dir(comps) as dfd:
             tmp = self.temp_name()
             os.mknod(tmp, statmod.S_IFMT(mode), rdev, dir_fd=dfd)
             try:
@@ -124,17 +117,13 @@ class TreeChanges:
                 os.unlink(tmp, dir_fd=dfd)
                 raise
             os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
     def unlink(self, comps: Comps, name: bytes, is_dir: bool) -> None:
         """Remove an entry; a missing entry (or directory) counts as removed: same result."""
         check_name(name)
-        try:
-            dfd = self.open_dir(comps)
-        except MissingDir:
-            return
-        try:
+        with self.dir(comps, absent=MissingDir) as dfd:
+            if dfd is None:
+                return
             try:
                 if is_dir:
                     self._rmdir(dfd, name)
@@ -143,8 +132,6 @@ class TreeChanges:
             except FileNotFoundError:
                 return
             os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
     def _rmdir(self, dfd: int, name: bytes) -> None:
         try:
@@ -204,8 +191,7 @@ class TreeChanges:
         """``by_name``: a symlink or special file, changed by name (opening a device node
         would open the device); else the file is opened (O_NONBLOCK, never a symlink)."""
         check_name(name)
-        dfd = self.open_dir(comps)
-        try:
+        with self.dir(comps) as dfd:
             if by_name:
                 if IS_ROOT and (uid is not None or gid is not None):
                     os.chown(name, -1 if uid is None else uid, -1 if gid is None else gid,
@@ -226,19 +212,14 @@ class TreeChanges:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        finally:
-            os.close(dfd)
 
     def set_xattr(self, comps: Comps, name: bytes, key: bytes, value: bytes | None) -> None:
-        dfd = self.open_dir(comps)
-        try:
+        with self.dir(comps) as dfd:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
             try:
                 self._apply_xattrs(fd, [(key, value)])
             finally:
                 os.close(fd)
-        finally:
-            os.close(dfd)
 
     def _aside_dir(self, stamp: bytes, top: bytes) -> tuple[int, bytes]:
         """Open ``<top>/<stamp>``; returns its descriptor and the top folder used (made private if new), never through a symlink. ``top`` is
@@ -247,22 +228,17 @@ class TreeChanges:
         check_name(stamp)
         for t in (top, top + b"-" + self.instance.encode()):
             try:
-                rfd = self.open_dir([])
-                try:
+                with self.dir([]) as rfd:
                     try:
                         os.mkdir(t, 0o700, dir_fd=rfd)
                         os.chmod(t, 0o1777, dir_fd=rfd)
                     except FileExistsError:
                         pass
-                finally:
-                    os.close(rfd)
-                tfd = self.open_dir([t])
-                try:
-                    os.mkdir(stamp, 0o700, dir_fd=tfd)
-                except FileExistsError:
-                    pass
-                finally:
-                    os.close(tfd)
+                with self.dir([t]) as tfd:
+                    try:
+                        os.mkdir(stamp, 0o700, dir_fd=tfd)
+                    except FileExistsError:
+                        pass
                 return self.open_dir([t, stamp]), t
             except MissingDir as e:
                 if not e.blocked or e.depth != 0:
@@ -290,14 +266,11 @@ class TreeChanges:
         check_name(name)
         afd, top = self._aside_dir(stamp, CONFLICTS_DIR)
         try:
-            dfd = self.open_dir(comps)
-            try:
+            with self.dir(comps) as dfd:
                 flat = self._free_name(afd, flat)
                 os.rename(name, flat, src_dir_fd=dfd, dst_dir_fd=afd)
                 os.fsync(afd)
                 os.fsync(dfd)
-            finally:
-                os.close(dfd)
         finally:
             os.close(afd)
         return os.fsdecode(b"/".join((top, stamp, flat)))
@@ -305,17 +278,15 @@ class TreeChanges:
     def remove_empty_dir(self, comps: Comps, name: bytes) -> bool:
         """rmdir; False if the directory is not empty."""
         check_name(name)
-        dfd = self.open_dir(comps)
-        try:
-            os.rmdir(name, dir_fd=dfd)
-            os.fsync(dfd)
-            return True
-        except OSError as e:
-            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                return False
-            raise
-        finally:
-            os.close(dfd)
+        with self.dir(comps) as dfd:
+            try:
+                os.rmdir(name, dir_fd=dfd)
+                os.fsync(dfd)
+                return True
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    return False
+                raise
 
     def _chown(self, fd: int, uid: int, gid: int) -> None:
         if IS_ROOT:

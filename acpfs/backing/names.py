@@ -27,9 +27,7 @@ TEMP_PREFIX = b".acpfs-tmp-"
 # directory at the backing root, ``.acpfs-tmp-<instance>-staging``, so that renaming or
 # removing their directory on the mount never touches them; the final rename into place is
 # still atomic (same filesystem). Their names end in ``-i<inode>`` (recovery matches them to
-# files open at a crash). Versions before instance names staged files in one directory:
-OLD_STAGING_DIR = TEMP_PREFIX + b"spill"
-OLD_STAGED = re.compile(re.escape(TEMP_PREFIX) + rb"(\d+)-w\d+")
+# files open at a crash).
 STAGED = re.compile(re.escape(TEMP_PREFIX) + rb"([0-9a-f]+)-[0-9a-f]+-i(\d+)")
 RECOVERED_DIR = b".acpfs-recovered"   # content acpfs could not put in place, kept aside
 CONFLICTS_DIR = b".acpfs-conflicts"   # entries of other writers moved out of the way (conflicts.py)
@@ -85,15 +83,18 @@ def new_instance() -> str:
 
 
 def staging_dir_of(tmpname: bytes) -> bytes:
-    """The staging directory that holds the staged file ``tmpname``."""
+    """The staging directory that holds the staged file ``tmpname`` (ValueError if that is
+    not the name of a staged file)."""
     m = STAGED.fullmatch(tmpname)
-    return TEMP_PREFIX + m.group(1) + b"-staging" if m else OLD_STAGING_DIR
+    if m is None:
+        raise ValueError(f"{tmpname!r} is not the name of a staged file")
+    return TEMP_PREFIX + m.group(1) + b"-staging"
 
 
 def staged_ino(tmpname: bytes) -> int | None:
     """The inode number a staged file's name carries (None for other names)."""
-    m = STAGED.fullmatch(tmpname) or OLD_STAGED.fullmatch(tmpname)
-    return int(m.group(m.lastindex)) if m else None
+    m = STAGED.fullmatch(tmpname)
+    return int(m.group(2)) if m else None
 
 
 def check_name(name: bytes) -> None:

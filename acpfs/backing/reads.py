@@ -2,7 +2,7 @@
 files opened for reading, symlink targets and extended attributes.
 
 What it owns (``TreeReads``, a piece of ``Backing``): no state of its own; the reading calls
-on directories reached through ``RootDir.open_dir``. A listing hides acpfs's own entries
+on directories reached through ``RootDir.dir`` (``open_dir``). A listing hides acpfs's own entries
 (``is_internal_name``) and removes the uploads that the dead daemon this one recovers left
 half-written (``StagedFiles.is_leftover``), never another daemon's. ``dir_version`` and
 ``version`` are what tells another writer's change from this daemon's (docs/design.md,
@@ -27,17 +27,14 @@ class TreeReads:
     def exists(self, comps: Comps, name: bytes) -> bool:
         """Is there an entry ``name`` in the directory at ``comps``?"""
         check_name(name)
-        try:
-            dfd = self.open_dir(comps)
-        except MissingDir:
-            return False
-        try:
-            os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            return True
-        except FileNotFoundError:
-            return False
-        finally:
-            os.close(dfd)
+        with self.dir(comps, absent=MissingDir) as dfd:
+            if dfd is None:
+                return False
+            try:
+                os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                return True
+            except FileNotFoundError:
+                return False
 
     @staticmethod
     def version(dfd: int, name: bytes) -> tuple[int, int, int]:
@@ -48,16 +45,13 @@ class TreeReads:
     def stat_entry(self, comps: Comps, name: bytes) -> os.stat_result | None:
         """lstat of an entry; None if it (or its directory) is gone."""
         check_name(name)
-        try:
-            dfd = self.open_dir(comps)
-        except MissingDir:
-            return None
-        try:
-            return os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        finally:
-            os.close(dfd)
+        with self.dir(comps, absent=MissingDir) as dfd:
+            if dfd is None:
+                return None
+            try:
+                return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                return None
 
     def listdir(self, comps: Comps) -> list[tuple[bytes, os.stat_result, bytes | None]]:
         """(name, lstat result, symlink target) of each entry, without acpfs temporary files.
@@ -65,8 +59,7 @@ class TreeReads:
         Uploads the dead daemon this one recovered from left half-written are removed; those
         of any other daemon (other nodes' included) are left alone.
         """
-        fd = self.open_dir(comps)
-        try:
+        with self.dir(comps) as fd:
             out = []
             with os.scandir(fd) as it:
                 for ent in it:
@@ -90,17 +83,12 @@ class TreeReads:
                         continue
                     out.append((name, st, target))
             return out
-        finally:
-            os.close(fd)
 
     def open_file(self, comps: Comps, name: bytes) -> int:
         """Open a regular file of the backing for reading (never through a symlink)."""
         check_name(name)
-        dfd = self.open_dir(comps)
-        try:
+        with self.dir(comps) as dfd:
             return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-        finally:
-            os.close(dfd)
 
     def open_version(self, comps: Comps, name: bytes,
                      version: tuple[int, int, int] | None) -> tuple[int, os.stat_result]:
@@ -128,11 +116,9 @@ class TreeReads:
         stack: list[Comps] = [[]]
         while stack and len(out) < want:
             comps = stack.pop()
-            try:
-                fd = self.open_dir(comps)
-            except (MissingDir, PermissionError):
-                continue
-            try:
+            with self.dir(comps, absent=(MissingDir, PermissionError)) as fd:
+                if fd is None:
+                    continue
                 with os.scandir(fd) as it:
                     for ent in it:
                         name = os.fsencode(ent.name)
@@ -147,52 +133,41 @@ class TreeReads:
                         elif st.st_ino == ino and statmod.S_ISREG(st.st_mode) \
                                 and (tuple(comps), name) not in skip:
                             out.append((comps, name))
-            finally:
-                os.close(fd)
         return out[:want]
 
     def dir_version(self, comps: Comps) -> tuple[int, int, int] | None:
         """(inode, mtime, ctime) of a directory: any entry made or removed in it changes them
         (to the resolution of the backing's clock). None if it is gone."""
-        try:
-            fd = self.open_dir(comps)
-        except MissingDir:
-            return None
-        try:
+        with self.dir(comps, absent=MissingDir) as fd:
+            if fd is None:
+                return None
             st = os.fstat(fd)
             return st.st_ino, st.st_mtime_ns, st.st_ctime_ns
-        finally:
-            os.close(fd)
 
     def read_xattrs(self, comps: Comps, name: bytes | None) -> dict[bytes, bytes]:
         """User extended attributes of a file or directory (``name`` None: the directory itself)."""
-        try:
-            dfd = self.open_dir(comps)
-        except OSError:
-            return {}
-        try:
-            fd = dfd if name is None else os.open(
-                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+        with self.dir(comps, absent=OSError) as dfd:
+            if dfd is None:
+                return {}
             try:
-                return {os.fsencode(k): os.getxattr(fd, k) for k in os.listxattr(fd)
-                        if k.startswith("user.")}
-            finally:
-                if fd != dfd:
-                    os.close(fd)
-        except OSError:
-            return {}
-        finally:
-            os.close(dfd)
+                fd = dfd if name is None else os.open(
+                    name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+                try:
+                    return {os.fsencode(k): os.getxattr(fd, k) for k in os.listxattr(fd)
+                            if k.startswith("user.")}
+                finally:
+                    if fd != dfd:
+                        os.close(fd)
+            except OSError:
+                return {}
 
     def read_link(self, comps: Comps, name: bytes) -> bytes | None:
         """The target of a symlink; None if it is gone or not a symlink."""
         check_name(name)
-        dfd = self.open_dir(comps)
-        try:
-            return os.readlink(name, dir_fd=dfd)
-        except OSError as e:
-            if e.errno in (errno.ENOENT, errno.EINVAL):
-                return None
-            raise
-        finally:
-            os.close(dfd)
+        with self.dir(comps) as dfd:
+            try:
+                return os.readlink(name, dir_fd=dfd)
+            except OSError as e:
+                if e.errno in (errno.ENOENT, errno.EINVAL):
+                    return None
+                raise

@@ -5,7 +5,8 @@ What it owns (``RootDir``, a piece of ``Backing``): the root descriptor ``root_f
 descriptors of roots that went stale (closed at ``close``), and the count of reopens that
 ``status`` shows. Every directory is reached from the root one name at a time
 (``open_dir``: ``openat(O_NOFOLLOW | O_DIRECTORY)``, names checked), never by a path handed
-to the kernel. A backing that is itself a mount (NFS, SFS, a FUSE store) can go away and be
+to the kernel; ``with self.dir(comps) as dfd:`` is how the other pieces use one (closed when
+the block ends). A backing that is itself a mount (NFS, SFS, a FUSE store) can go away and be
 mounted again at the same path; its descriptors then answer ENOTCONN/ESTALE/ENODEV, and the
 root is opened again by path (``reopen``), but only once a filesystem is mounted there
 again: never the empty directory under it. ``_stale_retry`` is the convention every other
@@ -20,11 +21,13 @@ import logging
 import os
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, overload
 
 from .names import STALE, Comps, MissingDir, check_name
 
 log = logging.getLogger("acpfs.backing")
+# errors of opening a directory that mean "not there" to a caller of ``RootDir.dir``
+Absent = type[OSError] | tuple[type[OSError], ...]
 
 
 class RootDir:
@@ -123,19 +126,41 @@ class RootDir:
             raise
         return fd
 
+    @overload
+    def dir(self, comps: Comps) -> contextlib.AbstractContextManager[int]: ...
+    @overload
+    def dir(self, comps: Comps, absent: Absent) -> contextlib.AbstractContextManager[int | None]: ...
+
+    def dir(self, comps: Comps, absent: Absent = ()) -> contextlib.AbstractContextManager[int | None]:
+        """``with self.dir(comps) as dfd:`` the descriptor of the directory at ``comps``
+        (``open_dir``: MissingDir, a stale root opened again), closed when the block ends,
+        however it ends. An error of opening it that is one of ``absent`` makes ``dfd`` None
+        (nothing to close) rather than propagate; errors of the block always do."""
+        return self._dir(comps, absent)
+
+    @contextlib.contextmanager
+    def _dir(self, comps: Comps, absent: Absent) -> Iterator[int | None]:
+        try:
+            fd: int | None = self.open_dir(comps)
+        except absent:
+            fd = None
+        if fd is None:
+            yield None
+            return
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
     @contextlib.contextmanager
     def _two_dirs(self, scomps: Comps, dcomps: Comps) -> Iterator[tuple[int, int]]:
         """Descriptors of two directories (one, twice, if they are the same), closed after."""
-        sfd = self.open_dir(scomps)
-        try:
-            dfd = self.open_dir(dcomps) if dcomps != scomps else sfd
-            try:
-                yield sfd, dfd
-            finally:
-                if dfd != sfd:
-                    os.close(dfd)
-        finally:
-            os.close(sfd)
+        with self.dir(scomps) as sfd:
+            if dcomps == scomps:
+                yield sfd, sfd
+            else:
+                with self.dir(dcomps) as dfd:
+                    yield sfd, dfd
 
     def stat_root(self) -> os.stat_result:
         return self._stale_retry(lambda: os.fstat(self.root_fd))

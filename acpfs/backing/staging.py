@@ -20,8 +20,7 @@ import secrets
 import threading
 from typing import Iterable
 
-from .names import (OLD_STAGING_DIR, STALE, TEMP_PREFIX, check_name, new_instance,
-                            staged_ino, staging_dir_of)
+from .names import STALE, TEMP_PREFIX, check_name, new_instance, staged_ino, staging_dir_of
 from ..store.api import copy_fd
 
 
@@ -205,12 +204,13 @@ class StagedFiles:
             raise
 
     def list_leftover_staged(self) -> list[bytes]:
-        """Staged files the dead daemon left in its staging directory (the one directory
-        of versions before instance names, if it died with no instance)."""
-        where = self.dead + b"staging" if self.dead is not None else OLD_STAGING_DIR
+        """Staged files the dead daemon left in its staging directory (none if its journal
+        named no instance)."""
+        if self.dead is None:
+            return []
         try:
-            dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                          dir_fd=self.root_fd)
+            dfd = os.open(self.dead + b"staging",
+                          os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.root_fd)
         except FileNotFoundError:
             return []
         try:
@@ -220,7 +220,8 @@ class StagedFiles:
 
     def remove_leftover_staging_dir(self) -> None:
         """Remove the dead daemon's staging directory if it is empty."""
-        self._remove_dir(self.dead + b"staging" if self.dead is not None else OLD_STAGING_DIR)
+        if self.dead is not None:
+            self._remove_dir(self.dead + b"staging")
 
     def remove_staged(self, tmpname: bytes) -> None:
         check_name(tmpname)

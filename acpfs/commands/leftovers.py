@@ -26,7 +26,7 @@ UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 @dataclasses.dataclass
 class Temp:
     path: str                 # relative to the backing
-    instance: str | None      # None: a name of versions before instance names
+    instance: str | None      # None: no daemon instance in its name
     is_dir: bool
     size: int                 # bytes (a directory: of the files in it)
     age_s: float              # since its last change

@@ -1,13 +1,14 @@
 """Recovery: a new daemon finishes what a dead one left in the cache directory.
 
-``daemon.run`` calls ``recover`` before it mounts, when the cache directory holds a journal
-(``journal.read_leftover``). The journal's pending records are replayed, in order, through
-the same methods a FUSE request would call (``Namespace``'s and ``Files``', by way of the
-``Cache`` forwards), onto a cache loaded from the backing:
-the backing already shows the history up to ``applied``, so replaying the rest rebuilds the
-dead daemon's view, and queues every pending change again (new seqs, same order) for the
-new flusher. File contents are not copied: replayed files take over what the records name in the
-content store (pool blocks or memory files, reused as they are: ``Store.claim_refs``).
+``Daemon.recover`` (daemon.py) calls ``recover`` before it mounts, when the cache directory
+holds a journal (``journal.read_leftover``). The journal's pending records are replayed, in
+order, through the same methods a FUSE request would call, on the cache's owners themselves
+(``cache.names``, ``cache.files``; ``Cache`` only builds them), onto a cache loaded from the
+backing (``cache.coherence``): the backing already shows the history up to ``applied``, so
+replaying the rest rebuilds the dead daemon's view, and queues every pending change again
+(new seqs, same order) for the new flusher. File contents are not copied: replayed files
+take over what the records name in the content store (pool blocks or memory files, reused
+as they are: ``Store.claim_refs``).
 
 Which records are replayed:
 - operations with seq > applied (the one right after ``applied`` may already be in the
@@ -34,13 +35,11 @@ Setting aside makes nothing in the backing during the recovery: the file is made
 mount, under ``.acpfs-recovered/<time>-<instance>/``, through the same cache methods
 (mkdir, create, snapshot), so it is one more pending change, journaled in the new journal
 and published by the flusher like any other. Invariant: a backing that refuses changes
-(read-only, immutable, out of quota) never stops the mount; the set-aside is retried in the
-background, shown in ``status.errors`` and the log, and its content stays in the cache (or
-its staged file) and in the journal until it lands (a remount used to fail, with EPERM or
-EROFS, where the backing refused to make ``.acpfs-recovered``, though a running daemon
-survives that same fault). Staged files are opened read-only where the
-backing refuses to open them for writing (``Staged.read_only``); the flusher opens them
-again before it publishes them.
+(read-only, immutable, out of quota) never stops the mount, as it never stops a running
+daemon: the set-aside is retried in the background, shown in ``status.errors`` and the
+log, and its content stays in the cache (or its staged file) and in the journal until it
+lands. Staged files are opened read-only where the backing refuses to open them for
+writing (``Staged.read_only``); the flusher opens them again before it publishes them.
 
 A crash during recovery is recovered from the same journal again: the dead daemon's journal
 is kept aside (``journal.recovering``) until the replay is complete, and the new flusher
@@ -49,6 +48,7 @@ only starts after that, so the backing does not move while the replay runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -79,9 +79,7 @@ class Recovered:
     aside_seqs: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        del d["aside_seqs"]
-        return d
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "aside_seqs"}
 
 
 def plan(left: Leftover) -> tuple[list[Record], list[Record]]:
@@ -449,11 +447,8 @@ class Replayer:
     def open_files(self, dirty: list[Record]) -> None:
         """Files open for writing at the crash: keep staged content aside, log the rest."""
         backing = self.cache.backing
-        staged: dict[int, bytes] = {}
-        for raw in backing.list_leftover_staged():
-            ino = staged_ino(raw)
-            if raw not in self.taken_over and ino is not None:
-                staged[ino] = raw
+        staged = {staged_ino(raw): raw for raw in backing.list_leftover_staged()
+                  if raw not in self.taken_over and staged_ino(raw) is not None}
         for rec in dirty:
             path = rec.path
             shown = os.fsdecode(path) if path is not None else f"(inode {rec.ino}, deleted)"
@@ -474,10 +469,8 @@ class Replayer:
                           "since it was opened are lost; the backing keeps its previous version",
                           shown)
         for tmp in staged.values():   # staged files of files deleted before the crash
-            try:
+            with contextlib.suppress(OSError):
                 backing.remove_staged(tmp)
-            except OSError:
-                pass
         backing.remove_leftover_staging_dir()
 
 
@@ -494,8 +487,7 @@ def recover(cache: Cache, left: Leftover, replay: list[Record], dirty: list[Reco
             if e.errno == errno.ENOSPC or rec.kind in CONTENT_KINDS:
                 # acknowledged content is never dropped: the mount fails, the journal stays.
                 # Only the backing's answers to reads get here (listings, opening a staged
-                # file): setting content aside makes nothing in the backing (module
-                # docstring)
+                # file): setting content aside makes nothing in the backing (module docstring)
                 raise
             r.skip(rec, str(e), logging.ERROR)
         except Exception as e:   # a bug: one record must not stop the rest from being recovered

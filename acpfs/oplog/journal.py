@@ -50,8 +50,6 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"ACPFSJ02"
 HEADER = struct.Struct("<8sQQ16s")  # magic, block size, pool size, daemon instance
-MAGIC_01 = b"ACPFSJ01"              # before instance names: read, never written
-HEADER_01 = struct.Struct("<8sQQ")
 FRAME = struct.Struct("<II")        # payload length, crc32 of the payload
 JOURNAL = "journal"
 RECOVERING = "journal.recovering"   # the journal a recovery is replaying
@@ -63,7 +61,8 @@ FLUSHED = "flushed"
 DIRTY = "dirty"
 CLEAN = "clean"
 CONTENT = ("size", "mode", "uid", "gid", "times", "xattrs", "blocks", "staged_name")
-# Each kind's fields after (seq, kind, ino), in stored order. Unchanged since format 01.
+# Each kind's fields after (seq, kind, ino), in stored order. Never change an existing kind's:
+# the next daemon, of a newer version after an upgrade, replays the journal a dead one left.
 LAYOUT: dict[str, tuple[str, ...]] = {
     "publish": ("path",) + CONTENT,
     FLUSHED: ("path",) + CONTENT,
@@ -228,7 +227,7 @@ class Leftover:
 
     def __init__(self, block_size: int, pool_size: int, records: list[Record], applied: int,
                  torn: int, direct: set[bytes] | None = None, instance: str | None = None) -> None:
-        self.instance = instance   # the dead daemon's (None: a journal of format 01)
+        self.instance = instance   # the dead daemon's (None: its journal named none)
         self.block_size = block_size
         self.pool_size = pool_size
         self.records = records
@@ -261,10 +260,7 @@ def read_leftover(cache_dir: str) -> Leftover | None:
                 data = f.read()
         except FileNotFoundError:
             continue
-        if data[:8] == MAGIC_01 and len(data) >= HEADER_01.size:
-            _, block_size, pool_size = HEADER_01.unpack_from(data)
-            instance, start = None, HEADER_01.size
-        elif data[:8] == MAGIC and len(data) >= HEADER.size:
+        if data[:8] == MAGIC and len(data) >= HEADER.size:
             _, block_size, pool_size, raw = HEADER.unpack_from(data)
             instance, start = raw.rstrip(b"\0").decode("ascii", "replace") or None, HEADER.size
         elif len(data) < HEADER.size:
@@ -286,7 +282,7 @@ def read_leftover(cache_dir: str) -> Leftover | None:
 
 def read_instance(cache_dir: str) -> str | None:
     """The daemon instance named by the journal in ``cache_dir`` (one being recovered first),
-    without reading the records; None if there is none (or it is of format 01)."""
+    without reading the records; None if there is none (or it names none)."""
     for name in (RECOVERING, JOURNAL):
         try:
             with open(os.path.join(cache_dir, name), "rb") as f:

@@ -32,8 +32,9 @@ from acpfs.backing.records import NodeRecords
 OPENERS = {"open_dir", "open_file", "create_temp", "create_staged", "open_staged"}
 # methods on the node records of global order: their path is in the records directory
 RECORDS = {n for n in vars(NodeRecords) if not n.startswith("_")}
-# methods left alone: no I/O (a name), or needed to tear a test down
-UNWRAPPED = {"staged_name", "temp_name", "is_leftover", "owns", "close"}
+# methods left alone: no I/O (a name), or needed to tear a test down; ``dir`` only opens
+# through ``open_dir`` (wrapped: its path is the directory's) and closes what that opened
+UNWRAPPED = {"staged_name", "temp_name", "is_leftover", "owns", "close", "dir"}
 
 
 class Fault:
@@ -106,7 +107,9 @@ def _path_of(backing: FaultyBacking, method: str, bound: inspect.BoundArguments)
         dst = [os.fsdecode(c) for c in args["dcomps"]] + [os.fsdecode(args["dname"])]
         return _join(*parts) + " -> " + _join(*dst)
     if method in ("create_staged", "open_staged", "remove_staged"):
-        return _join(os.fsdecode(staging_dir_of(args["tmpname"])), *parts)
+        # a restaged copy's fresh name (``where`` given) is no staged file's name
+        where = args.get("where") or staging_dir_of(args["tmpname"])
+        return _join(os.fsdecode(where), *parts)
     return _join(*parts)
 
 

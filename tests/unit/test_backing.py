@@ -10,8 +10,8 @@ import stat
 
 import pytest
 
-from acpfs.backing.backing import (OLD_STAGING_DIR, TEMP_PREFIX, Backing, is_internal_name, new_instance,
-                           staged_ino, staging_dir_of)
+from acpfs.backing.backing import (TEMP_PREFIX, Backing, is_internal_name, new_instance, staged_ino,
+                           staging_dir_of)
 
 NAME = re.compile(rb"\.acpfs-tmp-([0-9a-f]{12})-([0-9a-f]{16})")
 
@@ -35,9 +35,10 @@ def test_temporary_names_carry_the_instance_and_64_random_bits(back):
     staged = back.staged_name(4711)
     assert staged.startswith(back.mine) and staged_ino(staged) == 4711
     assert staging_dir_of(staged) == back.staging_dir == TEMP_PREFIX + back.instance.encode() + b"-staging"
-    # a journal of the previous format names staged files in the one old staging directory
-    assert staging_dir_of(b".acpfs-tmp-12-w99") == OLD_STAGING_DIR
-    assert staged_ino(b".acpfs-tmp-12-w99") == 12
+    # an upload's temporary name is no staged file's
+    assert staged_ino(back.temp_name()) is None
+    with pytest.raises(ValueError):
+        staging_dir_of(back.temp_name())
 
 
 def test_a_temporary_file_is_created_exclusively_and_privately(back, tmp_path):

@@ -13,9 +13,9 @@ import zlib
 import pytest
 
 import acpfs.oplog.journal as jmod
-from acpfs.oplog.journal import (APPLIED, CLEAN, DIRECT, DIRTY, FLUSHED, FRAME, HEADER, HEADER_01, JOURNAL,
-                           LAYOUT, MAGIC, MAGIC_01, RECOVERING, Journal, Record, pack_blocks, read_direct_writes,
-                           read_leftover, record_direct_write)
+from acpfs.oplog.journal import (APPLIED, CLEAN, DIRECT, DIRTY, FLUSHED, FRAME, HEADER, JOURNAL, LAYOUT, MAGIC,
+                           RECOVERING, Journal, Record, pack_blocks, read_direct_writes, read_leftover,
+                           record_direct_write)
 
 BS = 4096
 POOL = 64 * BS
@@ -50,7 +50,7 @@ VALUES = {
     "times": (1_700_000_000_123_456_789, 1_700_000_001_000_000_000),
     "xattrs": {b"user.a": b"1", b"user.b": b""},
     "blocks": [7, -1, 3, 60],      # -1: a hole
-    "staged_name": b".acpfs-tmp-5-w123",
+    "staged_name": b".acpfs-tmp-a1b2c3d4e5f6-0123456789abcdef-i5",
     "target": b"../t",
     "key": b"user.k",
     "value": b"v",
@@ -133,15 +133,14 @@ def test_records_written_by_the_previous_version_are_read(tmp_path):
         (7, "xattr", 3, b"d/g", b"user.k", None),
         (8, "unlink", 4, b"l"),
         (9, "rmdir", 5, b"e"),
-        (0, "flushed", 6, b"h", 4, 0o100644, 0, 0, (3, 4), {}, pack_blocks([2]), b".acpfs-tmp-6-w1"),
+        (0, "flushed", 6, b"h", 4, 0o100644, 0, 0, (3, 4), {}, pack_blocks([2]), b".acpfs-tmp-a1b2c3-1-i6"),
         (0, "dirty", 7, b"o"),
         (0, "clean", 7),
     ]
-    write_journal(tmp_path, [marshal.dumps(t) for t in old], applied=3,
-                  header=HEADER_01.pack(MAGIC_01, BS, POOL))
+    write_journal(tmp_path, [marshal.dumps(t) for t in old], applied=3)
     left = read_leftover(str(tmp_path))
     assert left is not None and left.applied == 3 and left.torn == 0
-    assert left.instance is None     # format 01 named no instance
+    assert left.instance == "a1b2c3"
     assert (left.block_size, left.pool_size) == (BS, POOL)
     recs = left.records
     assert [r.kind for r in recs] == [t[1] for t in old]
@@ -151,7 +150,7 @@ def test_records_written_by_the_previous_version_are_read(tmp_path):
     assert (recs[4].mode, recs[4].uid, recs[4].times) == (0o100600, None, None)
     assert (recs[5].mode, recs[5].uid, recs[5].gid, recs[5].times) == (None, 7, 8, (1, 2))
     assert (recs[6].key, recs[6].value) == (b"user.k", None)
-    assert recs[9].staged_name == b".acpfs-tmp-6-w1" and recs[9].blocks == [2]
+    assert recs[9].staged_name == b".acpfs-tmp-a1b2c3-1-i6" and recs[9].blocks == [2]
     assert recs[11] == Record(0, CLEAN, 7)
     # and what this version writes is the tuple the previous one wrote (the bytes may
     # differ only in marshal's reference flags, which depend on object identity)
@@ -219,6 +218,11 @@ def test_header_only_short_and_missing_journals(tmp_path):
 
 def test_wrong_magic_raises_a_clear_error(tmp_path):
     (tmp_path / JOURNAL).write_bytes(HEADER.pack(b"ACPFSJ00", BS, POOL, b""))
+    with pytest.raises(ValueError, match=r"journal is not an acpfs journal \(or from an incompatible"):
+        read_leftover(str(tmp_path))
+    # format 01 (no instance in the header; never released) is not read either
+    (tmp_path / JOURNAL).write_bytes(struct.pack("<8sQQ", b"ACPFSJ01", BS, POOL)
+                                     + frame(three_records()[0].encode()))
     with pytest.raises(ValueError, match=r"journal is not an acpfs journal \(or from an incompatible"):
         read_leftover(str(tmp_path))
 

@@ -150,11 +150,14 @@ class Files:
         through that is still open (each ``_reservation``). The kernel writes their files
         without asking, so this, at the open, is what bounds them: a writer passed through
         may write past its reservation, and the cache then holds more than its size until
-        the file is closed and persisted (docs/semantics.md). Elsewhere writers take the
-        daemon's path, where a full cache makes them wait or write through."""
+        the file is closed and persisted (docs/semantics.md); while it does, no writer is
+        passed through. Elsewhere writers take the daemon's path, where a full cache makes
+        them wait or write through."""
         want = sum(map(self._reservation, self.passthrough_writers)) + self._reservation(node)
         store = self.store
         with self.oplog.lock:
+            if store.used > store.limit:
+                return False
             self.lru.pop(node.ino, None)   # not counted for itself (Files.open takes a
             room = store.free_bytes()      # writer's file out of the LRU anyway)
             if room >= want:
@@ -462,6 +465,7 @@ class Files:
         dirty = list(self.dirty_nodes)
         return {"cached_files": sum(1 for n in self.inodes.nodes.values()
                                     if n.content is not None and n.size),
+                "writers_passed_through": len(self.passthrough_writers),
                 "dirty": {"files": len(dirty), "bytes": sum(n.size for n in dirty)},
                 "dirty_since": min((n.dirty_since for n in dirty), default=None)}
 

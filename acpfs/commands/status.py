@@ -119,7 +119,9 @@ def render_status(d: dict[str, Any]) -> str:
     lines = [
         f"{d['mountpoint']}  (backing {d['backing']}, pid {d['pid']}, up {age(d['uptime_s'])})",
         f"  cache      {format_size(c['used_bytes'])} used of {format_size(c['limit_bytes'])} "
-        f"(peak {format_size(c['peak_used_bytes'])}), {c['cached_files']} files cached",
+        f"(peak {format_size(c['peak_used_bytes'])}), {c['cached_files']} files cached"
+        + (f"; OVER ITS SIZE by {format_size(c['over_limit_bytes'])} ({c['writers_passed_through']} "
+           f"writers passed through)" if c.get("over_limit_bytes") else ""),
         f"  data path  {data_path(d)}",
         f"  dirty      {di['files']} files, {format_size(di['bytes'])}",
         f"  flushing   {fl['files']} files, {format_size(fl['bytes'])} "

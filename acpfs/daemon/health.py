@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..config import age, safe
+from ..config import age, format_size, safe
 
 HEALTHY, DEGRADED, DOWN = 0, 1, 2   # exit status of 'acpfs status --check'
 
@@ -22,6 +22,12 @@ def health(doc: dict[str, Any], max_unsaved_age: float | None) -> tuple[int, lis
     for e in doc["errors"][:3]:
         why.append(f"{e['op']} {safe(e['path'])} failing for {age(time.time() - e['since'])} "
                    f"({e['attempts']} attempts): {e['reason']}")
+    cache = doc.get("cache") or {}
+    if cache.get("over_limit_bytes"):
+        why.append(f"cache over its size by {format_size(cache['over_limit_bytes'])}: "
+                   f"{cache.get('writers_passed_through', 0)} files written with passthrough grew "
+                   f"past what was kept free for them; new writers take the daemon's path until "
+                   f"they are closed and persisted")
     if doc.get("journal_error"):
         why.append(f"journal cannot be written: {doc['journal_error']}")
     oldest = doc.get("oldest_dirty_age_s")

@@ -170,7 +170,8 @@ class Pool:
     def status(self) -> dict[str, Any]:
         """The store's part of the status document's ``cache`` (docs/status.md)."""
         return {"used_bytes": self.used, "limit_bytes": self.limit, "peak_used_bytes": self.peak,
-                "block_size": self.unit, "store": self.kind}
+                "over_limit_bytes": max(0, self.used - self.limit), "block_size": self.unit,
+                "store": self.kind}
 
     @property
     def used(self) -> int:

@@ -96,3 +96,33 @@ def test_trim_evicts_persisted_files_oldest_first_until_the_cache_is_within_its_
     cache.files.release(writer, True, passthrough=True)
     parts.drain()
     assert (parts.back / "w").read_bytes() == b"k" * (40 * BS)
+
+
+@pytest.mark.skipif(not memory_files(), reason="the kernel writes for a writer only with memory "
+                                                "files (the passthrough path's store)")
+def test_no_writer_is_passed_through_while_the_cache_is_over_its_size(parts):
+    """A writer passed through wrote past its reservation: until the cache is back within its
+    size no new writer is passed through, even where persisted files would count as room for
+    its reservation, and the status document and the health rule say so."""
+    from acpfs.daemon import health
+    cache, store = parts.cache, parts.store
+    old = [persisted(parts, b"p%d" % i, 16 * BS) for i in range(3)]     # 48 blocks, evictable
+    writer, admitted = open_writer(cache, b"w")
+    assert admitted
+    os.pwrite(store._fd(writer.content), b"k" * (40 * BS), 0)     # 24 blocks past its room
+    cache.files.sync_content(writer)                              # counted; not trimmed yet
+    status = {**store.status(), **cache.files.status()}
+    assert (status["over_limit_bytes"], status["writers_passed_through"]) == (24 * BS, 1)
+    _, late = open_writer(cache, b"late")
+    assert not late, "over its size: the persisted files are the room it must get back to"
+    doc = {"flusher_alive": True, "errors": [], "cache": status}
+    state, why = health.health(doc, None)
+    assert state == health.DEGRADED and "over its size by 96.0 KiB" in why[0], why
+    cache.files.trim()
+    assert store.status()["over_limit_bytes"] == 0 and old[2].content is not None
+    assert health.health({**doc, "cache": store.status()}, None) == (health.HEALTHY, [])
+    _, again = open_writer(cache, b"again")
+    assert again, "back within its size, writers are passed through again"
+    cache.files.release(writer, True, passthrough=True)
+    parts.drain()
+    assert (parts.back / "w").read_bytes() == b"k" * (40 * BS)

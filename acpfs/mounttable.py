@@ -120,3 +120,15 @@ def mount_of(path: str, text: str | None = None) -> str:
     if best is None:
         raise Failure(f"{path} is not on an acpfs mount")
     return best
+
+
+def fstype_of(path: str, text: str | None = None) -> str:
+    """The file system type of the mount holding ``path`` (symlinks resolved; the last of the
+    longest mount points that hold it, as the kernel resolves it); "" when none is found."""
+    real = os.path.realpath(path)
+    best, kind = None, ""
+    for m in table(text):
+        if real == m.mountpoint or real.startswith(m.mountpoint.rstrip("/") + "/"):
+            if best is None or len(m.mountpoint) >= len(best):
+                best, kind = m.mountpoint, m.fstype
+    return kind

@@ -46,11 +46,12 @@ class Mount:
     """One acpfs mount over its own backing directory, with its own cache directory."""
 
     def __init__(self, root: Path, cache_size: str = "256M", extra: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, cache_area: str = "/dev/shm") -> None:
         self.root = root
         self.mnt = root / "mnt"
         self.back = root / "back"
-        self.cache_dir = Path(tempfile.mkdtemp(prefix="acpfs-test-", dir="/dev/shm")) / "cache"
+        # the cache directory's parent: /dev/shm as by default, or a directory on a disk
+        self.cache_dir = Path(tempfile.mkdtemp(prefix="acpfs-test-", dir=cache_area)) / "cache"
         self.log = root / "acpfs.log"
         self.cache_size = cache_size
         self.extra = extra

@@ -221,7 +221,9 @@ def test_a_backing_on_a_ram_filesystem_is_mounted_with_a_warning(make_mount, fau
             said = (f"backing directory {m.back} is on a RAM filesystem ({kind}): nothing in it "
                     f"survives a reboot")
             lines = r.stderr.strip().splitlines()
-            assert lines[-2].startswith("acpfs: mounted ") and lines[-1] == f"acpfs: warning: {said}", r.stderr
+            assert lines[-3].startswith("acpfs: mounted "), r.stderr
+            assert lines[-2].startswith("acpfs: content store: "), r.stderr
+            assert lines[-1] == f"acpfs: warning: {said}", r.stderr
             assert [line for line in m.log.read_text().splitlines() if said in line][0].split()[2] == "WARNING"
             (m.mnt / "f").write_bytes(b"x")
             m.sync()

@@ -197,6 +197,8 @@ def run_foreground(opts, lock) -> int:
     def notify(msg: str) -> None:
         if msg.startswith("progress "):
             print(f"acpfs: {msg[9:]}", file=sys.stderr)
+        elif msg.startswith("store "):
+            print(f"acpfs: content store: {safe(msg[6:])}", file=sys.stderr)
     try:
         return daemon.run(opts, notify)
     except (RuntimeError, OSError, ValueError) as e:
@@ -235,17 +237,22 @@ def start_daemon(opts, lock) -> int:
     prog = Progress()
     buf = b""
     warnings = []   # said once the mount is live: a refusal stays one line
+    store = ""      # where the content store lives and what bounds its RAM
     with os.fdopen(r, "rb") as pipe:
         for raw in pipe:
             line = raw.decode(errors="replace").rstrip("\n")
             if line == "ready":
                 prog.done(f"acpfs: mounted {opts.mountpoint} over {opts.backing} "
                           f"(cache {format_size(opts.cache_size)}, log {opts.log_file})")
+                if store:
+                    print(f"acpfs: content store: {safe(store)}", file=sys.stderr)
                 for w in warnings:
                     print(f"acpfs: warning: {safe(w)}", file=sys.stderr)
                 return 0
             if line.startswith("progress "):
                 prog.update(line[9:])
+            elif line.startswith("store "):
+                store = line[6:]
             elif line.startswith("warning "):
                 warnings.append(line[8:])
             elif line.startswith("error "):

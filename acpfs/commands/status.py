@@ -122,6 +122,8 @@ def render_status(d: dict[str, Any]) -> str:
         f"(peak {format_size(c['peak_used_bytes'])}), {c['cached_files']} files cached"
         + (f"; OVER ITS SIZE by {format_size(c['over_limit_bytes'])} ({c['writers_passed_through']} "
            f"writers passed through)" if c.get("over_limit_bytes") else ""),
+        *([f"  store      {c['store']} on {c['filesystem']}: RAM bounded by the "
+            f"{c['ram_bounded_by']}"] if c.get("filesystem") else []),
         f"  data path  {data_path(d)}",
         f"  dirty      {di['files']} files, {format_size(di['bytes'])}",
         f"  flushing   {fl['files']} files, {format_size(fl['bytes'])} "

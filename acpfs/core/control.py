@@ -62,6 +62,8 @@ class MountInfo:
     recovery_aside: dict[str, int] = dataclasses.field(default_factory=dict)
     # the kernel's passthrough state (passthrough.Kernel.state), None where not asked for
     passthrough: Callable[[], dict] | None = None
+    # where the content store lives and what bounds its RAM (daemon.process.store_place)
+    store_place: dict = dataclasses.field(default_factory=dict)
     # whether WRITEs reach the store by the C hook (fastwrite.state), None where not asked for
     fast_write: Callable[[], dict] | None = None
     # FUSE requests the daemon handled, by kind (fuse/operations.py): what passthrough leaves to it
@@ -205,7 +207,7 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         "log_file": info.opts.log_file,
         "uptime_s": round(now - info.started, 1),
         "options": info.opts.as_status(),
-        "cache": {**store, "cached_files": files["cached_files"],
+        "cache": {**store, **info.store_place, "cached_files": files["cached_files"],
                   "writers_passed_through": files["writers_passed_through"]},
         "dirty": files["dirty"],
         "flushing": flushing,

@@ -21,7 +21,7 @@ from .metrics_http import Endpoint, Unavailable
 from ..userdirs import secure_dir, write_mount_record
 from ..backing.retry import describe
 from .process import (drain, lock_backing, lock_cache_dir, remove_leftover, set_read_ahead,
-                      setup_logging, watch_detached)
+                      setup_logging, store_place, watch_detached)
 from .sdnotify import STATUS_EVERY, Notifier
 
 if TYPE_CHECKING:
@@ -150,6 +150,9 @@ class Daemon:
             self.store = Pool(os.path.join(opts.cache_dir, "pool"), plan.cache_size, plan.block_size,
                               progress=self._allocating, mlock=opts.mlock)
         self.store.claim_refs(recovery.claimed_content(self.replay))
+        self.place, said = store_place(opts.cache_dir, self.store.kind, self.store.limit)
+        log.info("content store: %s", said)
+        self.notify(f"store {said}")
 
     def _build_parts(self, why_not: str) -> None:
         """In order, each built whole: the backing, the journal, the op log, global order,
@@ -190,7 +193,8 @@ class Daemon:
         self.flusher = Flusher(self.oplog, cache, self.backing, order, opts.flush_workers)
         passthrough = self.kernel.state if self.kernel is not None else \
             (lambda: {"on": False, "why_not": why_not})
-        self.info = MountInfo(opts, fast_write=fastwrite.state, passthrough=passthrough,
+        self.info = MountInfo(opts, store_place=self.place, fast_write=fastwrite.state,
+                              passthrough=passthrough,
                               metrics=self.endpoint.address if self.endpoint else None)
         self.core = Core(self.flusher, self.info, order=order, kernel=self.kernel,
                          direct_io_mmap=fastwrite.direct_io_mmap,

@@ -1,7 +1,8 @@
 """What a daemon does as a process on its host, apart from serving the mount: its log
 (``setup_logging``), the locks that keep one daemon per backing and per cache directory,
 the mount's read-ahead, the watch for copies of the mount in other mount namespaces
-(``watch_detached``), and the drain under SIGTERM/SIGINT (``drain``)."""
+(``watch_detached``), the drain under SIGTERM/SIGINT (``drain``), and what bounds the RAM
+of the content store where the cache directory is (``store_place``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from ..config import Options, format_size
+from .. import mounttable
+from ..config import Options, format_size, ram_filesystem
 from ..userdirs import open_private
 from .sdnotify import STATUS_EVERY
 
@@ -175,3 +177,37 @@ def drain(flusher: Flusher, progress: Callable[[], None] = lambda: None) -> bool
                      f"; failing: {failing.path}: {failing.error}" if failing else "")
     flusher.stop(drain=False, timeout=10)
     return False
+
+
+def dirty_limit() -> str:
+    """The kernel's limit on dirty page-cache pages, as /proc/sys/vm says it."""
+    def read(name: str) -> int:
+        try:
+            with open(f"/proc/sys/vm/{name}") as f:
+                return int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            return 0
+    if read("dirty_bytes"):
+        return f"dirty pages at most {format_size(read('dirty_bytes'))}, vm.dirty_bytes"
+    ratio = read("dirty_ratio")
+    return (f"dirty pages at most {ratio}% of available memory, vm.dirty_ratio" if ratio
+            else "the kernel's dirty-page limits")
+
+
+def store_place(cache_dir: str, kind: str, cache_size: int) -> tuple[dict, str]:
+    """Where the content store lives and what bounds its RAM: the facts for the status
+    document (``filesystem``, ``ram_bounded_by``: "cache size" on a RAM filesystem, "page
+    cache" on a disk one) and the line ``acpfs mount`` prints and the log keeps."""
+    fs = ram_filesystem(cache_dir) or mounttable.fstype_of(cache_dir) or "an unknown filesystem"
+    size = format_size(cache_size)
+    if ram_filesystem(cache_dir):
+        why = f"RAM bounded by --cache-size ({size})"
+        if kind == "memory files":
+            why += ("; a writer passed through may go past it until its file is closed and "
+                    "persisted (docs/semantics.md, section 6)")
+        return ({"filesystem": fs, "ram_bounded_by": "cache size"},
+                f"{kind} on {fs} in {cache_dir}: {why}")
+    return ({"filesystem": fs, "ram_bounded_by": "page cache"},
+            f"{kind} on {fs} in {cache_dir}: disk bounded by --cache-size ({size}); RAM bounded "
+            f"by the kernel's page cache ({dirty_limit()}; clean pages are reclaimed as needed)")
+

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import ACPFS, is_mounted, wait_for
+from conftest import ACPFS, acpfs, is_mounted, wait_for
 
 
 def passthrough_on(m) -> bool:
@@ -179,25 +179,78 @@ def test_a_reopen_for_writing_while_the_last_close_uploads_keeps_that_version_wh
     assert (m.mnt / "f").read_bytes() == v2
 
 
-def test_status_and_log_say_which_path_serves(make_mount):
-    on = make_mount("on")
-    st = on.status()["passthrough"]
-    if st["on"]:
-        assert on.status()["cache"]["store"] == "memory files"
-        assert not (on.cache_dir / "pool").exists()
-        assert "kernel passthrough into memory files" in subprocess.run(
-            ["acpfs", "status", str(on.mnt)], capture_output=True, text=True, check=True).stdout
-    off = make_mount("off", extra=("--passthrough", "off"))
-    st = off.status()
+def serves_by_the_daemon(m) -> None:
+    """``m`` (mounted with passthrough off) says so in its status, ``acpfs status`` and its
+    log, keeps its content in the pool, and its reads and writes reach the daemon."""
+    st = m.status()
     assert st["passthrough"] == {"on": False, "why_not": "turned off (--passthrough off)"}
     assert st["cache"]["store"] == "pool"
-    assert "kernel passthrough off: turned off (--passthrough off)" in off.log.read_text()
-    out = subprocess.run(["acpfs", "status", str(off.mnt)], capture_output=True, text=True,
+    assert (m.cache_dir / "pool").exists()
+    assert "kernel passthrough off: turned off (--passthrough off)" in m.log.read_text()
+    out = subprocess.run([*ACPFS, "status", str(m.mnt)], capture_output=True, text=True,
                          check=True).stdout
     assert "through the daemon, pool (turned off (--passthrough off))" in out
-    (off.mnt / "f").write_bytes(b"served by the daemon")
-    assert (off.mnt / "f").read_bytes() == b"served by the daemon"
-    assert off.status()["requests"]["write"] >= 1 and off.status()["requests"]["read"] >= 1
+    (m.mnt / "f").write_bytes(b"served by the daemon")
+    assert (m.mnt / "f").read_bytes() == b"served by the daemon"
+    assert m.status()["requests"]["write"] >= 1 and m.status()["requests"]["read"] >= 1
+
+
+def serves_by_the_kernel(m) -> None:
+    """``m`` has passthrough and says so in its status, ``acpfs status`` and its log, keeps
+    its content in memory files, not the pool, and its reads and writes never reach the
+    daemon: their opens are passed through."""
+    st = m.status()
+    assert st["passthrough"]["on"] is True and st["passthrough"]["why_not"] == "", st["passthrough"]
+    assert st["cache"]["store"] == "memory files"
+    assert not (m.cache_dir / "pool").exists()
+    log = m.log.read_text()
+    assert "content store: memory files" in log and "kernel passthrough off" not in log
+    out = subprocess.run([*ACPFS, "status", str(m.mnt)], capture_output=True, text=True,
+                         check=True).stdout
+    assert "data path  kernel passthrough into memory files" in out, out
+    (m.mnt / "f").write_bytes(b"served by the kernel")
+    assert (m.mnt / "f").read_bytes() == b"served by the kernel"
+    after = m.status()
+    for kind in ("read", "write"):
+        assert after["requests"].get(kind, 0) == st["requests"].get(kind, 0), \
+            f"a {kind.upper()} reached the daemon"
+    assert after["passthrough"]["opens"] >= st["passthrough"]["opens"] + 2
+
+
+def test_status_and_log_say_which_path_serves(make_mount):
+    """Both data paths, wherever the suite runs, each said alike by the status document,
+    ``acpfs status`` and the log: a mount with --passthrough off is served by the daemon
+    from the pool, one with --passthrough on by the kernel from memory files, and a mount
+    as the environment has it (ACPFS_PASSTHROUGH on, off, or unset: auto) takes the path
+    that setting gives (auto: passthrough wherever it can be had). The passthrough half is
+    skipped, with the reason, only where --passthrough on refuses the mount or the kernel
+    does not grant it; never where ACPFS_PASSTHROUGH=on insists on it."""
+    asked = (os.environ.get("ACPFS_PASSTHROUGH") or "auto").lower()
+    assert asked in ("auto", "on", "off"), f"ACPFS_PASSTHROUGH={asked!r}"
+    default = make_mount("default")            # the data path the environment gives
+    serves_by_the_daemon(make_mount("off", extra=("--passthrough", "off")))
+    if asked == "off":
+        serves_by_the_daemon(default)
+    if asked == "on":
+        on = default                           # refused if it could not have passthrough
+    else:
+        on = make_mount("on", mount=False, extra=("--passthrough", "on"))
+        r = acpfs(*on.args(), check=False)
+        refused = "acpfs: --passthrough on: kernel passthrough is not possible here: "
+        if r.returncode == 2 and r.stderr.startswith(refused):
+            why_not = r.stderr[len(refused):].split(" (--passthrough auto")[0]
+            if asked == "auto":                # auto did without it, for the same reason
+                assert default.status()["passthrough"] == {"on": False, "why_not": why_not}
+            assert not is_mounted(on.mnt)
+            pytest.skip(f"passthrough cannot be had here: {why_not}")
+        assert r.returncode == 0, r.stderr
+        on.pid = on.status()["pid"]
+        st = on.status()["passthrough"]
+        if not st["on"] and "did not grant" in st["why_not"]:
+            pytest.skip(f"passthrough cannot be had here: {st['why_not']}")
+    serves_by_the_kernel(on)
+    if asked == "auto":
+        serves_by_the_kernel(default)
 
 
 def test_memory_files_are_private_and_go_with_their_files(mnt):

@@ -116,14 +116,22 @@ def test_a_file_read_while_the_cache_was_full_gives_its_space_back(make_mount):
     """Eviction passes over a cached file the kernel is reading (passthrough: the kernel holds
     its memory file) and takes it off the list of files to evict. Its close must put it back:
     else its space is lost to the cache until unmount, and a later truncate waited for the
-    cache-full timeout and failed with ENOSPC."""
+    cache-full timeout and failed with ENOSPC. Without passthrough the daemon serves x's reads
+    and x is evicted for y at once: there the preload while x is open succeeds."""
     m = make_mount(cache_size="1M")
+    passthrough = m.status()["passthrough"]["on"]
     (m.back / "x").write_bytes(b"x" * (600 << 10))
     (m.back / "y").write_bytes(b"y" * (600 << 10))
     acpfs("preload", str(m.mnt / "x"))
     with open(m.mnt / "x", "rb") as f:
         assert f.read(1) == b"x"
-        acpfs("preload", str(m.mnt / "y"), check=False)   # ENOSPC while the kernel reads x
+        r = acpfs("preload", str(m.mnt / "y"), check=False)
+        if passthrough:   # the kernel holds x's memory file: x stays, y does not fit (ENOSPC)
+            assert r.returncode == 1, r
+            assert f"not loaded: {m.mnt / 'y'}: the cache is full" in r.stderr, r.stderr
+            assert "preloaded 0 files (0 B); 1 did not fit in the cache" in r.stderr, r.stderr
+        else:             # the daemon reads x for the kernel: x is evicted, y fits
+            assert r.returncode == 0 and "preloaded 1 files (600.0 KiB)" in r.stderr, r
     # the kernel releases x after close() returns: y fits once the release is handled
     wait_for(lambda: acpfs("preload", str(m.mnt / "y"), check=False).returncode == 0,
              timeout=10, what="y to fit in the cache once x is closed")

@@ -5,8 +5,11 @@
 backing. Writes through an open revalidate first, so an append lands after another node's
 content instead of cutting it.
 
-Each test runs with the default timeout (1 s) and reads at once after the writer's sync:
-none of them would pass by waiting.
+Each test mounts its nodes with a coherence timeout of an hour (``nodes``) and reads at once
+after the writer's sync: nothing a node's daemon knows times out during a test (the kernel's
+own caches still expire after 5 s, but the daemon then answers from what it knows), so only
+the checks at open, opendir and the lookup of a missing name can make them pass; neither
+waiting nor a short timeout would.
 """
 
 from __future__ import annotations
@@ -15,6 +18,16 @@ import os
 import stat
 
 from conftest import content, digest
+
+COHERENCE_TIMEOUT = 3600   # s: longer than any test, so what a node knows never times out
+
+
+def nodes(make_nodes) -> list:
+    """Two nodes over one backing, each trusting what it knows for COHERENCE_TIMEOUT."""
+    made = make_nodes(2, extra=("--coherence-timeout", str(COHERENCE_TIMEOUT)))
+    for node in made:
+        assert node.status()["options"]["coherence_timeout_s"] == COHERENCE_TIMEOUT
+    return made
 
 
 def version(i: int) -> tuple[str, int]:
@@ -35,7 +48,7 @@ def test_every_read_after_the_writers_sync_is_that_whole_version(make_nodes, wor
     the other node right after reads exactly that version. Two readers: one that only read
     the file (its content comes from the backing on demand) and one that wrote it before
     (its old content is cached there)."""
-    a, b = make_nodes(2)
+    a, b = nodes(make_nodes)
     wa, wb = workers(a, b)
     tag, units = version(0)
     wb.do("write", "read.bin", tag, units)
@@ -61,7 +74,7 @@ def test_every_read_after_the_writers_sync_is_that_whole_version(make_nodes, wor
 def test_append_after_another_nodes_sync_keeps_its_bytes(make_nodes, workers):
     """Node B grows a file A had read from 1 to 3 MiB and syncs; A appends 16 bytes at once
     (open mode "ab"): the backing holds B's 3 MiB and then A's bytes."""
-    a, b = make_nodes(2)
+    a, b = nodes(make_nodes)
     wa, wb = workers(a, b)
     wb.do("write", "log.bin", "one", 1 << 15)
     b.sync()
@@ -81,7 +94,7 @@ def test_append_after_another_nodes_sync_keeps_its_bytes(make_nodes, workers):
 def test_names_another_node_synced_are_seen_at_once(make_nodes, workers):
     """Right after B's sync: A's stat of a new file in a directory A has listed finds it; A
     reads B's version of a file A had written; A's `rm -rf s/` removes B's file too."""
-    a, b = make_nodes(2)
+    a, b = nodes(make_nodes)
     wa, wb = workers(a, b)
     wa.do("mkdir", "d")
     wa.do("write", "d/mine.bin", "a", 100)
@@ -105,7 +118,7 @@ def test_names_another_node_synced_are_seen_at_once(make_nodes, workers):
 def test_a_removed_name_is_gone_at_the_next_open(make_nodes, workers):
     """B removes a file A had read and syncs: A's next open of it fails with ENOENT, not
     with the content A saw before."""
-    a, b = make_nodes(2)
+    a, b = nodes(make_nodes)
     wa, wb = workers(a, b)
     wb.do("write", "gone.bin", "x", 100)
     b.sync()
@@ -119,7 +132,7 @@ def test_a_removed_name_is_gone_at_the_next_open(make_nodes, workers):
 def test_a_reader_keeps_its_version_while_another_opens_the_new_one(make_nodes):
     """A process on A holds the file open (version 1) while B publishes version 2: a new open
     on A reads version 2, the first descriptor goes on reading version 1, whole."""
-    a, b = make_nodes(2)
+    a, b = nodes(make_nodes)
     (b.path("f.bin")).write_bytes(content("one", 1 << 15))
     b.sync()
     with open(a.path("f.bin"), "rb") as old:

@@ -8,10 +8,12 @@ Health checks: the exit status of 'acpfs status --check' in each state."""
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -50,10 +52,38 @@ def receive(sock: socket.socket, until, timeout: float) -> list[dict[str, str]]:
 
 
 @pytest.mark.parametrize("kind", ["abstract", "path"])
-def test_a_notify_mount_is_ready_only_when_live_and_waits_for_its_data_at_stop(make_mount,
+def test_a_notify_mount_is_ready_only_when_live_and_waits_for_its_data_at_stop(make_mount, faults,
                                                                               tmp_path, kind):
+    """READY=1 with a live mount; STATUS= counts what is unsaved; at SIGTERM, STOPPING=1. The
+    backing (faultfs) hangs from before the write until well after SIGTERM, so the data can
+    only land if the daemon waits for it: meanwhile it stays alive, nothing is in the backing,
+    and it asks systemd for more time (EXTEND_TIMEOUT_USEC=) counting the file's operation as
+    still to persist; once the backing answers the file lands, whole, and the daemon exits 0."""
+    size_of = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+    left = re.compile(r"(\d+) files \(([\d.]+) ([KMGT]?i?B)\) unsaved, "
+                      r"(\d+) operations \(([\d.]+) ([KMGT]?i?B)\) to persist")
+
+    def counts(msg: dict[str, str]) -> tuple[int, float, int, float] | None:
+        """(files unsaved, their bytes, operations to persist, their bytes) as STATUS= says."""
+        found = left.search(msg.get("STATUS", ""))
+        if found is None:
+            return None
+        files, fb, fu, ops, ob, ou = found.groups()
+        return int(files), float(fb) * size_of[fu], int(ops), float(ob) * size_of[ou]
+
+    def says_f_is_left(msg: dict[str, str]) -> None:
+        """f, closed, is no longer an unsaved (open) file: it is one operation of its 100_000
+        bytes to persist (97.7 KiB: the rounding is 0.05 KiB)."""
+        got = counts(msg)
+        assert got is not None, f"no counts in STATUS={msg.get('STATUS')!r}"
+        files, fbytes, ops, obytes = got
+        assert (files, fbytes, ops) == (0, 0, 1) and abs(obytes - len(data)) <= 52, msg
+
+    data = b"x" * 100_000
     sock, address = listen(kind, tmp_path)
     m = make_mount(mount=False)
+    src = tmp_path / "src"
+    shim = faults.shim(src, m.back)            # the backing, through faultfs: it can hang
     env = dict(os.environ, NOTIFY_SOCKET=address)
     p = subprocess.Popen(ACPFS + m.args() + ["--foreground"], env=env, stderr=subprocess.PIPE,
                          text=True)
@@ -62,19 +92,36 @@ def test_a_notify_mount_is_ready_only_when_live_and_waits_for_its_data_at_stop(m
         assert is_mounted(m.mnt)              # READY=1 comes with a live mount, never before
         ready = first[-1]
         assert ready["READY"] == "1" and f"serving {m.mnt}" in ready["STATUS"]
+        assert counts(ready) == (0, 0, 0, 0), ready    # nothing unsaved yet
         m.pid = p.pid
-        (m.mnt / "f").write_bytes(b"x" * 100_000)
-        # STATUS= goes on while it serves, saying what is unsaved or being persisted
-        later = receive(sock, lambda f: "STATUS" in f and "READY" not in f, 10)
+        os.listdir(m.mnt)                     # the root is listed before the hang
+        shim.set("hang")                      # nothing reaches the backing from here
+        (m.mnt / "f").write_bytes(data)
+        # STATUS= goes on while it serves, counting what is unsaved or being persisted
+        later = receive(sock, lambda f: "STATUS" in f and "READY" not in f
+                        and (counts(f) or (0, 0, 0))[2] > 0, 10)
         assert "unsaved" in later[-1]["STATUS"] and "to persist" in later[-1]["STATUS"]
+        says_f_is_left(later[-1])
+        assert "f" not in os.listdir(src)
         p.send_signal(signal.SIGTERM)
         stop = receive(sock, lambda f: "STOPPING" in f, 30)[-1]
         assert stop["STOPPING"] == "1" and int(stop["EXTEND_TIMEOUT_USEC"]) >= 10_000_000
         assert "persisting before exit" in stop["STATUS"]
+        says_f_is_left(stop)
+        # the drain waits for the hung backing: alive, asking for more time, f still left
+        for _ in range(2):
+            more = receive(sock, lambda f: "EXTEND_TIMEOUT_USEC" in f, 10)[-1]
+            assert "STOPPING" not in more and int(more["EXTEND_TIMEOUT_USEC"]) >= 10_000_000
+            assert "persisting before exit" in more["STATUS"]
+            says_f_is_left(more)
+            assert p.poll() is None, "the daemon exited while its data was not in the backing"
+            assert "f" not in os.listdir(src)
+        shim.set("ok")                        # the backing answers: the drain can finish
         _, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
-        assert (m.back / "f").read_bytes() == b"x" * 100_000
+        assert (src / "f").read_bytes() == data
     finally:
+        shim.set("ok")
         if p.poll() is None:
             p.kill()
             p.wait()
@@ -168,35 +215,89 @@ def nbytes(text: str) -> float:
 def test_status_watch_prints_rates_until_interrupted(mnt):
     """'acpfs status --watch': a line per interval with the bytes queued and persisted per
     second, files per second, the queue and what is unsaved; Ctrl-C ends it with status 0.
-    Three 8 MiB files written and synced add up, over the lines, to three files and 24 MiB
-    each way; once synced the queue and the unsaved bytes are zero."""
+    Three 8 MiB files written and synced one after the other: the lines' files add up to
+    exactly three, and their bytes to 24 MiB each way; once synced the queue and the
+    unsaved bytes are zero."""
     interval = 0.5
     w = subprocess.Popen([*ACPFS, "status", "--watch", str(mnt.mnt), "--interval", str(interval)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.7)
-    for i in range(3):
-        (mnt.mnt / f"f{i}").write_bytes(os.urandom(8 << 20))
-        time.sleep(0.3)
-    mnt.sync()
-    time.sleep(3 * interval)
-    w.send_signal(signal.SIGINT)
-    out, err = w.communicate(timeout=30)
+    printed: queue.Queue[str | None] = queue.Queue()    # the watch's lines as it prints them
+
+    def read() -> None:
+        for text in w.stdout:
+            printed.put(text.rstrip("\n"))
+        printed.put(None)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    lines: list[str] = []
+
+    def files_in(row: re.Match) -> int:
+        """The files that landed in a row's interval: its files/s times the interval, to the
+        nearest file. The rate is over the time between two status reads, the interval and a
+        little more on a loaded machine, and printed to a tenth (a twentieth of a file here):
+        one file in a row counts as one until the reads are twice the interval apart, three
+        until they are a fifth more."""
+        return round(float(row[4]) * interval)
+
+    def rows() -> list[re.Match]:
+        """The lines after the header, each a row (the header repeats, as vmstat's does)."""
+        return [ROW.fullmatch(line) for line in lines[2:] if line and line != lines[1]]
+
+    try:
+        time.sleep(0.7)
+        for i in range(3):      # one file at a time, persisted before the next: rows of their own
+            (mnt.mnt / f"f{i}").write_bytes(os.urandom(8 << 20))
+            mnt.sync(f"f{i}")
+            time.sleep(interval)
+        # the rows go on until they have counted the three files and show nothing unsaved
+        deadline = time.monotonic() + 30
+        while True:
+            got = rows()
+            assert all(got), lines
+            if got and sum(map(files_in, got)) >= 3 and got[-1][5] == "0" \
+                    and got[-1][7] == "0 B":
+                break
+            left = deadline - time.monotonic()
+            assert left > 0, f"no row after the three files with the queue empty: {lines}"
+            try:
+                text = printed.get(timeout=left)
+            except queue.Empty:
+                continue
+            assert text is not None, f"the watch ended by itself: {lines}"
+            lines.append(text)
+    finally:
+        w.send_signal(signal.SIGINT)
+        try:
+            w.wait(timeout=30)
+        finally:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    reader.join(timeout=30)
+    while (text := printed.get(timeout=5)) is not None:
+        lines.append(text)
+    out, err = "\n".join(lines), w.stderr.read()
     assert w.returncode == 0 and err == "", (w.returncode, err)
-    lines = out.splitlines()
     assert lines[0] == f"{mnt.mnt}: every {interval:g}s (Ctrl-C to stop)"
     assert lines[1].split() == ["time", "queued/s", "persisted/s", "files/s", "queue", "(change)",
                                 "unsaved", "oldest", "errors"]
-    rows = [ROW.fullmatch(line) for line in lines[2:] if line]
-    assert rows and all(rows), lines
+    got = rows()
+    assert got and all(got), lines
+    # exactly the three files, each in the row of the interval it landed in: none lost,
+    # none counted twice (the rows after the last one landed, SIGINT's included, add none)
+    assert sum(map(files_in, got)) == 3, ([files_in(r) for r in got], out)
+    # and in each row, the files are its persisted bytes in 8 MiB files: both rates are over
+    # the same time, so this holds to the print's rounding (a twentieth of a file per second,
+    # a twentieth of a MiB) however long the row's interval was
+    for r in got:
+        assert abs(float(r[4]) - nbytes(r[3]) / (8 << 20)) <= 0.06, (r[0], out)
     # each rate is over the time between two status reads: the interval, and more on a
     # loaded machine (so the sums may fall short, never go over)
-    files = sum(float(r[4]) for r in rows) * interval
-    queued = sum(nbytes(r[2]) for r in rows) * interval
-    persisted = sum(nbytes(r[3]) for r in rows) * interval
-    assert 1.5 <= files <= 3.2, (files, out)
+    queued = sum(nbytes(r[2]) for r in got) * interval
+    persisted = sum(nbytes(r[3]) for r in got) * interval
     for total in (queued, persisted):
         assert 0.5 * (24 << 20) <= total <= 1.05 * (24 << 20), (total, out)
-    last = rows[-1]
+    last = got[-1]
     assert last[5] == "0" and last[7] == "0 B" and last[8] == "-" and last[9] == "none", out
 
 

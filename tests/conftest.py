@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -40,6 +41,18 @@ def mounted_soon(path: Path, timeout: float = 60) -> bool:
     while not is_mounted(path) and time.time() < deadline:
         time.sleep(0.05)
     return is_mounted(path)
+
+
+@contextlib.contextmanager
+def read_only(path: Path):
+    """``path`` made read-only for the block (a read-only bind mount over itself): writes to
+    it fail with EROFS, so whatever a mount over it queues stays pending."""
+    subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 class Mount:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 
@@ -17,7 +16,7 @@ import pytest
 from acpfs import mounttable
 from acpfs.config import ram_filesystem
 
-from conftest import acpfs
+from conftest import acpfs, read_only
 
 
 @pytest.fixture
@@ -69,10 +68,7 @@ def test_a_tmpfs_store_says_ram_is_bounded_by_the_cache_size(make_mount):
 def test_a_daemon_killed_with_a_disk_store_is_recovered_from_it(make_mount, disk_area):
     m = make_mount(cache_size="64M", cache_area=disk_area, mount=False)
     files = {f"f{i}": os.urandom(300_000 + i) for i in range(12)}
-    # a backing that refuses writes keeps everything pending
-    subprocess.run(["mount", "--bind", str(m.back), str(m.back)], check=True)
-    subprocess.run(["mount", "-o", "remount,bind,ro", str(m.back)], check=True)
-    try:
+    with read_only(m.back):         # a backing that refuses writes keeps everything pending
         m.mount()
         for name, data in files.items():
             (m.mnt / name).write_bytes(data)
@@ -80,8 +76,6 @@ def test_a_daemon_killed_with_a_disk_store_is_recovered_from_it(make_mount, disk
         assert m.status()["dirty"]["files"] + m.status()["flushing"]["files"] == 13
         os.kill(m.pid, signal.SIGKILL)
         time.sleep(0.2)
-    finally:
-        subprocess.run(["umount", "-l", str(m.back)], check=True)
     r = acpfs(*m.args())
     assert "stale mount" in r.stderr
     m.pid = m.status()["pid"]

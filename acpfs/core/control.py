@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import Options
 from ..node import OpKind, OpState, node_path
+from ..store.api import status_of
 
 if TYPE_CHECKING:
     from ..cache.cache import Cache
@@ -185,7 +186,7 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         log_part = oplog.status()
         fl_part = fl.status()
         files = cache.files.status()
-        store = cache.store.status()
+        store = status_of(cache.store)
     head_since = log_part.pop("head_since")
     oldest = min([t for t in (files.pop("dirty_since"), head_since) if t is not None],
                  default=None)

@@ -41,7 +41,6 @@ class Store(Protocol):
 
     @property
     def used(self) -> int: ...
-    def status(self) -> dict[str, Any]: ...
     def free_bytes(self) -> int: ...
 
     def empty(self) -> Content:
@@ -82,6 +81,14 @@ class Store(Protocol):
     def adopt(self, ref: list[int]) -> Content:
         """At recovery: the handle of a ref claimed before (one of its references)."""
     def close(self) -> None: ...
+
+
+def status_of(store: Store) -> dict[str, Any]:
+    """A store's part of the status document's ``cache`` (docs/status.md), from what every
+    store has: its use, limit, peak, block size and kind."""
+    return {"used_bytes": store.used, "limit_bytes": store.limit, "peak_used_bytes": store.peak,
+            "over_limit_bytes": max(0, store.used - store.limit), "block_size": store.unit,
+            "store": store.kind}
 
 
 def copy_fd(src: int, dst: int, size: int) -> None:

@@ -29,7 +29,7 @@ import errno
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from .api import CacheFull, copy_fd
 
@@ -81,12 +81,6 @@ class MemFiles:
         self._fds: collections.OrderedDict[int, MemFile] = collections.OrderedDict()
         self._lock = threading.Lock()    # ids, the used counter and _fds: uploads drop files too
         self.unregister = unregister
-
-    def status(self) -> dict[str, Any]:
-        """The store's part of the status document's ``cache`` (docs/status.md)."""
-        return {"used_bytes": self.used, "limit_bytes": self.limit, "peak_used_bytes": self.peak,
-                "over_limit_bytes": max(0, self.used - self.limit), "block_size": self.unit,
-                "store": self.kind}
 
     @property
     def used(self) -> int:

@@ -23,7 +23,7 @@ import errno
 import logging
 import mmap
 import os
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -167,12 +167,6 @@ class Pool:
             self.free.extend(freed_small)
 
     # -- the store interface (api.Store); a file's content is a list of blocks ------
-    def status(self) -> dict[str, Any]:
-        """The store's part of the status document's ``cache`` (docs/status.md)."""
-        return {"used_bytes": self.used, "limit_bytes": self.limit, "peak_used_bytes": self.peak,
-                "over_limit_bytes": max(0, self.used - self.limit), "block_size": self.unit,
-                "store": self.kind}
-
     @property
     def used(self) -> int:
         return self.used_blocks * self.block_size

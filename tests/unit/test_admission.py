@@ -11,6 +11,7 @@ import os
 import pytest
 
 from acpfs.cache import files as files_module
+from acpfs.store.api import status_of
 
 from harness import BS, memory_files, write_file
 
@@ -111,7 +112,7 @@ def test_no_writer_is_passed_through_while_the_cache_is_over_its_size(parts):
     assert admitted
     os.pwrite(store._fd(writer.content), b"k" * (40 * BS), 0)     # 24 blocks past its room
     cache.files.sync_content(writer)                              # counted; not trimmed yet
-    status = {**store.status(), **cache.files.status()}
+    status = {**status_of(store), **cache.files.status()}
     assert (status["over_limit_bytes"], status["writers_passed_through"]) == (24 * BS, 1)
     _, late = open_writer(cache, b"late")
     assert not late, "over its size: the persisted files are the room it must get back to"
@@ -119,8 +120,8 @@ def test_no_writer_is_passed_through_while_the_cache_is_over_its_size(parts):
     state, why = health.health(doc, None)
     assert state == health.DEGRADED and "over its size by 96.0 KiB" in why[0], why
     cache.files.trim()
-    assert store.status()["over_limit_bytes"] == 0 and old[2].content is not None
-    assert health.health({**doc, "cache": store.status()}, None) == (health.HEALTHY, [])
+    assert status_of(store)["over_limit_bytes"] == 0 and old[2].content is not None
+    assert health.health({**doc, "cache": status_of(store)}, None) == (health.HEALTHY, [])
     _, again = open_writer(cache, b"again")
     assert again, "back within its size, writers are passed through again"
     cache.files.release(writer, True, passthrough=True)

@@ -98,6 +98,8 @@ def test_endpoint_counts_what_was_written_and_persisted(make_mount):
     close-to-durable histogram by one file, and the dirty gauges back to 0; other paths are
     404."""
     m = make_mount(extra=("--metrics", ":0"))
+    (m.mnt / "shard.bin").write_bytes(b"its last version")   # its name seen: passed through
+    m.sync()                                               # from here where it can be
     address = m.status()["metrics"]
     host, port = address.rsplit(":", 1)
     assert host == "127.0.0.1"
@@ -126,6 +128,9 @@ def test_endpoint_counts_what_was_written_and_persisted(make_mount):
         return value(after, name, m, **labels) - value(before, name, m, **labels)
     assert grew("acpfs_persisted_bytes_total") == len(data)
     assert grew("acpfs_persisted_files_total") == 1
+    passed = 1 if m.status()["passthrough"]["on"] else 0
+    assert grew("acpfs_writer_opens_total", decision="passed_through") == passed
+    assert value(after, "acpfs_cache_over_size_bytes", m) == 0
     assert grew("acpfs_close_to_durable_seconds_count") == 1
     assert grew("acpfs_close_to_durable_seconds_bucket", le="+Inf") == 1
     assert grew("acpfs_close_to_durable_seconds_bucket", le="3600.0") == 1   # within the hour

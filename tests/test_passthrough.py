@@ -31,9 +31,15 @@ def need_passthrough(m) -> None:
 
 def test_reads_writes_and_mappings_never_reach_the_daemon(mnt):
     need_passthrough(mnt)
-    before = mnt.status()
     data = random.Random(1).randbytes(24 << 20)
-    (mnt.mnt / "f").write_bytes(data)
+    first = mnt.status()
+    (mnt.mnt / "f").write_bytes(data)     # a new name: its size is not known yet
+    opens = mnt.status()["cache"]["writer_opens"]
+    assert opens["unknown_size"] == first["cache"]["writer_opens"]["unknown_size"] + 1, opens
+    assert mnt.status()["requests"]["write"] > first["requests"].get("write", 0), \
+        "a writer of a new name in a store in RAM takes the daemon's path"
+    before = mnt.status()
+    (mnt.mnt / "f").write_bytes(data)     # its second save: passed through
     assert (mnt.mnt / "f").read_bytes() == data
     with open(mnt.mnt / "f", "r+b") as f:
         with mmap.mmap(f.fileno(), 0) as mm:
@@ -208,6 +214,8 @@ def serves_by_the_kernel(m) -> None:
     out = subprocess.run([*ACPFS, "status", str(m.mnt)], capture_output=True, text=True,
                          check=True).stdout
     assert "data path  kernel passthrough into memory files" in out, out
+    (m.mnt / "f").write_bytes(b"served by the daemon, its name new")   # size known from here
+    st = m.status()
     (m.mnt / "f").write_bytes(b"served by the kernel")
     assert (m.mnt / "f").read_bytes() == b"served by the kernel"
     after = m.status()

@@ -1,4 +1,4 @@
-"""The cache: the mount's view and file contents, independent of FUSE, as four owners.
+"""The cache: the mount's view and file contents, independent of FUSE, as five owners.
 
 Holds, built in this order, each owning its own state (their module docstrings say what,
 and their lock rules):
@@ -7,6 +7,8 @@ and their lock rules):
   names in the backing, and the backing positions with ``position_lock``;
 - ``files`` (``files.Files``): the content of regular files, opens, dirty files and their
   snapshots, journal states, eviction and the passthrough writers;
+- ``admission`` (``admission.Admission``): which writers the kernel may write for
+  (passthrough), and the sizes names had that decide it;
 - ``names`` (``namespace.Namespace``): every change of a name (create, mkdir, rename,
   link, unlink, setattr, xattrs);
 - ``coherence`` (``coherence.Coherence``): loading directories from the backing, and what
@@ -19,7 +21,7 @@ the sequencer waits on it). Lock order: ``Inodes.position_lock``, then the op lo
 know nothing of FUSE or trio: ``core`` and ``writethrough`` call them, the unit tests drive
 them directly.
 
-``Cache`` itself owns nothing: it builds the four, and callers reach each through it
+``Cache`` itself owns nothing: it builds the five, and callers reach each through it
 (``cache.files.write``, ``cache.names.rename``, ...), so a call says whose state it
 changes.
 """
@@ -27,6 +29,7 @@ changes.
 from __future__ import annotations
 
 from ..backing.backing import Backing
+from .admission import Admission
 from .coherence import Coherence
 from ..store.api import Store
 from .files import Files
@@ -45,5 +48,6 @@ class Cache:
         self.kernel = kernel      # tells the kernel to forget what another node changed
         self.inodes = Inodes(backing.stat_root())
         self.files = Files(oplog, self.inodes, backing, store)
+        self.admission = Admission(self.files)   # which writers the kernel may write for
         self.names = Namespace(oplog, self.inodes, self.files, kernel)
         self.coherence = Coherence(oplog, backing, self.inodes, self.files, self.names, kernel)

@@ -5,12 +5,12 @@ Owns, for every regular file of the view:
   handle), copied up from the backing (``copy_up``, ``read_backing_into``), read, written
   and truncated here;
 - the open counts (``open``, ``release``) and the files open for writing that the kernel
-  writes itself (``passthrough_writers``: passthrough, ``sync_content``, ``headroom``,
-  ``trim``);
+  writes itself (``passthrough_writers``: passthrough, ``sync_content``, ``trim``;
+  which of them the kernel may write for is ``admission.Admission``'s);
 - the dirty files (``dirty_nodes``, ``Node.dirty``), their snapshots queued on the op log
   (``snapshot``, ``cancel``) and their journal states (``record_close``, ``note_change``);
 - eviction: the persisted files that may be dropped, least recently used first (``lru``),
-  and what a file needs to be evictable (``_evictable``).
+  and what a file needs to be evictable (``evictable``).
 
 States of a regular file (``state_of``):
     dirty      content changed since the last snapshot (open for writing, or not closed)
@@ -49,8 +49,6 @@ from ..oplog.log import OpLog
 from ..oplog.ops import Publish
 from ..node import JournalState, Node, Snapshot, err, now_ns
 
-PASS_WRITER_RESERVE = 64 << 20   # bytes kept free for each writer the kernel writes for
-
 
 class Files:
     def __init__(self, oplog: OpLog, inodes: Inodes, backing: Backing, store: Store) -> None:
@@ -60,7 +58,7 @@ class Files:
         self.store = store
         self.dirty_nodes: set[Node] = set()
         # Persisted files, least recently used first (lock). Invariant: every evictable file
-        # is in it. Eviction drops a file it finds pinned (``_evictable`` false), so whatever
+        # is in it. Eviction drops a file it finds pinned (``evictable`` false), so whatever
         # ends a pin calls ``note_persisted``: the flusher after a publish, the last writer's
         # release, the release of the kernel's last open of it (``release``).
         self.lru: collections.OrderedDict[int, Node] = collections.OrderedDict()
@@ -144,47 +142,16 @@ class Files:
         self.sync_content(node)
         return node.content.snapped is not None and node.content.snapped == node.content.seen
 
-    def headroom(self, node: Node) -> bool:
-        """Whether a writer of ``node`` may be passed through: the free space, with what
-        persisted files hold, has room for a reservation for it and for every writer passed
-        through that is still open (each ``_reservation``). The kernel writes their files
-        without asking, so this, at the open, is what bounds them: a writer passed through
-        may write past its reservation, and the cache then holds more than its size until
-        the file is closed and persisted (docs/semantics.md); while it does, no writer is
-        passed through. Elsewhere writers take the daemon's path, where a full cache makes
-        them wait or write through."""
-        want = sum(map(self._reservation, self.passthrough_writers)) + self._reservation(node)
-        store = self.store
-        with self.oplog.lock:
-            if store.used > store.limit:
-                return False
-            self.lru.pop(node.ino, None)   # not counted for itself (Files.open takes a
-            room = store.free_bytes()      # writer's file out of the LRU anyway)
-            if room >= want:
-                return True
-            # persisted files count as room, evicted only once written bytes need it (trim):
-            # a reservation is a guess, and evicting for it would send readers to the backing
-            for victim in self.lru.values():
-                if self._evictable(victim):
-                    room += store.nbytes(victim.content)
-                    if room >= want:
-                        return True
-        return False
-
     def trim(self) -> None:
         """Evict persisted files while the cache holds more than its size (writers passed
-        through wrote into the room ``headroom`` counted on)."""
+        through wrote into the room ``Admission.admit`` counted on)."""
         store = self.store
         with self.oplog.lock:
             while store.used > store.limit and self.lru:
                 _, victim = self.lru.popitem(last=False)
-                if victim.content is not None and self._evictable(victim):
+                if victim.content is not None and self.evictable(victim):
                     store.drop(victim.content)
                     victim.content = None
-
-    def _reservation(self, node: Node) -> int:
-        held = self.store.nbytes(node.content) if node.content is not None else 0
-        return max(0, max(PASS_WRITER_RESERVE, node.size) - held)
 
     def shared_in_kernel(self, node: Node) -> bool:
         """A memory file the kernel passes opens through to, that a snapshot or record
@@ -194,7 +161,7 @@ class Files:
     def copy_up(self, node: Node) -> Content:
         """Reserve room for the backing content of ``node`` (raises CacheFull)."""
         with self.oplog.lock:
-            self._reserve(node.size)
+            self.reserve(node.size)
             return self.store.alloc(node.size)
 
     def open_backing_copy(self, node: Node, verify: bool = True) -> int:
@@ -253,7 +220,7 @@ class Files:
         with self.oplog.lock:
             need = store.need(node.content, off, off + n)
             if need:
-                self._reserve(need)   # CacheFull leaves the file as it was
+                self.reserve(need)   # CacheFull leaves the file as it was
             node.content = store.write(node.content, off, data)
         end = off + n
         if end > node.size:
@@ -273,7 +240,7 @@ class Files:
                 self.lru.pop(node.ino, None)
             need = store.need_truncate(node.content, node.size, size)
             if need:
-                self._reserve(need)
+                self.reserve(need)
             node.content = store.truncate(node.content, node.size, size)
         node.size = size
         node.mtime = node.ctime = now_ns()
@@ -293,18 +260,25 @@ class Files:
         return node.last_seq
 
     # -- space and eviction (hold self.oplog.lock) ------------------------------------------------
-    def _reserve(self, need: int) -> None:
-        """Make ``need`` bytes free, evicting persisted files least recently used first."""
+    def reserve(self, need: int) -> None:
+        """Make ``need`` bytes free, evicting persisted files least recently used first
+        (CacheFull when they are not enough: check ``room`` first to evict nothing then)."""
         store = self.store
         while store.free_bytes() < need:
             if not self.lru:
                 raise CacheFull()
             _, victim = self.lru.popitem(last=False)
-            if victim.content is not None and self._evictable(victim):
+            if victim.content is not None and self.evictable(victim):
                 store.drop(victim.content)
                 victim.content = None
 
-    def _evictable(self, node: Node) -> bool:
+    def room(self, skip: Node | None = None) -> int:
+        """Bytes free, with what evictable files hold (``skip`` not counted)."""
+        store = self.store
+        return store.free_bytes() + sum(store.nbytes(n.content) for n in self.lru.values()
+                                        if n is not skip and self.evictable(n))
+
+    def evictable(self, node: Node) -> bool:
         # a file open with passthrough stays: the kernel holds its memory file anyway
         return (node.is_reg and node.content is not None and not node.dirty and not node.publish_ops
                 and node.writers == 0 and node.nlink > 0 and node.backing_parent is not None
@@ -317,7 +291,7 @@ class Files:
     def note_persisted(self, node: Node) -> None:
         """The node may have become evictable: its last version landed, or its last writer
         closed it clean (hold lock; the flusher calls this after a publish)."""
-        if self._evictable(node):
+        if self.evictable(node):
             self.lru[node.ino] = node
             self.lru.move_to_end(node.ino)
 

@@ -108,7 +108,12 @@ def data_path(d: dict[str, Any]) -> str:
     pt = d.get("passthrough") or {}
     store = d["cache"].get("store", "pool")
     if pt.get("on"):
-        return f"kernel passthrough into {store} ({pt.get('opens', 0)} opens passed through)"
+        w = d["cache"].get("writer_opens") or {}
+        why = ", ".join(f"{n} {what}" for n, what in (
+            (w.get("unknown_size"), "of new names"), (w.get("no_room"), "without room"),
+            (w.get("over_size"), "while over its size")) if n)
+        return (f"kernel passthrough into {store} ({pt.get('opens', 0)} opens passed through"
+                + (f"; writers by the daemon: {why}" if why else "") + ")")
     return f"through the daemon, {store} ({pt.get('why_not') or 'passthrough not asked for'})"
 
 

@@ -186,6 +186,7 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         log_part = oplog.status()
         fl_part = fl.status()
         files = cache.files.status()
+        admitted = cache.admission.status()
         store = status_of(cache.store)
     head_since = log_part.pop("head_since")
     oldest = min([t for t in (files.pop("dirty_since"), head_since) if t is not None],
@@ -209,7 +210,8 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         "uptime_s": round(now - info.started, 1),
         "options": info.opts.as_status(),
         "cache": {**store, **info.store_place, "cached_files": files["cached_files"],
-                  "writers_passed_through": files["writers_passed_through"]},
+                  "writers_passed_through": files["writers_passed_through"],
+                  "writer_opens": admitted},
         "dirty": files["dirty"],
         "flushing": flushing,
         **log_part,

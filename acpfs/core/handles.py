@@ -28,6 +28,7 @@ import trio
 
 from ..config import Options, format_size
 from ..store.api import CacheFull
+from ..cache.admission import Admission
 from ..cache.files import Files
 from .loader import Loader
 from .longopen import LongOpen
@@ -75,7 +76,8 @@ class Handle:
 class Handles:
     def __init__(self, inodes: Inodes, files: Files, names: Namespace, loader: Loader,
                  wt: WriteThrough, longopen: LongOpen, opts: Options, *,
-                 kernel: Kernel | None, direct_io_mmap: Callable[[], bool]) -> None:
+                 kernel: Kernel | None, direct_io_mmap: Callable[[], bool],
+                 admission: Admission) -> None:
         self.inodes = inodes
         self.files = files
         self.oplog: OpLog = files.oplog
@@ -86,6 +88,7 @@ class Handles:
         self.longopen = longopen    # a staged copy of a file passed through goes at its close
         self.opts = opts            # fsync_backing
         self.kernel = kernel   # passthrough (passthrough.py); None: every request comes here
+        self.admission = admission   # which writers may be passed through
         self.direct_io_mmap = direct_io_mmap   # asked at each open: the INIT reply decides
         self.handles: dict[int, Handle] = {}
         self.dirs: dict[int, list[tuple[bytes, Node]]] = {}
@@ -151,7 +154,9 @@ class Handles:
         # where the page cache copies twice and allocates a page per 4 KiB). Files read
         # from the backing keep the page cache and its read-ahead, except beside
         # passthrough, where a file must not enter the page cache's mode.
-        backing_id = self._passthrough(node, writable)
+        if not node.writers and (node.content is not None or node.backing_parent is not None):
+            self.admission.learn(node)   # a closed version: the size its name has
+        backing_id = self._passthrough(node, writable, trunc)
         direct = self.direct_io_mmap() and (writable or node.content is not None
                                             or self.kernel is not None)
         h = Handle(node, writable, append, kill_priv=writable and uid != 0,
@@ -173,14 +178,14 @@ class Handles:
         self.handles[fh] = h
         return fh, direct and not backing_id, backing_id
 
-    def _passthrough(self, node: Node, writable: bool) -> int:
+    def _passthrough(self, node: Node, writable: bool, trunc: bool = False) -> int:
         """The backing id an open of ``node`` is passed through to, or 0 for an open the
         daemon serves. The kernel fails an open with EIO when an inode has opens of both
         kinds (or two backing files), so every open of a file open with passthrough is
         passed through to the same memory file, and a file open through the daemon stays so
-        until its last close. A writer is passed through only while the cache has headroom
-        (its writes are counted only when the daemon next looks); else it takes the daemon's
-        path, where a full cache makes it wait or write through to the backing."""
+        until its last close. A writer is passed through only when ``Admission.admit`` says
+        (the kernel's writes are counted only when the daemon next looks); else it takes the
+        daemon's path, where a full cache makes it wait or write through to the backing."""
         kernel, files = self.kernel, self.files
         if kernel is None or not node.is_reg or node.content is None or node.staged is not None:
             return 0
@@ -188,7 +193,7 @@ class Handles:
             return node.content.backing_id
         if node.opens or not kernel.granted():
             return 0
-        if writable and not files.headroom(node):
+        if writable and not self.admission.admit(node, trunc):
             return 0
         try:
             return files.store.backing(node.content, kernel.register)
@@ -333,6 +338,7 @@ class Handles:
             await trio.sleep(PASSTHROUGH_LOOK)
             for node in list(files.passthrough_writers):
                 files.sync_content(node)
+            self.admission.check_growth()
             files.trim()
             now_over = files.store.used > files.store.limit
             if now_over and not over:
@@ -356,6 +362,8 @@ class Handles:
             # queued while open (a close() whose RELEASE did not follow: a mapping or a forked
             # process kept the file): what they wrote since never came here
             self.files.note_change(node)
+        if h.writable and node.writers == 1:
+            self.admission.learn(node)   # the last writer's close: its name's new size
         try:
             self.files.release(node, h.writable, h.append and h.writable, h.passthrough)
         finally:

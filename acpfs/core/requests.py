@@ -80,7 +80,8 @@ class Core:
         self.wt = WriteThrough(cache.files, self.background, opts.cache_full_timeout)
         self.longopen = LongOpen(cache.files, self.wt, self.background, opts.persist_open_after)
         self.handles = Handles(cache.inodes, cache.files, cache.names, self.loader, self.wt,
-                               self.longopen, opts, kernel=kernel, direct_io_mmap=direct_io_mmap)
+                               self.longopen, opts, kernel=kernel, direct_io_mmap=direct_io_mmap,
+                               admission=cache.admission)
         self._statfs: os.statvfs_result | None = self.backing.statvfs()   # answers at mount
         self._statfs_call: trio.Event | None = None
 

@@ -66,6 +66,11 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "acpfs_backing_reopened_total": ("counter", "times the backing went away and was opened "
                                      "again"),
     "acpfs_requests_total": ("counter", "FUSE requests handled by the daemon, by kind"),
+    "acpfs_writer_opens_total": ("counter", "opens for writing that could have been passed "
+                                 "through, by decision (passed_through, unknown_size, no_room, "
+                                 "over_size)"),
+    "acpfs_cache_over_size_bytes": ("gauge", "bytes the cache holds past --cache-size (files "
+                                    "written with passthrough that grew), 0 if none"),
     "acpfs_close_to_durable_seconds": ("histogram", "time from a file's last close (its "
                                        "snapshot queued) to that version durable in the backing"),
 }
@@ -78,6 +83,7 @@ GAUGES = {
     "acpfs_cache_used_bytes": "cache.used_bytes",
     "acpfs_cache_peak_used_bytes": "cache.peak_used_bytes",
     "acpfs_cached_files": "cache.cached_files",
+    "acpfs_cache_over_size_bytes": "cache.over_limit_bytes",
     "acpfs_dirty_bytes": "dirty.bytes",
     "acpfs_dirty_files": "dirty.files",
     "acpfs_flushing_bytes": "flushing.bytes",
@@ -146,6 +152,8 @@ def samples(doc: dict[str, Any]) -> Iterator[tuple[str, Sample]]:
         yield from one("acpfs_conflicts_total", n, kind=kind)
     for kind, n in doc.get("requests", {}).items():
         yield from one("acpfs_requests_total", n, kind=kind)
+    for decision, n in field(doc, "cache.writer_opens", {}).items():
+        yield from one("acpfs_writer_opens_total", n, decision=decision)
     recovery = doc.get("recovery") or {}
     yield from one("acpfs_recovered_files_total", recovery.get("files", 0))
     yield from one("acpfs_recovered_operations_total", recovery.get("replayed_ops", 0))

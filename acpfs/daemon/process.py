@@ -203,8 +203,8 @@ def store_place(cache_dir: str, kind: str, cache_size: int) -> tuple[dict, str]:
     if ram_filesystem(cache_dir):
         why = f"RAM bounded by --cache-size ({size})"
         if kind == "memory files":
-            why += ("; a writer passed through may go past it until its file is closed and "
-                    "persisted (docs/semantics.md, section 6)")
+            why += ("; a writer is passed through only when its size is known from its name "
+                    "or its file (docs/semantics.md, section 6)")
         return ({"filesystem": fs, "ram_bounded_by": "cache size"},
                 f"{kind} on {fs} in {cache_dir}: {why}")
     return ({"filesystem": fs, "ram_bounded_by": "page cache"},

@@ -38,6 +38,7 @@ class Store(Protocol):
     unit: int    # the journal header's block size: the pool's; 0 for memory files
     limit: int   # bytes the store may hold
     peak: int    # the most it held
+    in_ram: bool  # held in RAM (the pool, memory files on tmpfs), not in a disk's page cache
 
     @property
     def used(self) -> int: ...

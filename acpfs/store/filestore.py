@@ -31,6 +31,7 @@ import os
 import threading
 from typing import Callable, Iterator
 
+from ..config import ram_filesystem
 from .api import CacheFull, copy_fd
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class MemFiles:
         self.dir_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.limit = limit
         self.peak = 0
+        self.in_ram = ram_filesystem(self.dir) is not None
         self._used = 0
         self._next_id = 1
         self._claimed: dict[int, MemFile] = {}

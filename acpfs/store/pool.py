@@ -58,6 +58,7 @@ def iter_extents(blocks: list[int], size: int, block_size: int) -> Iterator[tupl
 
 class Pool:
     kind = "pool"
+    in_ram = True   # its file is mapped and pre-faulted, wherever it is
     def __init__(self, path: str, size: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  progress: Callable[[int, int], None] | None = None, mlock: bool = False) -> None:
         if size < block_size:

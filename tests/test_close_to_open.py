@@ -116,17 +116,25 @@ def test_names_another_node_synced_are_seen_at_once(make_nodes, workers):
 
 
 def test_a_removed_name_is_gone_at_the_next_open(make_nodes, workers):
-    """B removes a file A had read and syncs: A's next open of it fails with ENOENT, not
-    with the content A saw before."""
+    """B removes a file A had read, and one A wrote itself (so A holds its content in its
+    cache), and syncs: A's next open of each fails with ENOENT, not with the content A saw
+    before."""
     a, b = nodes(make_nodes)
     wa, wb = workers(a, b)
     wb.do("write", "gone.bin", "x", 100)
     b.sync()
+    wa.do("write", "mine.bin", "y", 100)
+    a.sync()
     assert wa.do("sha", "gone.bin") == digest(content("x", 100))
+    assert wb.do("sha", "mine.bin") == digest(content("y", 100))
+    assert os.getxattr(a.path("mine.bin"), "user.acpfs.state") == b"persisted", \
+        "A still holds what it wrote"
     wb.do("unlink", "gone.bin")
+    wb.do("unlink", "mine.bin")
     b.sync()
-    ok, out = wa.attempt("sha", "gone.bin")
-    assert not ok and "FileNotFoundError" in out, out
+    for name in ("gone.bin", "mine.bin"):
+        ok, out = wa.attempt("sha", name)
+        assert not ok and "FileNotFoundError" in out, (name, out)
 
 
 def test_a_reader_keeps_its_version_while_another_opens_the_new_one(make_nodes):

@@ -212,12 +212,16 @@ def nbytes(text: str) -> float:
     return float(value) * UNITS[unit]
 
 
-def test_status_watch_prints_rates_until_interrupted(mnt):
+def test_status_watch_prints_rates_until_interrupted(make_mount, faults):
     """'acpfs status --watch': a line per interval with the bytes queued and persisted per
     second, files per second, the queue and what is unsaved; Ctrl-C ends it with status 0.
-    Three 8 MiB files written and synced one after the other: the lines' files add up to
-    exactly three, and their bytes to 24 MiB each way; once synced the queue and the
-    unsaved bytes are zero."""
+    Three 8 MiB files written and synced one after the other, the last one held queued for
+    a few intervals first (the backing read-only): the lines' files add up to exactly three,
+    counted when they persist, not when they are queued, and their bytes to 24 MiB each way;
+    once synced the queue and the unsaved bytes are zero."""
+    mnt = make_mount(mount=False)
+    faults.tmpfs(mnt.back, "256M")
+    faults.mount(mnt)
     interval = 0.5
     w = subprocess.Popen([*ACPFS, "status", "--watch", str(mnt.mnt), "--interval", str(interval)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -246,7 +250,14 @@ def test_status_watch_prints_rates_until_interrupted(mnt):
     try:
         time.sleep(0.7)
         for i in range(3):      # one file at a time, persisted before the next: rows of their own
-            (mnt.mnt / f"f{i}").write_bytes(os.urandom(8 << 20))
+            if i == 2:          # queued for a few intervals before it can persist
+                time.sleep(interval)          # a row apart from the last file's
+                faults.remount(mnt.back, "ro")
+                (mnt.mnt / f"f{i}").write_bytes(os.urandom(8 << 20))
+                time.sleep(4 * interval)
+                faults.remount(mnt.back, "rw")
+            else:
+                (mnt.mnt / f"f{i}").write_bytes(os.urandom(8 << 20))
             mnt.sync(f"f{i}")
             time.sleep(interval)
         # the rows go on until they have counted the three files and show nothing unsaved
@@ -297,6 +308,9 @@ def test_status_watch_prints_rates_until_interrupted(mnt):
     persisted = sum(nbytes(r[3]) for r in got) * interval
     for total in (queued, persisted):
         assert 0.5 * (24 << 20) <= total <= 1.05 * (24 << 20), (total, out)
+    held = [r for r in got if nbytes(r[2]) and not nbytes(r[3])]
+    assert held and all(files_in(r) == 0 for r in held), \
+        ("rows of a file queued and not yet persisted count no file", out)
     last = got[-1]
     assert last[5] == "0" and last[7] == "0 B" and last[8] == "-" and last[9] == "none", out
 

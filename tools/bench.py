@@ -30,15 +30,16 @@ WORKER = str(REPO / "tools" / "bench_worker.py")
 GiB = 1 << 30
 MiB = 1 << 20
 
-TARGETS = ["shm", "disk", "acpfs", "acpfs-daemon", "rclone"]
+TARGETS = ["shm", "disk", "acpfs", "acpfs-disk", "acpfs-daemon", "rclone"]
 TARGET_LABEL = {
     "shm": "/dev/shm",
     "disk": "disk+fsync",
     "acpfs": "acpfs",
+    "acpfs-disk": "acpfs, store on disk",   # --cache-dir on the backing disk: page cache bounds RAM
     "acpfs-daemon": "acpfs, daemon path",   # --passthrough off: the pool, every request through the daemon
     "rclone": "rclone",
 }
-WORKLOADS = ["torch", "safetensors", "dcp", "dd", "writers", "small", "close_flush"]
+WORKLOADS = ["torch", "safetensors", "dcp", "dd", "writers", "admission", "small", "close_flush"]
 WRITERS = (1, 2, 4, 8, 16)   # the scaling line of the writers workload (--writers picks)
 
 # metric -> (workload, unit, higher_is_better, description)
@@ -54,6 +55,15 @@ METRICS = {
     "dd_1m": ("dd", "GB/s", True, "dd bs=1M of the checkpoint size"),
     **{f"writers{n}": ("writers", "GB/s", True, f"{n} processes torch.save 1/{n} each, at once")
        for n in WRITERS},
+    "torch_save_new": ("admission", "GB/s", True, "torch.save to a name not seen before "
+                       "(acpfs: the daemon's path on a store in RAM)"),
+    "writers8_new": ("admission", "GB/s", True, "8 processes torch.save 1/8 each, names not seen before"),
+    "loop_save": ("admission", "GB/s", True, "8 ranks x 5 steps of 2/3 of the cache, rotating "
+                  "step directories, persisted between steps: steps 2-5"),
+    "loop_passed": ("admission", "%", True, "opens for writing of steps 2-5 passed through"),
+    "loop_b2b_save": ("admission", "GB/s", True, "the same loop, steps back to back (the "
+                      "flusher behind): steps 2-5"),
+    "loop_b2b_passed": ("admission", "%", True, "opens of steps 2-5 passed through, back to back"),
     "small_create": ("small", "files/s", True, "small files: create+write+close"),
     "small_stat": ("small", "files/s", True, "small files: stat"),
     "small_unlink": ("small", "files/s", True, "small files: unlink"),
@@ -402,10 +412,11 @@ class Bench:
                 self.targets[name] = Shm(os.path.join(self.shm, "shm"))
             elif name == "disk":
                 self.targets[name] = Disk(os.path.join(self.bdir, "disk"))
-            elif name in ("acpfs", "acpfs-daemon"):
+            elif name in ("acpfs", "acpfs-disk", "acpfs-daemon"):
+                cache_parent = self.bdir if name == "acpfs-disk" else self.shm
                 self.targets[name] = Acpfs(os.path.join(self.tmp, f"mnt-{name}"),
                                            os.path.join(self.bdir, f"{name}-backing"),
-                                           os.path.join(self.shm, f"{name}-cache"), a.cache_size,
+                                           os.path.join(cache_parent, f"{name}-cache"), a.cache_size,
                                            os.path.join(self.tmp, f"{name}.log"), name=name,
                                            env={"ACPFS_PASSTHROUGH": "off"}
                                            if name == "acpfs-daemon" else None)
@@ -528,29 +539,85 @@ class Bench:
     def writers(self, t: Target, rep: int, n: int) -> None:
         """n fresh processes (ranks of one node) each torch.save 1/n of the size at once."""
         d = self.fresh(t, f"w{n}", rep)
-        shard = self.w.size // n
-        procs = [subprocess.Popen([PY, WORKER, "rank", str(shard), os.path.join(d, f"rank{i}.pt"),
-                                   "1" if t.fsync else "0"], stdin=subprocess.PIPE,
+        with self.ranks(n, self.w.size // n, t.fsync) as procs:
+            with self.profiled(t, f"writers{n}-r{rep}"):
+                s = self.save_all(procs, [os.path.join(d, f"rank{i}.pt") for i in range(n)])
+        self.record(f"writers{n}", t.name, rep, n * (self.w.size // n) / 1e9 / s)
+        t.settle(d)
+        self.sample_rss(t, f"writers{n}")
+        t.remove(d)
+
+    @contextlib.contextmanager
+    def ranks(self, n: int, shard: int, fsync: bool):
+        """n rank processes, each holding a state dict of ``shard`` bytes, ready to save."""
+        procs = [subprocess.Popen([PY, WORKER, "rank", str(shard), "/dev/null",
+                                   "1" if fsync else "0"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, cwd="/") for i in range(n)]
         try:
             for p in procs:
                 if p.stdout.readline().strip() != "ready":
                     raise RuntimeError("rank writer failed to start")
-            with self.profiled(t, f"writers{n}-r{rep}"):
-                t0 = time.perf_counter()
-                for p in procs:
-                    p.stdin.write("go\n")
-                    p.stdin.flush()
-                for p in procs:
-                    json.loads(p.stdout.readline())
-                s = time.perf_counter() - t0
+            yield procs
         finally:
             for p in procs:
                 p.stdin.close()
                 p.wait()
-        self.record(f"writers{n}", t.name, rep, n * shard / 1e9 / s)
+
+    @staticmethod
+    def save_all(procs: list, paths: list[str]) -> float:
+        """Each rank saves to its path at once: the seconds until the last one is done."""
+        t0 = time.perf_counter()
+        for p, path in zip(procs, paths):
+            p.stdin.write(f"go {path}\n")
+            p.stdin.flush()
+        for p in procs:
+            json.loads(p.stdout.readline())
+        return time.perf_counter() - t0
+
+    def wl_admission(self, t: Target, rep: int) -> None:
+        """What the admission of writers costs (docs/semantics.md, section 6): torch.save and 8
+        writers to names never seen (on a store in RAM they take the daemon's path), and a
+        checkpoint loop of 8 ranks over 5 steps in rotating directories, whose names repeat
+        from step 2 on: its speed and the share of its opens passed through."""
+        if t.name not in ("shm", "acpfs", "acpfs-disk"):
+            return
+        d = self.fresh(t, "adm", rep)
+        p = os.path.join(d, f"new-{self.id}-{rep}.pt")
+        r = self.w.call("torch_save", path=p, fsync=t.fsync)
+        self.record("torch_save_new", t.name, rep, self.size_gb() / r["s"])
         t.settle(d)
-        self.sample_rss(t, f"writers{n}")
+        n, shard = 8, self.w.size // 8
+        with self.ranks(n, shard, t.fsync) as procs:
+            s = self.save_all(procs, [os.path.join(d, f"new-{self.id}-{rep}-rank{i}.pt")
+                                      for i in range(n)])
+            self.record("writers8_new", t.name, rep, n * shard / 1e9 / s)
+            t.settle(d)
+        # the loop: a step is 1/1.5 of the cache, as in the issue; each step's files are
+        # new names at step 1 and the same names, in a new directory, at steps 2-5
+        shard = self.args.cache_size * 2 // 3 // n
+        with self.ranks(n, shard, t.fsync) as procs:
+            for mode in ("loop", "loop_b2b"):
+                took, opens = 0.0, {}
+                for step in range(5):
+                    if step == 1 and isinstance(t, Acpfs):
+                        opens = dict(t.status()["cache"]["writer_opens"])
+                    sd = os.path.join(d, f"{mode}_{step:04d}")
+                    os.makedirs(sd)
+                    s = self.save_all(procs, [os.path.join(sd, f"{mode}{rep}-{self.id}__{i}_0.distcp")
+                                              for i in range(n)])
+                    took += s if step else 0.0
+                    if mode == "loop":
+                        t.settle(sd)          # the flusher keeps up: training runs meanwhile
+                    if step >= 2:             # the job keeps its last two checkpoints
+                        t.remove(os.path.join(d, f"{mode}_{step - 2:04d}"))
+                if isinstance(t, Acpfs):
+                    now = t.status()["cache"]["writer_opens"]
+                    why = {k: v - opens.get(k, 0) for k, v in now.items()}
+                    self.extra.setdefault("loop_writer_opens", {}).setdefault(
+                        f"{t.name} {mode}", []).append(why)
+                    self.record(f"{mode}_passed", t.name, rep, 100.0 * why["passed_through"] / (4 * n))
+                self.record(f"{mode}_save", t.name, rep, 4 * n * shard / 1e9 / took)
+                t.settle(d)
         t.remove(d)
 
     def wl_small(self, t: Target, rep: int) -> None:
@@ -750,6 +817,13 @@ class Bench:
         r1, r2 = ratio("torch_save", "acpfs", "shm"), ratio("torch_save", "acpfs", "rclone")
         add("torch_save", ">=0.9x shm", r1, None if r1 is None else r1 >= 0.9, f"{r1:.2f}x" if r1 else "-")
         add("torch_save", ">=4x rclone", r2, None if r2 is None else r2 >= 4, f"{r2:.2f}x" if r2 else "-")
+        r = ratio("torch_save", "acpfs-disk", "shm")
+        add("torch_save", ">=0.9x shm, store on disk", r, None if r is None else r >= 0.9,
+            f"{r:.2f}x" if r else "-")
+        for name in ("acpfs", "acpfs-disk"):
+            r = m("loop_passed", name)
+            add("loop_passed", f"100% ({TARGET_LABEL[name]})", r,
+                None if r is None else r >= 100, f"{r:.0f}%" if r is not None else "-")
         r = ratio("dd_1m", "acpfs", "shm")
         add("dd_1m", ">=1.0x shm", r, None if r is None else r >= 1.0, f"{r:.2f}x" if r else "-")
         c = med.get(("close_ms", "acpfs"))
@@ -788,7 +862,8 @@ class Bench:
                  f"backing {a.backing_dir} on {self.meta['machine']['backing_fs']}; "
                  f"acpfs {self.meta.get('acpfs_commit', '?')}", ""]
         hdr = ["metric", "unit"] + [TARGET_LABEL[n] for n in names] + \
-            ["acpfs/shm", "acpfs/disk", "acpfs/rclone", "daemon path/shm", "target"]
+            ["acpfs/shm", "acpfs/disk", "acpfs/rclone", "store on disk/shm", "daemon path/shm",
+             "target"]
         lines.append("| " + " | ".join(hdr) + " |")
         lines.append("|" + "|".join("---" for _ in hdr) + "|")
         for metric, (_wl, unit, higher, _desc) in METRICS.items():
@@ -799,7 +874,7 @@ class Bench:
                 v = med.get((metric, n))
                 row.append(fmt(v["median"]) if v else "-")
             for mine, other in (("acpfs", "shm"), ("acpfs", "disk"), ("acpfs", "rclone"),
-                                ("acpfs-daemon", "shm")):
+                                ("acpfs-disk", "shm"), ("acpfs-daemon", "shm")):
                 x, y = med.get((metric, mine)), med.get((metric, other))
                 row.append(f"{x['median'] / y['median']:.2f}" if x and y and y["median"] else "-")
             row.append("; ".join(f"{c['goal']}: {c['shown']} {c['result']}" for c in by_metric.get(metric, [])))
@@ -816,6 +891,9 @@ class Bench:
             lines.append(f"peak RSS of {name} daemon: VmRSS {r['VmRSS'] / MiB:.0f} MiB = RssAnon "
                          f"{r.get('RssAnon', 0) / MiB:.0f} + RssFile {r.get('RssFile', 0) / MiB:.0f} + RssShmem "
                          f"{r.get('RssShmem', 0) / MiB:.0f} MiB (at {r['at']})")
+        for key, found in self.extra.get("loop_writer_opens", {}).items():
+            lines.append(f"writers' opens of steps 2-5 by decision, {key}: "
+                         + "; ".join(", ".join(f"{k} {v}" for k, v in d.items()) for d in found))
         for n in self.notes:
             lines.append(f"note: {n}")
         return "\n".join(lines)
@@ -835,7 +913,8 @@ class Bench:
         cols = 4
         rows = (len(metrics) + cols - 1) // cols
         fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
-        colors = {"shm": "#888888", "disk": "#d62728", "acpfs": "#1f77b4", "acpfs-daemon": "#9ecae1",
+        colors = {"shm": "#888888", "disk": "#d62728", "acpfs": "#1f77b4", "acpfs-disk": "#2ca02c",
+                  "acpfs-daemon": "#9ecae1",
                   "rclone": "#ff7f0e"}
         for ax, metric in zip(axes.flat, metrics):
             unit, higher = METRICS[metric][1], METRICS[metric][2]

@@ -4,9 +4,9 @@
 (one per line on stdin, one JSON answer per line on stdout), so torch is imported and the
 tensors are built once per run, not once per measurement.
 
-`bench_worker.py rank SIZE PATH FSYNC` is one of the concurrent writers of the `writers`
-workload: it builds its shard, prints "ready", waits for "go" on stdin, torch.saves the
-shard to PATH and prints the seconds it took.
+`bench_worker.py rank SIZE PATH FSYNC` is one of the concurrent writers of the `writers` and
+`admission` workloads: it builds its shard, prints "ready", and at each "go" (or "go OTHER")
+on stdin torch.saves the shard to PATH (OTHER) and prints the seconds it took.
 
 Every timed region is measured with time.perf_counter() around the calls a user would make;
 verification (comparing loaded tensors) happens outside the timed region.
@@ -297,17 +297,22 @@ def serve(size: int) -> None:
 
 
 def rank(size: int, path: str, fsync: bool) -> None:
+    """One rank: builds its state dict, says "ready", then saves it at each "go" (to PATH)
+    or "go OTHER" (to OTHER), answering each with the seconds it took, until stdin ends."""
     import torch
 
     sd = make_state_dict(size, seed=os.getpid())
     print("ready", flush=True)
-    if sys.stdin.readline().strip() != "go":
-        return
-    t = time.perf_counter()
-    torch.save(sd, path)
-    if fsync:
-        fsync_path(path)
-    print(json.dumps({"s": time.perf_counter() - t}), flush=True)
+    for line in sys.stdin:
+        cmd = line.split(maxsplit=1)
+        if not cmd or cmd[0] != "go":
+            return
+        target = cmd[1].strip() if len(cmd) > 1 else path
+        t = time.perf_counter()
+        torch.save(sd, target)
+        if fsync:
+            fsync_path(target)
+        print(json.dumps({"s": time.perf_counter() - t}), flush=True)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,11 @@ The rule (``admit``):
    write through; on a store on disk, where the page cache bounds its RAM, it reserves
    PASS_WRITER_RESERVE;
 3. it is admitted when the free space, with what persisted files hold, holds its reservation
-   and those of every writer passed through still open; persisted files are evicted for
-   them at once, least recently used first (``Files.reserve``), so the files the kernel
-   writes fit in the cache's size from the first byte.
+   beside what every writer passed through still open was promised and has not written
+   (``owed``); persisted files are evicted for it at once, least recently used first
+   (``Files.reserve``). Every allocation of the daemon's own leaves the promised bytes
+   alone (``Files.owed``), so the files the kernel writes fit in the cache's size from the
+   first byte to the last, whatever the daemon's path writes meanwhile.
 So a store in RAM holds at most its size plus, per writer passed through, what that writer
 writes beyond the size its name had; one that grows more than GROWTH past it is said once
 in the log (``check_growth``) and its name's new size is reserved from then on.
@@ -55,6 +57,7 @@ OUTCOMES = (PASSED, "unknown_size", "no_room", "over_size")
 class Admission:
     def __init__(self, files: Files) -> None:
         self.files = files
+        files.owed = self.owed
         self.sizes: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.reserved: dict[int, int] = {}    # inode of a writer passed through -> bytes
         self.counts = dict.fromkeys(OUTCOMES, 0)
@@ -98,13 +101,17 @@ class Admission:
             for ino in [i for i in self.reserved if i not in open_now]:
                 del self.reserved[ino]
             self._said &= open_now
-            want = sum(self._still_wanted(w) for w in files.passthrough_writers) \
-                + self._wanted(node, size)
+            want = self._wanted(node, size)
             files.lru.pop(node.ino, None)    # not room for itself (Files.open takes a
-            if files.room() < want:          # writer's file out of the LRU anyway)
+            if files.room(node) < want:      # writer's file out of the LRU anyway)
                 return "no_room"
-            files.reserve(want)   # evicted now, not at the next trim: the bound holds at once
+            files.reserve(want, node)   # evicted now, not at the next trim: the bound holds at once
             return PASSED
+
+    def owed(self, skip: Node | None = None) -> int:
+        """Bytes of the free space promised to writers passed through (but ``skip``) and not
+        yet written by them: ``Files.reserve`` leaves them to their writers (``Files.owed``)."""
+        return sum(self._still_wanted(w) for w in self.files.passthrough_writers if w is not skip)
 
     def _wanted(self, node: Node, size: int) -> int:
         held = self.files.store.nbytes(node.content) if node.content is not None else 0
@@ -114,14 +121,17 @@ class Admission:
         return self._wanted(node, self.reserved.get(node.ino, 0))
 
     def check_growth(self) -> None:
-        """Say once in the log of each writer passed through that wrote more than GROWTH
-        past its reservation (after ``Files.sync_content``), and learn its size."""
+        """Learn the size of each writer passed through that wrote more than GROWTH past its
+        reservation (after ``Files.sync_content``), and on a store in RAM say so, once, in
+        the log."""
         for node in self.files.passthrough_writers:
             reserved = self.reserved.get(node.ino)
             if reserved is None or node.ino in self._said or node.size <= reserved + GROWTH:
                 continue
             self._said.add(node.ino)
             self.learn(node)
+            if not self.files.store.in_ram:
+                continue   # a guess on a disk store (the page cache bounds its RAM)
             log.warning("%s: written with passthrough to %s, %s past the size its name had "
                         "when it was admitted; the cache holds that much more than its size "
                         "allows until the file is closed and persisted, and the next writer "

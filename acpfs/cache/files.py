@@ -40,7 +40,7 @@ from __future__ import annotations
 import collections
 import errno
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..backing.backing import Backing
 from ..store.api import CacheFull, Content, Store
@@ -64,6 +64,9 @@ class Files:
         self.lru: collections.OrderedDict[int, Node] = collections.OrderedDict()
         # files open for writing that the kernel writes itself (passthrough: Handles.open)
         self.passthrough_writers: set[Node] = set()
+        # bytes of the free space promised to them and not yet written: the admission's
+        # (``Admission.owed``, set when it is built); the daemon's own writes leave them
+        self.owed: Callable[[Node | None], int] = lambda skip=None: 0
 
     def created(self, node: Node) -> None:
         """``node`` is a new regular file: empty, and dirty until its first snapshot."""
@@ -220,7 +223,7 @@ class Files:
         with self.oplog.lock:
             need = store.need(node.content, off, off + n)
             if need:
-                self.reserve(need)   # CacheFull leaves the file as it was
+                self.reserve(need, node)   # CacheFull leaves the file as it was
             node.content = store.write(node.content, off, data)
         end = off + n
         if end > node.size:
@@ -240,7 +243,7 @@ class Files:
                 self.lru.pop(node.ino, None)
             need = store.need_truncate(node.content, node.size, size)
             if need:
-                self.reserve(need)
+                self.reserve(need, node)
             node.content = store.truncate(node.content, node.size, size)
         node.size = size
         node.mtime = node.ctime = now_ns()
@@ -260,11 +263,12 @@ class Files:
         return node.last_seq
 
     # -- space and eviction (hold self.oplog.lock) ------------------------------------------------
-    def reserve(self, need: int) -> None:
-        """Make ``need`` bytes free, evicting persisted files least recently used first
-        (CacheFull when they are not enough: check ``room`` first to evict nothing then)."""
+    def reserve(self, need: int, node: Node | None = None) -> None:
+        """Make ``need`` bytes free for ``node`` beside what the other writers passed through
+        were promised (``owed``), evicting persisted files least recently used first (CacheFull when they
+        are not enough: check ``room`` first to evict nothing then)."""
         store = self.store
-        while store.free_bytes() < need:
+        while store.free_bytes() - self.owed(node) < need:
             if not self.lru:
                 raise CacheFull()
             _, victim = self.lru.popitem(last=False)
@@ -273,9 +277,10 @@ class Files:
                 victim.content = None
 
     def room(self, skip: Node | None = None) -> int:
-        """Bytes free, with what evictable files hold (``skip`` not counted)."""
+        """Bytes free, with what evictable files hold, less what the writers passed through
+        but ``skip`` were promised (``skip`` is not counted as room either)."""
         store = self.store
-        return store.free_bytes() + sum(store.nbytes(n.content) for n in self.lru.values()
+        return store.free_bytes() - self.owed(skip) + sum(store.nbytes(n.content) for n in self.lru.values()
                                         if n is not skip and self.evictable(n))
 
     def evictable(self, node: Node) -> bool:

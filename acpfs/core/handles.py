@@ -330,7 +330,7 @@ class Handles:
     async def _count_passthrough_writes(self) -> None:
         """What writers the kernel passes through have written is counted every
         PASSTHROUGH_LOOK seconds (``Files.sync_content``), so that the cache's use in
-        ``status`` and the admission of the next writers (``Files.headroom``) are current;
+        ``status`` and the admission of the next writers (``Admission.admit``) are current;
         a cache pushed past its size by them is said once, in the log."""
         files = self.files
         over = False

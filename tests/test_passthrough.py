@@ -38,6 +38,9 @@ def test_reads_writes_and_mappings_never_reach_the_daemon(mnt):
     assert opens["unknown_size"] == first["cache"]["writer_opens"]["unknown_size"] + 1, opens
     assert mnt.status()["requests"]["write"] > first["requests"].get("write", 0), \
         "a writer of a new name in a store in RAM takes the daemon's path"
+    out = subprocess.run([*ACPFS, "status", str(mnt.mnt)], capture_output=True, text=True,
+                         check=True).stdout
+    assert f"writers by the daemon: {opens['unknown_size']} of new names)" in out, out
     before = mnt.status()
     (mnt.mnt / "f").write_bytes(data)     # its second save: passed through
     assert (mnt.mnt / "f").read_bytes() == data

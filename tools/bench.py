@@ -748,7 +748,7 @@ class Bench:
             for t in self.targets.values():
                 self.sample_rss(t, "end")
                 if isinstance(t, Acpfs):
-                    self.extra["acpfs_status_end"] = t.status()
+                    self.extra.setdefault("acpfs_status_end", {})[t.name] = t.status()
             self.extra["run_s"] = time.perf_counter() - t_run
         finally:
             for t in reversed(started):
@@ -787,9 +787,8 @@ class Bench:
         for name, r in self.rss_max.items():
             self.record("rss_mib", name, 1, r["no_pool"] / MiB)
             self.record("rss_total_mib", name, 1, r["VmRSS"] / MiB)
-        st = self.extra.get("acpfs_status_end")
-        if st:
-            self.record("cache_peak_gib", "acpfs", 1, st["cache"]["peak_used_bytes"] / GiB)
+        for name, st in self.extra.get("acpfs_status_end", {}).items():
+            self.record("cache_peak_gib", name, 1, st["cache"]["peak_used_bytes"] / GiB)
 
     # -- reporting ------------------------------------------------------------------------
     def medians(self) -> dict[tuple[str, str], dict]:

@@ -18,7 +18,8 @@ Owns:
 The rule (``admit``):
 1. no writer is passed through while the store holds more than its size;
 2. a writer's size is known when its file is reopened (its size now) or when its name was
-   seen before (``sizes``); it reserves that size. Of unknown size, on a store in RAM
+   seen before (``sizes``), never for an appender (``O_APPEND``: a log grows by what it
+   appends); it reserves that size. Of unknown size, on a store in RAM
    (tmpfs: ``Store.in_ram``) it takes the daemon's path, which a full cache makes wait or
    write through; on a store on disk, where the page cache bounds its RAM, it reserves
    PASS_WRITER_RESERVE;
@@ -71,17 +72,20 @@ class Admission:
             if len(self.sizes) > NAMES:
                 self.sizes.popitem(last=False)
 
-    def known_size(self, node: Node, trunc: bool) -> int | None:
+    def known_size(self, node: Node, trunc: bool, append: bool = False) -> int | None:
         """What a writer of ``node`` is expected to write: the size of its name's last
-        version, or of the file itself when it is reopened; None when neither is known."""
+        version, or of the file itself when it is reopened; None when neither is known,
+        and for an appender (a log grows by what it appends, whatever it held before)."""
+        if append:
+            return None
         seen = self.sizes.get(node.name) or None    # an empty version predicts nothing
         if not trunc and node.size:
             return max(node.size, seen or 0)
         return seen
 
-    def admit(self, node: Node, trunc: bool) -> bool:
+    def admit(self, node: Node, trunc: bool, append: bool = False) -> bool:
         """Whether a writer of ``node`` opening now may be passed through (module doc)."""
-        size = self.known_size(node, trunc)
+        size = self.known_size(node, trunc, append)
         if size is None and not self.files.store.in_ram:
             size = PASS_WRITER_RESERVE
         outcome = self._decide(node, size)

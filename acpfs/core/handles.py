@@ -156,7 +156,7 @@ class Handles:
         # passthrough, where a file must not enter the page cache's mode.
         if not node.writers and (node.content is not None or node.backing_parent is not None):
             self.admission.learn(node)   # a closed version: the size its name has
-        backing_id = self._passthrough(node, writable, trunc)
+        backing_id = self._passthrough(node, writable, trunc, append)
         direct = self.direct_io_mmap() and (writable or node.content is not None
                                             or self.kernel is not None)
         h = Handle(node, writable, append, kill_priv=writable and uid != 0,
@@ -178,7 +178,8 @@ class Handles:
         self.handles[fh] = h
         return fh, direct and not backing_id, backing_id
 
-    def _passthrough(self, node: Node, writable: bool, trunc: bool = False) -> int:
+    def _passthrough(self, node: Node, writable: bool, trunc: bool = False,
+                     append: bool = False) -> int:
         """The backing id an open of ``node`` is passed through to, or 0 for an open the
         daemon serves. The kernel fails an open with EIO when an inode has opens of both
         kinds (or two backing files), so every open of a file open with passthrough is
@@ -193,7 +194,7 @@ class Handles:
             return node.content.backing_id
         if node.opens or not kernel.granted():
             return 0
-        if writable and not self.admission.admit(node, trunc):
+        if writable and not self.admission.admit(node, trunc, append):
             return 0
         try:
             return files.store.backing(node.content, kernel.register)
@@ -236,7 +237,7 @@ class Handles:
         append = bool(flags & os.O_APPEND)
         # The creating handle always counts as a writer, so that the new file is
         # published at its last close even when it was opened read-only.
-        backing_id = self._passthrough(node, True)
+        backing_id = self._passthrough(node, True, append=append)
         self.files.open(node, True, False, append, passthrough=bool(backing_id))
         fh = self._new_fh()
         self.handles[fh] = Handle(node, True, append, passthrough=bool(backing_id))

@@ -31,7 +31,7 @@ def parts(core, monkeypatch, request):
     return core
 
 
-def open_writer(cache, name: bytes, parent=None, trunc: bool = False):
+def open_writer(cache, name: bytes, parent=None, trunc: bool = False, append: bool = False):
     """Create ``name`` (or open it, where it is) for writing as ``Handles.open`` would:
     passed through when the admission admits it. Returns (node, passed through)."""
     node = (parent or cache.inodes.root).children.get(name)
@@ -39,8 +39,8 @@ def open_writer(cache, name: bytes, parent=None, trunc: bool = False):
         node = cache.names.create(parent or cache.inodes.root, name, 0o644, 0, 0)
     elif not node.writers:
         cache.admission.learn(node)
-    admitted = cache.admission.admit(node, trunc)
-    cache.files.open(node, True, trunc, passthrough=admitted)
+    admitted = cache.admission.admit(node, trunc, append)
+    cache.files.open(node, True, trunc, append, passthrough=admitted)
     return node, admitted
 
 
@@ -128,6 +128,18 @@ def test_the_daemons_own_writes_leave_the_room_promised_to_writers_passed_throug
     close_writer(cache, other, False)
     parts.drain()
     assert (parts.back / "ckpt").read_bytes() == b"k" * (32 * BS)
+
+
+def test_an_appender_has_no_known_size(parts):
+    """A log reopened with O_APPEND grows by what it appends, whatever it held: on a store
+    in RAM it takes the daemon's path (which writes it through when the cache is full)."""
+    cache = parts.cache
+    log = write_file(cache, b"run.log", b"l" * (4 * BS))
+    close_writer(cache, log, False)
+    parts.drain()
+    node, passed = open_writer(cache, b"run.log", append=True)
+    assert passed == (not parts.store.in_ram)
+    cache.files.release(node, True, append=True, passthrough=passed)
 
 
 def test_a_reopened_file_reserves_its_size_and_a_truncated_one_its_last_size(parts):

@@ -212,6 +212,19 @@ def nbytes(text: str) -> float:
     return float(value) * UNITS[unit]
 
 
+def stuck_at(pid: int) -> str:
+    """Where a process waits: its state, kernel wait channel and kernel stack."""
+    found = []
+    for name in ("wchan", "stack"):
+        try:
+            found.append(f"{name}: " + open(f"/proc/{pid}/{name}").read().strip())
+        except OSError as e:
+            found.append(f"{name}: {e}")
+    with open(f"/proc/{pid}/status") as f:
+        found += [line.strip() for line in f if line.startswith(("State", "SigPnd", "ShdPnd"))]
+    return "; ".join(found)
+
+
 def test_status_watch_prints_rates_until_interrupted(make_mount, faults):
     """'acpfs status --watch': a line per interval with the bytes queued and persisted per
     second, files per second, the queue and what is unsaved; Ctrl-C ends it with status 0.
@@ -280,6 +293,12 @@ def test_status_watch_prints_rates_until_interrupted(make_mount, faults):
         w.send_signal(signal.SIGINT)
         try:
             w.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            where = stuck_at(w.pid)       # what it waits for, before it is killed
+            w.kill()
+            w.wait()
+            raise AssertionError(f"status --watch did not end 30 s after SIGINT: {where}; "
+                                 f"it printed: {lines}") from None
         finally:
             if w.poll() is None:
                 w.kill()

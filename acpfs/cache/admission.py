@@ -17,8 +17,9 @@ Owns:
 
 The rule (``admit``):
 1. no writer is passed through while the store holds more than its size;
-2. a writer's size is known when its file is reopened (its size now) or when its name was
-   seen before (``sizes``), never for an appender (``O_APPEND``: a log grows by what it
+2. a writer's size is known when its file is reopened without ``O_TRUNC`` (its size now,
+   PASS_WRITER_RESERVE at least) or when its name was seen before (``sizes``), never for an
+   appender (``O_APPEND``: a log grows by what it
    appends); it reserves that size. Of unknown size, on a store in RAM
    (tmpfs: ``Store.in_ram``) it takes the daemon's path, which a full cache makes wait or
    write through; on a store on disk, where the page cache bounds its RAM, it reserves
@@ -47,7 +48,8 @@ from .files import Files
 
 log = logging.getLogger(__name__)
 
-PASS_WRITER_RESERVE = 64 << 20   # bytes a writer of unknown size reserves on a disk store
+PASS_WRITER_RESERVE = 64 << 20   # bytes a writer of unknown size reserves on a disk store,
+                                 # and the least a file reopened without O_TRUNC reserves
 GROWTH = 64 << 20                # what a writer may write past its reservation unsaid
 NAMES = 65536                    # base names whose sizes are kept
 
@@ -74,13 +76,16 @@ class Admission:
 
     def known_size(self, node: Node, trunc: bool, append: bool = False) -> int | None:
         """What a writer of ``node`` is expected to write: the size of its name's last
-        version, or of the file itself when it is reopened; None when neither is known,
-        and for an appender (a log grows by what it appends, whatever it held before)."""
+        version, or of the file itself when it is reopened without ``O_TRUNC`` (64 MiB at
+        least); None when neither is known, and for an appender (a log grows by what it
+        appends, whatever it held before)."""
         if append:
             return None
         seen = self.sizes.get(node.name) or None    # an empty version predicts nothing
         if not trunc and node.size:
-            return max(node.size, seen or 0)
+            # kept content may be written past its end (dd conv=notrunc, r+): at least
+            # what a writer of unknown size reserves on a disk
+            return max(node.size, seen or 0, PASS_WRITER_RESERVE)
         return seen
 
     def admit(self, node: Node, trunc: bool, append: bool = False) -> bool:

@@ -17,9 +17,9 @@ Owns:
 
 The rule (``admit``):
 1. no writer is passed through while the store holds more than its size;
-2. a writer's size is known when its file is reopened without ``O_TRUNC`` (its size now,
-   PASS_WRITER_RESERVE at least) or when its name was seen before (``sizes``), never for an
-   appender (``O_APPEND``: a log grows by what it
+2. a writer's size is known when its file is reopened without ``O_TRUNC`` (its size now;
+   it is admitted only with PASS_WRITER_RESERVE free beyond it, as it may be extended) or
+   when its name was seen before (``sizes``), never for an appender (``O_APPEND``: a log grows by what it
    appends); it reserves that size. Of unknown size, on a store in RAM
    (tmpfs: ``Store.in_ram``) it takes the daemon's path, which a full cache makes wait or
    write through; on a store on disk, where the page cache bounds its RAM, it reserves
@@ -49,7 +49,7 @@ from .files import Files
 log = logging.getLogger(__name__)
 
 PASS_WRITER_RESERVE = 64 << 20   # bytes a writer of unknown size reserves on a disk store,
-                                 # and the least a file reopened without O_TRUNC reserves
+                                 # and what a file reopened without O_TRUNC needs free
 GROWTH = 64 << 20                # what a writer may write past its reservation unsaid
 NAMES = 65536                    # base names whose sizes are kept
 
@@ -76,16 +76,14 @@ class Admission:
 
     def known_size(self, node: Node, trunc: bool, append: bool = False) -> int | None:
         """What a writer of ``node`` is expected to write: the size of its name's last
-        version, or of the file itself when it is reopened without ``O_TRUNC`` (64 MiB at
-        least); None when neither is known, and for an appender (a log grows by what it
-        appends, whatever it held before)."""
+        version, or of the file itself when it is reopened without ``O_TRUNC``; None when
+        neither is known, and for an appender (a log grows by what it appends, whatever it
+        held before)."""
         if append:
             return None
         seen = self.sizes.get(node.name) or None    # an empty version predicts nothing
         if not trunc and node.size:
-            # kept content may be written past its end (dd conv=notrunc, r+): at least
-            # what a writer of unknown size reserves on a disk
-            return max(node.size, seen or 0, PASS_WRITER_RESERVE)
+            return max(node.size, seen or 0)
         return seen
 
     def admit(self, node: Node, trunc: bool, append: bool = False) -> bool:
@@ -93,13 +91,17 @@ class Admission:
         size = self.known_size(node, trunc, append)
         if size is None and not self.files.store.in_ram:
             size = PASS_WRITER_RESERVE
-        outcome = self._decide(node, size)
+        # kept content may be written past its end (dd conv=notrunc, r+): such a writer is
+        # passed through only with PASS_WRITER_RESERVE free beyond it, though it reserves
+        # (``owed``) only its size, so that a small file reopened starves nobody
+        room = PASS_WRITER_RESERVE if not trunc and node.size and size is not None else 0
+        outcome = self._decide(node, size, room)
         self.counts[outcome] += 1
         if outcome == PASSED:
             self.reserved[node.ino] = size
         return outcome == PASSED
 
-    def _decide(self, node: Node, size: int | None) -> str:
+    def _decide(self, node: Node, size: int | None, room: int = 0) -> str:
         files, store = self.files, self.files.store
         with files.oplog.lock:
             if store.used > store.limit:
@@ -112,7 +114,7 @@ class Admission:
             self._said &= open_now
             want = self._wanted(node, size)
             files.lru.pop(node.ino, None)    # not room for itself (Files.open takes a
-            if files.room(node) < want:      # writer's file out of the LRU anyway)
+            if files.room(node) < max(want, room):   # writer's file out of the LRU anyway)
                 return "no_room"
             files.reserve(want, node)   # evicted now, not at the next trim: the bound holds at once
             return PASSED

@@ -148,7 +148,8 @@ def test_a_reopened_file_reserves_its_size_and_a_truncated_one_its_last_size(par
     close_writer(cache, big, False)
     parts.drain()
     _, reopened = open_writer(cache, b"big")          # 24 blocks held: reserves nothing more
-    assert reopened
+    assert reopened, "40 blocks free: room for it to grow by RESERVE"
+    assert cache.admission.owed() == 0, "a reopened file is owed nothing: it starves nobody"
     other = write_file(cache, b"other", b"o" * (30 * BS))
     close_writer(cache, other, False)
     parts.drain()

@@ -236,8 +236,11 @@ def test_status_watch_prints_rates_until_interrupted(make_mount, faults):
     faults.tmpfs(mnt.back, "256M")
     faults.mount(mnt)
     interval = 0.5
+    # SIGINT as a terminal's foreground job has it: a suite started in the background by a
+    # shell without job control inherits it ignored, and Python then keeps it ignored
     w = subprocess.Popen([*ACPFS, "status", "--watch", str(mnt.mnt), "--interval", str(interval)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     printed: queue.Queue[str | None] = queue.Queue()    # the watch's lines as it prints them
 
     def read() -> None:

@@ -265,10 +265,11 @@ class Files:
     # -- space and eviction (hold self.oplog.lock) ------------------------------------------------
     def reserve(self, need: int, node: Node | None = None) -> None:
         """Make ``need`` bytes free for ``node`` beside what the other writers passed through
-        were promised (``owed``), evicting persisted files least recently used first (CacheFull when they
-        are not enough: check ``room`` first to evict nothing then)."""
+        were promised (``owed``), evicting persisted files least recently used first
+        (CacheFull when they are not enough: check ``room`` first to evict nothing then)."""
         store = self.store
-        while store.free_bytes() - self.owed(node) < need:
+        need += self.owed(node)   # evicting other files changes nothing the writers owe
+        while store.free_bytes() < need:
             if not self.lru:
                 raise CacheFull()
             _, victim = self.lru.popitem(last=False)
@@ -280,8 +281,9 @@ class Files:
         """Bytes free, with what evictable files hold, less what the writers passed through
         but ``skip`` were promised (``skip`` is not counted as room either)."""
         store = self.store
-        return store.free_bytes() - self.owed(skip) + sum(store.nbytes(n.content) for n in self.lru.values()
-                                        if n is not skip and self.evictable(n))
+        evictable = sum(store.nbytes(n.content) for n in self.lru.values()
+                        if n is not skip and self.evictable(n))
+        return store.free_bytes() - self.owed(skip) + evictable
 
     def evictable(self, node: Node) -> bool:
         # a file open with passthrough stays: the kernel holds its memory file anyway

@@ -167,6 +167,34 @@ def test_a_writer_grown_past_its_names_size_is_trimmed_back(make_mount):
     assert (m.back / "f").read_bytes() == grown
 
 
+def test_a_writer_of_an_uncached_file_in_a_cache_held_by_writers_passed_through(make_mount):
+    """The cache is over its size, held by a writer passed through that grew past its
+    name's size and is still open: nothing can be evicted or written through. A writer of a
+    file not in the cache then copies it into the backing instead of waiting for room that
+    nothing will free (it used to get ENOSPC after --cache-full-timeout; the model test
+    with a 64K cache found it)."""
+    m = make_mount(cache_size="4M", extra=("--cache-full-timeout", "5"))
+    memory_files_only(m)
+    if not m.status()["passthrough"]["on"]:
+        pytest.skip(f"passthrough not in use here: {m.status()['passthrough']['why_not']}")
+    (m.mnt / "k").write_bytes(b"k" * 4096)     # its name's size: 4 KiB
+    m.sync()
+    (m.back / "u").write_bytes(b"u" * 1000)    # in the backing, not in the cache
+    grown = os.urandom(8 * MiB)
+    with open(m.mnt / "k", "wb") as k:
+        k.write(grown)                          # passed through: 8 MiB in a 4 MiB cache
+        k.flush()
+        wait_for(lambda: m.status()["cache"]["used_bytes"] > 4 * MiB, 10, "the cache over its size")
+        start = time.monotonic()
+        with open(m.mnt / "u", "ab") as u:
+            u.write(b"tail")
+        assert time.monotonic() - start < 4, "the append waited for room nothing frees"
+    assert (m.mnt / "u").read_bytes() == b"u" * 1000 + b"tail"
+    m.sync()
+    assert (m.back / "u").read_bytes() == b"u" * 1000 + b"tail"
+    assert (m.back / "k").read_bytes() == grown
+
+
 def test_a_checkpoint_loop_is_passed_through_from_its_second_step_within_its_cache(make_mount):
     """8 ranks save 16 MiB each per step, 5 steps in rotating directories, through a cache of
     1.5 steps; each step is persisted before the next (the flusher keeps up)."""

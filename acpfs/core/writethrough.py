@@ -47,6 +47,10 @@ T = TypeVar("T")
 
 RETRY_FAILED_AFTER = 10.0   # seconds before a file whose write-through failed is tried again
 START_WRITE_THROUGH = 0.2   # seconds a writer waits for free space before writing through
+# seconds a copy into the cache for a writer waits for free space that nothing will free (no
+# file can be written through: the cache is held by writers the kernel passes through, or by
+# files being uploaded) before the copy goes to the backing instead (``cached``)
+SPILL_COPY_AFTER = 1.0
 
 
 class Slot:
@@ -156,11 +160,14 @@ class WriteThrough:
                 and node.ino not in self.failed and node.ino not in self.slots)
 
     # -- the full cache ------------------------------------------------------------------
-    async def with_space(self, fn: Callable[[], T], node: Node | None = None) -> T:
+    async def with_space(self, fn: Callable[[], T], node: Node | None = None,
+                         spill: bool = False) -> T | None:
         """Call ``fn``; while the cache is full, wait for the flusher to free space.
 
         Writers are throttled to the backing store's speed this way. After
-        ``cache_full_timeout`` seconds without progress they get ENOSPC.
+        ``cache_full_timeout`` seconds without progress they get ENOSPC; ``spill``: None
+        after SPILL_COPY_AFTER seconds in which no file could be written through (the
+        caller writes to the backing instead).
         """
         try:
             return fn()
@@ -195,6 +202,8 @@ class WriteThrough:
                     # in the background: on a hung backing this writer still gets its ENOSPC
                     self.start_write_through(victim)
                     await trio.sleep(0)   # let it take its slot
+                elif victim is None and spill and time.monotonic() - start > SPILL_COPY_AFTER:
+                    return None
             if time.monotonic() - start > self.cache_full_timeout:
                 log.error("cache full for %.0fs and nothing can be freed: returning ENOSPC "
                           "(is the backing store failing? see 'acpfs status')",
@@ -303,7 +312,8 @@ class WriteThrough:
         """Bring the content of a file into the cache (before it is modified).
 
         A file whose last version is a staged file still being published is waited for; a
-        file larger than half the cache is staged instead.
+        file larger than half the cache is staged instead, and so is one for which no room
+        can be made (``with_space``'s ``spill``).
         """
         files = self.files
         while True:
@@ -322,7 +332,10 @@ class WriteThrough:
             return
         async with self.copying(node):
             if node.content is None and node.staged is None:
-                content = await self.with_space(lambda: files.copy_up(node))
+                content = await self.with_space(lambda: files.copy_up(node), spill=True)
+                if content is None:   # nothing will free the room: the copy goes to the backing
+                    await self._stage_copy(node)
+                    return
                 try:
                     await trio.to_thread.run_sync(files.read_backing_into, node, content)
                 except BaseException:

@@ -275,18 +275,17 @@ class TreeChanges:
             os.close(afd)
         return os.fsdecode(b"/".join((top, stamp, flat)))
 
-    def remove_empty_dir(self, comps: Comps, name: bytes) -> bool:
-        """rmdir; False if the directory is not empty."""
+    def empty_dir(self, comps: Comps, name: bytes) -> bool:
+        """Whether the directory at ``comps``/``name`` has no entries (a rename over it
+        replaces it in one step, as rename(2) does)."""
         check_name(name)
         with self.dir(comps) as dfd:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
             try:
-                os.rmdir(name, dir_fd=dfd)
-                os.fsync(dfd)
-                return True
-            except OSError as e:
-                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                    return False
-                raise
+                with os.scandir(fd) as it:
+                    return next(it, None) is None
+            finally:
+                os.close(fd)
 
     def _chown(self, fd: int, uid: int, gid: int) -> None:
         if IS_ROOT:

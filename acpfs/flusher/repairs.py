@@ -99,8 +99,9 @@ class Repairs:
         theirs_dir = statmod.S_ISDIR(st.st_mode)
         if node.is_dir and theirs_dir:
             # mkdir adopts a directory that is there (ranks make the same one); a directory
-            # renamed over another replaces it only if it is empty, as rename(2) does
-            if isinstance(op, Rename) and not self.backing.remove_empty_dir(comps, name):
+            # renamed over another replaces it only if it is empty, as rename(2) does, in
+            # the same step (removed first, the backing would show a state without either)
+            if isinstance(op, Rename) and not self.backing.empty_dir(comps, name):
                 self.move_aside(op.path, comps, name, st, f"renames a directory to {path!r}")
             return
         if node.is_dir or theirs_dir:

@@ -120,7 +120,7 @@ class Node:
                  "writers", "appenders", "opens", "nlink", "lookups", "dirty", "dirty_since",
                  "publish_ops", "last_seq", "xattrs", "staged", "generation", "journal_state",
                  "journal_content", "passthrough_opens", "open_copy", "truncated", "listed_at", "listed_version", "backing_version", "checked_at", "rdev",
-                 "links", "backing_links")
+                 "links", "backing_links", "nodeid", "kernel_ids")
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, parent: Node | None, name: bytes) -> None:
         self.ino = ino
@@ -145,6 +145,11 @@ class Node:
         self.passthrough_opens = 0                       # of those, passed through by the kernel
         self.nlink = 1
         self.lookups = 0                                 # the kernel's references (FUSE lookup count)
+        # the node id new lookups give the kernel: ``ino``, or an alias once a kernel inode of
+        # it was passed through to its backing file (``Inodes.realias``); the aliases the
+        # kernel may still hold, with their lookup counts (None: none ever made)
+        self.nodeid = ino
+        self.kernel_ids: dict[int, int] | None = None
         self.dirty = False                               # changed since its last snapshot
         self.dirty_since = 0.0
         self.publish_ops: list[QueuedPublish] = []       # (lock) queued publish ops of this file
@@ -347,8 +352,9 @@ class KernelNotices:
     def forget_entry(self, parent_ino: int, name: bytes) -> None:
         """The kernel drops its entry of ``name`` in directory ``parent_ino``, at once."""
 
-    def forget_attrs(self, ino: int) -> None:
-        """The kernel asks again for the attributes of ``ino`` before it next uses them."""
+    def forget_attrs(self, node: Node) -> None:
+        """The kernel asks again for the attributes of ``node`` before it next uses them
+        (under each node id it may hold for it: ``Inodes.kernel_ids``)."""
 
 
 class FsError(OSError):

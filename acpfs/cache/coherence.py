@@ -83,7 +83,7 @@ class Coherence:
                 same.set_positions(same.positions() + [(node, name)])
                 same.nlink = max(same.nlink, st.st_nlink, len(same.names()))
                 node.entries()[name] = same
-                self.kernel.forget_attrs(same.ino)
+                self.kernel.forget_attrs(same)
                 return same
         child = self.inodes.new_node(st.st_mode, st.st_uid, st.st_gid, node, name)
         child.size = st.st_size
@@ -195,7 +195,7 @@ class Coherence:
                         child.checked_at = now
                     if st.st_nlink > child.nlink:   # linked elsewhere since it was listed
                         child.nlink = st.st_nlink
-                        self.kernel.forget_attrs(child.ino)
+                        self.kernel.forget_attrs(child)
                     if same is not child:
                         self._meet(child, st)
                 elif same is not None or (child.links and st.st_nlink < len(child.names())):
@@ -254,7 +254,7 @@ class Coherence:
         node.backing_version = (st.st_ino, st.st_size, st.st_mtime_ns)
         node.generation += 1    # readers that open it again read the new version
         self._meet(node, st)
-        self.kernel.forget_attrs(node.ino)
+        self.kernel.forget_attrs(node)
 
     def _meet(self, node: Node, st: os.stat_result) -> None:
         """``node`` holds backing inode ``st`` (a file with several names there): names of
@@ -281,7 +281,7 @@ class Coherence:
         other.set_positions([])
         other.nlink = 0
         self.files.drop(other)
-        self.kernel.forget_attrs(node.ino)
+        self.kernel.forget_attrs(node)
 
     def split(self, parent: Node, name: bytes, node: Node, st: os.stat_result) -> None:
         """Another writer put another file under ``name``, one of the names of a file with
@@ -303,7 +303,7 @@ class Coherence:
                 n.rename_name((d, name), None)
                 n.move_position((d, name), None)
                 self.names.one_name_less(n)
-                self.kernel.forget_attrs(n.ino)
+                self.kernel.forget_attrs(n)
                 continue
             if n.children:
                 stack.extend((n, k, c) for k, c in n.children.items())

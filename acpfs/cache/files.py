@@ -444,8 +444,8 @@ class Files:
         files and their bytes, and since when the oldest is dirty (``dirty_since``, None
         when none is)."""
         dirty = list(self.dirty_nodes)
-        return {"cached_files": sum(1 for n in self.inodes.nodes.values()
-                                    if n.content is not None and n.size),
+        return {"cached_files": sum(1 for i, n in self.inodes.nodes.items()
+                                    if i == n.ino and n.content is not None and n.size),
                 "writers_passed_through": len(self.passthrough_writers),
                 "dirty": {"files": len(dirty), "bytes": sum(n.size for n in dirty)},
                 "dirty_since": min((n.dirty_since for n in dirty), default=None)}

@@ -1,5 +1,6 @@
 """The inode table (``Inodes``): every node the kernel or the view may name, by inode number
-(``nodes``; a node leaves it once unlinked, closed and forgotten by the kernel), the
+and by each node id the kernel holds for it (``nodes``; a node leaves it once unlinked, closed
+and forgotten by the kernel; an alias leaves it once the kernel forgot it), the
 ``root``, the files met under several names in the backing, by backing inode (``linked``:
 written by ``Coherence`` as listings meet names, and by the flusher after a publish of a
 linked file; a dropped node leaves it), and the backing positions of the nodes
@@ -26,6 +27,13 @@ def stat_times(node: Node, st: os.stat_result) -> None:
     node.atime, node.mtime, node.ctime = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns
 
 
+# Aliases: a kernel inode passed through to a backing file must never get another kind of open
+# (the kernel fails it with EIO), so new lookups of that file get another node id,
+# ``ino | n << ALIAS_SHIFT``; the C extension shows ``ino`` as st_ino in entry replies
+# (acpfs/fuse/_fastwrite.c, ACPFS_ALIAS_SHIFT).
+ALIAS_SHIFT = 40
+
+
 class Inodes:
     def __init__(self, root_st: os.stat_result) -> None:
         self.position_lock = threading.Lock()
@@ -36,6 +44,7 @@ class Inodes:
         self.root = root
         self.nodes: dict[int, Node] = {ROOT_INODE: root}
         self._next_ino = ROOT_INODE + 1
+        self._aliases = 0
         # files found in the backing with more than one name, by backing inode: a second
         # name listed later is the same node (hard links, ``Coherence._attach``)
         self.linked: dict[int, Node] = {}
@@ -60,13 +69,53 @@ class Inodes:
         if node.backing_version is not None and self.linked.get(node.backing_version[0]) is node:
             del self.linked[node.backing_version[0]]
         if node.lookups <= 0:
-            self.nodes.pop(node.ino, None)
+            self._remove(node)
 
-    def forget(self, node: Node, n: int) -> None:
-        """The kernel let go of ``n`` references to ``node``."""
+    def _remove(self, node: Node) -> None:
+        self.nodes.pop(node.ino, None)
+        for nodeid in node.kernel_ids or ():
+            self.nodes.pop(nodeid, None)
+
+    def looked_up(self, node: Node) -> int:
+        """The kernel takes a reference to ``node`` under the node id it gets now (an entry
+        reply): that id."""
+        node.lookups += 1
+        nodeid = node.nodeid
+        if nodeid != node.ino:
+            node.kernel_ids[nodeid] += 1
+        return nodeid
+
+    def forget(self, node: Node, n: int, nodeid: int | None = None) -> None:
+        """The kernel let go of ``n`` references to ``node`` held under ``nodeid``."""
         node.lookups -= n
+        if nodeid is not None and nodeid != node.ino and node.kernel_ids is not None:
+            left = node.kernel_ids.get(nodeid, 0) - n
+            node.kernel_ids[nodeid] = left
+            if left <= 0 and nodeid != node.nodeid:
+                del node.kernel_ids[nodeid]
+                self.nodes.pop(nodeid, None)
         if node.lookups <= 0 and node.nlink == 0 and node.opens == 0:
-            self.nodes.pop(node.ino, None)
+            self._remove(node)
+
+    def realias(self, node: Node) -> int:
+        """New lookups of ``node`` get a node id the kernel has never seen, so a new kernel
+        inode (the kernel inode the old one names stays with the opens it has): the new id."""
+        self._aliases += 1
+        nodeid = node.ino | self._aliases << ALIAS_SHIFT
+        old = node.nodeid
+        if node.kernel_ids is None:
+            node.kernel_ids = {}
+        elif old != node.ino and node.kernel_ids.get(old, 0) <= 0:   # never handed out
+            del node.kernel_ids[old]
+            self.nodes.pop(old, None)
+        node.kernel_ids[nodeid] = 0
+        self.nodes[nodeid] = node
+        node.nodeid = nodeid
+        return nodeid
+
+    def kernel_ids(self, node: Node) -> list[int]:
+        """Every node id the kernel may hold for ``node``."""
+        return [node.ino, *(node.kernel_ids or ())]
 
     # -- positions -----------------------------------------------------------------------
     def present(self, node: Node) -> bool:

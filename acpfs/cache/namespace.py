@@ -247,4 +247,4 @@ class Namespace:
         if mode != node.mode:
             self.setattr(node, mode=mode)
             if not chown:
-                self.kernel.forget_attrs(node.ino)   # the kernel asks for the new mode
+                self.kernel.forget_attrs(node)   # the kernel asks for the new mode

@@ -69,6 +69,8 @@ class MountInfo:
     fast_write: Callable[[], dict] | None = None
     # FUSE requests the daemon handled, by kind (fuse/operations.py): what passthrough leaves to it
     requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # uncached files the kernel reads from the backing file (coldreads.ColdReads.status)
+    cold_reads: Callable[[], dict] | None = None
     metrics: str | None = None   # where the Prometheus endpoint listens (metrics_http.py)
     pid: int = dataclasses.field(default_factory=os.getpid)
     owner: int = dataclasses.field(default_factory=os.getuid)   # the mount's owner
@@ -224,6 +226,8 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         "passthrough": info.passthrough() if info.passthrough is not None else
         {"on": False, "why_not": "not asked for"},
         "requests": dict(sorted(info.requests.items())),
+        "cold_reads": info.cold_reads() if info.cold_reads is not None else
+        {"files": 0, "opens": 0, "opened": 0, "refused": 0},
         "metrics": info.metrics,
     }
 

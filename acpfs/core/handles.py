@@ -1,8 +1,10 @@
 """Open files and directories: the handles, and the requests made on them.
 
 Owns the file handles (``handles``: fh -> ``Handle``, with the backing descriptor of a reader
-of an uncached file and the version it holds) and the directory handles (``dirs``: the
-entries at opendir), numbered from one counter. The requests on them: open (whether the
+of an uncached file and the version it holds), the directory handles (``dirs``: the
+entries at opendir), numbered from one counter, and the opens of each kernel inode
+(``kernel_opens``). Opens of uncached files for reading go to ``coldreads.ColdReads``
+(passed through to the backing file, or read by the daemon from it). The requests on them: open (whether the
 kernel passes the file through to its memory file: ``_passthrough``; content a snapshot
 still holds is copied for a writer first: ``unshared``), read, write (``write_now``
 straight from libfuse's buffer, else ``write``), fallocate, flush (what close()
@@ -30,6 +32,7 @@ from ..config import Options, format_size
 from ..store.api import CacheFull
 from ..cache.admission import Admission
 from ..cache.files import Files
+from .coldreads import ColdReads
 from .loader import Loader
 from .longopen import LongOpen
 from ..cache.inodes import Inodes
@@ -51,18 +54,24 @@ class Kernel(Protocol):
     def granted(self) -> bool: ...
 
     def register(self, fd: int) -> int: ...
+
+    def unregister(self, backing_id: int) -> None: ...
+
+
 PASSTHROUGH_LOOK = 0.5   # s between looks at the files writers passed through have written
 UNSHARED_POLL = 0.005   # s between looks at a memory file an upload still holds (Handles.unshared)
 
 
 class Handle:
     """An open file."""
-    __slots__ = ("node", "writable", "append", "backing_fd", "generation", "kill_priv",
-                 "passthrough", "opened_seq")
+    __slots__ = ("node", "nodeid", "writable", "append", "backing_fd", "generation", "kill_priv",
+                 "passthrough", "opened_seq", "cold")
 
     def __init__(self, node: Node, writable: bool, append: bool = False,
-                 kill_priv: bool = False, passthrough: bool = False) -> None:
+                 kill_priv: bool = False, passthrough: bool = False, nodeid: int = 0) -> None:
         self.node = node
+        self.nodeid = nodeid or node.ino   # the kernel inode it was opened on
+        self.cold = False                  # the kernel passes it through to the backing file
         self.writable = writable
         self.passthrough = passthrough   # the kernel reads and writes its memory file itself
         self.opened_seq = 0              # OpLog.seq at the open
@@ -91,6 +100,10 @@ class Handles:
         self.admission = admission   # which writers may be passed through
         self.direct_io_mmap = direct_io_mmap   # asked at each open: the INIT reply decides
         self.handles: dict[int, Handle] = {}
+        self.cold = ColdReads(inodes, files, kernel)   # uncached files read by the kernel itself
+        # opens of each kernel inode (node id), counted from the start of the open: the kernel
+        # allows only one kind of open per kernel inode (passthrough or not, one backing file)
+        self.kernel_opens: dict[int, int] = {}
         self.dirs: dict[int, list[tuple[bytes, Node]]] = {}
         self._next_fh = 1
 
@@ -137,9 +150,38 @@ class Handles:
             # kernel still held its name: the kernel looks the name up again
             raise err(errno.ESTALE, "another writer removed the file in the backing")
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        await self.wt.settle(node)
+        self.cold.conflicts(ino, node, writable)   # ESTALE: the kernel opens another inode
+        claimed = self.cold.claim(ino, node, writable, self.kernel_opens.get(ino, 0))
+        self.kernel_opens[ino] = self.kernel_opens.get(ino, 0) + 1
+        try:
+            return await self._open(ino, node, flags, uid, claimed)
+        except BaseException:
+            self._closed_on(ino)
+            raise
+
+    def _closed_on(self, nodeid: int) -> None:
+        left = self.kernel_opens[nodeid] - 1
+        if left:
+            self.kernel_opens[nodeid] = left
+        else:
+            del self.kernel_opens[nodeid]
+
+    async def _open(self, ino: int, node: Node, flags: int, uid: int,
+                    claimed: str) -> tuple[int, bool, int]:
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         trunc = bool(flags & os.O_TRUNC) and writable
         append = bool(flags & os.O_APPEND)
-        await self.wt.settle(node)
+        if claimed:
+            served = await self.cold.open(ino, node, claimed)
+            if served is not None:
+                self.files.open(node, False, False)
+                h = Handle(node, False, append, nodeid=ino)
+                h.cold = True
+                h.backing_fd = served.fd   # ColdReads owns it
+                fh = self._new_fh()
+                self.handles[fh] = h
+                return fh, False, served.backing_id
         if writable:
             await self.loader.xattrs_loaded(node)
             while True:   # until the content is cached or staged, and private, at once
@@ -160,7 +202,7 @@ class Handles:
         direct = self.direct_io_mmap() and (writable or node.content is not None
                                             or self.kernel is not None)
         h = Handle(node, writable, append, kill_priv=writable and uid != 0,
-                   passthrough=bool(backing_id))
+                   passthrough=bool(backing_id), nodeid=ino)
         h.opened_seq = self.oplog.seq
         if not writable and node.content is None and node.staged is None and node.is_reg:
             # Open the backing copy now, so that the reader keeps the version it opened
@@ -192,7 +234,8 @@ class Handles:
             return 0
         if node.passthrough_opens:
             return node.content.backing_id
-        if node.opens or not kernel.granted():
+        # opens passed through to the backing file are on kernel inodes of their own
+        if node.opens - self.cold.opens_of.get(node.ino, 0) or not kernel.granted():
             return 0
         if writable and not self.admission.admit(node, trunc, append):
             return 0
@@ -240,12 +283,16 @@ class Handles:
         backing_id = self._passthrough(node, True, append=append)
         self.files.open(node, True, False, append, passthrough=bool(backing_id))
         fh = self._new_fh()
-        self.handles[fh] = Handle(node, True, append, passthrough=bool(backing_id))
+        self.handles[fh] = Handle(node, True, append, passthrough=bool(backing_id),
+                                  nodeid=node.nodeid)
+        self.kernel_opens[node.nodeid] = self.kernel_opens.get(node.nodeid, 0) + 1
         return fh, backing_id
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         h = self.handle(fh)
         node = h.node
+        if h.cold:   # the version it opened, whatever the cache holds since
+            return await trio.to_thread.run_sync(self.backing.read, h.backing_fd, size, off)
         if node.staged is not None:
             data = await self.wt.read_staged(node, off, size)
             if data is not None:
@@ -354,9 +401,14 @@ class Handles:
         h = self.handles.pop(fh, None)
         if h is None:
             raise err(errno.EBADF, f"file handle {fh} is not open")
+        self._closed_on(h.nodeid)
+        node = h.node
+        if h.cold:
+            self.cold.release(h.nodeid, node)
+            self.files.release(node, False)
+            return
         if h.writable:
             await self.wt.settle(h.node)
-        node = h.node
         self.files.sync_content(node)
         if h.passthrough and h.writable and node.writers == 1 and not node.dirty and node.nlink \
                 and node.last_seq > h.opened_seq:

@@ -82,6 +82,7 @@ class Core:
         self.handles = Handles(cache.inodes, cache.files, cache.names, self.loader, self.wt,
                                self.longopen, opts, kernel=kernel, direct_io_mmap=direct_io_mmap,
                                admission=cache.admission)
+        info.cold_reads = self.handles.cold.status
         self._statfs: os.statvfs_result | None = self.backing.statvfs()   # answers at mount
         self._statfs_call: trio.Event | None = None
 
@@ -216,7 +217,7 @@ class Core:
         inodes = self.inodes
         node = inodes.nodes.get(ino)
         if node is not None and node is not inodes.root:
-            inodes.forget(node, n)
+            inodes.forget(node, n, ino)
 
     async def setattr(self, ino: int, *, size: int | None = None, mode: int | None = None,
                       uid: int | None = None, gid: int | None = None, atime: int | None = None,

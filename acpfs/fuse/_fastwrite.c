@@ -36,6 +36,11 @@
  * libfuse would do without us). direct_io_mmap() then tells acpfs that readers of cached
  * files may get direct_io (no page-cache copy) without breaking mmap.
  *
+ * Third job: one st_ino per file. A file may be known to the kernel under several node
+ * ids (a kernel inode passed through to a backing file keeps its node id to itself:
+ * acpfs/core/coldreads.py); the entry replies (fuse_reply_entry, fuse_reply_create,
+ * fuse_add_direntry_plus) show the file's own inode number in st_ino, not the node id.
+ *
  * Only on Linux 6.9 and later: 6.6 to 6.8 shipped the flag with writable shared mappings
  * of direct_io files broken (no page_mkwrite; fixed in stable updates of March 2024 that
  * cannot be told apart by version here), and acpfs's writers have direct_io. There, and
@@ -465,15 +470,57 @@ int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi)
     return res;
 }
 
+/* -- kernel inodes of one file: the inode number shown beside the node id ----------------- */
+/* A file may be known to the kernel under several node ids (acpfs.cache.inodes: a kernel
+ * inode passed through to a backing file is never handed out again for other opens). Python
+ * puts the node id into st_ino, as pyfuse3 fills both from it; the entry replies below show
+ * the file's own number (the low ACPFS_ALIAS_SHIFT bits) in the attributes, so stat() sees
+ * one st_ino whichever kernel inode answers. */
+#define ACPFS_ALIAS_SHIFT 40
+
+static const struct fuse_entry_param *shown(const struct fuse_entry_param *e,
+                                            struct fuse_entry_param *copy)
+{
+    if (e == NULL || (e->attr.st_ino >> ACPFS_ALIAS_SHIFT) == 0)
+        return e;
+    *copy = *e;
+    copy->attr.st_ino &= (1ULL << ACPFS_ALIAS_SHIFT) - 1;
+    return copy;
+}
+
+typedef int (*reply_entry_fn)(fuse_req_t, const struct fuse_entry_param *);
+typedef size_t (*add_direntry_plus_fn)(fuse_req_t, char *, size_t, const char *,
+                                       const struct fuse_entry_param *, off_t);
+
+int fuse_reply_entry(fuse_req_t req, const struct fuse_entry_param *e)
+{
+    static reply_entry_fn real;
+    struct fuse_entry_param copy;
+    if (real == NULL && (real = (reply_entry_fn)libfuse_symbol("fuse_reply_entry")) == NULL)
+        return -ENOSYS;
+    return real(req, shown(e, &copy));
+}
+
+size_t fuse_add_direntry_plus(fuse_req_t req, char *buf, size_t bufsize, const char *name,
+                              const struct fuse_entry_param *e, off_t off)
+{
+    static add_direntry_plus_fn real;
+    struct fuse_entry_param copy;
+    if (real == NULL && (real = (add_direntry_plus_fn)libfuse_symbol("fuse_add_direntry_plus")) == NULL)
+        return 0;
+    return real(req, buf, bufsize, name, shown(e, &copy), off);
+}
+
 int fuse_reply_create(fuse_req_t req, const struct fuse_entry_param *e,
                       const struct fuse_file_info *fi)
 {
     static reply_create_fn real;
+    struct fuse_entry_param copy;
     if (real == NULL && (real = (reply_create_fn)libfuse_symbol("fuse_reply_create")) == NULL)
         return -ENOSYS;
     patching = next_backing;
     next_backing = 0;
-    int res = real(req, e, fi);
+    int res = real(req, shown(e, &copy), fi);
     patching = 0;
     return res;
 }

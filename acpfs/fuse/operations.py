@@ -24,6 +24,7 @@ from . import fastwrite  # noqa: F401  (before pyfuse3: it interposes fuse_sessi
 import pyfuse3  # noqa: E402
 
 from ..core.requests import Core  # noqa: E402
+from ..cache.inodes import Inodes  # noqa: E402
 from ..node import KernelNotices, Node  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ def dir_links(node: Node) -> int:
 
 
 def attrs(node: Node) -> pyfuse3.EntryAttributes:
+    """A node's attributes, its inode number as st_ino (a GETATTR reply)."""
     a = pyfuse3.EntryAttributes()
     a.st_ino = node.ino
     a.entry_timeout = kernel_timeout
@@ -105,10 +107,13 @@ def attrs(node: Node) -> pyfuse3.EntryAttributes:
     return a
 
 
-def entry(node: Node) -> pyfuse3.EntryAttributes:
-    """Attributes of a node the kernel will hold a reference to (one lookup more)."""
-    node.lookups += 1
-    return attrs(node)
+def entry(inodes: Inodes, node: Node) -> pyfuse3.EntryAttributes:
+    """Attributes of a node the kernel will hold a reference to (one lookup more), under
+    the node id new lookups of it get (``Inodes.looked_up``): pyfuse3 sends st_ino as the
+    node id, and the C extension shows the node's own inode number in its place."""
+    a = attrs(node)
+    a.st_ino = inodes.looked_up(node)
+    return a
 
 
 def pass_through(core: Core, backing_id: int) -> None:
@@ -132,7 +137,7 @@ class Operations(pyfuse3.Operations):
     # -- namespace -------------------------------------------------------------------------
     @replies
     async def lookup(self, parent_inode, name, ctx=None):
-        return entry(await self.core.lookup(parent_inode, name))
+        return entry(self.core.inodes, await self.core.lookup(parent_inode, name))
 
     async def forget(self, inode_list):
         for ino, n in inode_list:
@@ -162,7 +167,7 @@ class Operations(pyfuse3.Operations):
     @replies
     @acknowledges
     async def mkdir(self, parent_inode, name, mode, ctx):
-        return entry(await self.core.mkdir(parent_inode, name, mode, ctx))
+        return entry(self.core.inodes, await self.core.mkdir(parent_inode, name, mode, ctx))
 
     @replies
     @acknowledges
@@ -177,7 +182,7 @@ class Operations(pyfuse3.Operations):
     @replies
     @acknowledges
     async def symlink(self, parent_inode, name, target, ctx):
-        return entry(await self.core.symlink(parent_inode, name, target, ctx))
+        return entry(self.core.inodes, await self.core.symlink(parent_inode, name, target, ctx))
 
     @replies
     @acknowledges
@@ -190,12 +195,12 @@ class Operations(pyfuse3.Operations):
     @replies
     @acknowledges
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        return entry(await self.core.link(inode, new_parent_inode, new_name))
+        return entry(self.core.inodes, await self.core.link(inode, new_parent_inode, new_name))
 
     @replies
     @acknowledges
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        return entry(await self.core.mknod(parent_inode, name, mode, rdev, ctx))
+        return entry(self.core.inodes, await self.core.mknod(parent_inode, name, mode, rdev, ctx))
 
     # -- directories -----------------------------------------------------------------------
     @replies
@@ -208,9 +213,11 @@ class Operations(pyfuse3.Operations):
         for i in range(start_id, len(entries)):
             name, node = entries[i]
             self.core.files.sync_content(node)
-            if not pyfuse3.readdir_reply(token, name, attrs(node), i + 1):
+            a = attrs(node)
+            a.st_ino = node.nodeid
+            if not pyfuse3.readdir_reply(token, name, a, i + 1):
                 break
-            node.lookups += 1
+            self.core.inodes.looked_up(node)
 
     async def releasedir(self, fh):
         self.handles.releasedir(fh)
@@ -232,7 +239,7 @@ class Operations(pyfuse3.Operations):
         fh, node, backing_id = await self.core.create(parent_inode, name, mode, flags, ctx)
         info = pyfuse3.FileInfo(fh=fh, direct_io=self.handles.direct_io_mmap() and not backing_id,
                                 keep_cache=False)
-        reply = info, entry(node)
+        reply = info, entry(self.core.inodes, node)
         pass_through(self.core, backing_id)
         return reply
 
@@ -319,13 +326,14 @@ class KernelCacheNotices(KernelNotices):
         ATTR_TIMEOUT (Coherence.merge_listing)."""
         pyfuse3.invalidate_entry_async(parent_ino, name, ignore_enoent=True)
 
-    def forget_attrs(self, ino: int) -> None:
+    def forget_attrs(self, node: Node) -> None:
         """Another node's version of a file: the kernel asks for its size again before it
         reads (Coherence.replaced_elsewhere); attributes only, which takes no lock a request may
         hold. Sent from a thread of its own, never from a request handler (a notification
         may wait on an inode the kernel is evicting, and the eviction on a request only this
         thread would answer)."""
-        self._forgets.put(ino)
+        for nodeid in [node.ino, *(node.kernel_ids or ())]:   # Inodes.kernel_ids
+            self._forgets.put(nodeid)
 
     def _send_forgets(self) -> None:
         while True:

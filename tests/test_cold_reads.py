@@ -1,0 +1,158 @@
+"""Files the cache does not hold (a resume on a node that did not write the checkpoint):
+read by the kernel from the backing file itself (core/coldreads.py), the version each open
+revalidated, beside writers of the same file, other nodes' new versions and a cache smaller
+than the file.
+
+These run on the data path a mount chooses. With passthrough (root, Linux 6.9+, as CI runs
+the suite first) the reads must not reach the daemon; on the daemon's path
+(./tools/test-daemon-path) the same answers come through the daemon.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import random
+import subprocess
+
+import pytest
+
+from conftest import wait_for
+
+
+def passthrough_on(m) -> bool:
+    return m.status()["passthrough"]["on"]
+
+
+def reads(m) -> int:
+    return m.status()["requests"].get("read", 0)
+
+
+def put(m, rel: str, data: bytes) -> None:
+    """A file written into the backing by another program (or node), replaced atomically."""
+    tmp = m.back / (rel + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, m.back / rel)
+
+
+def test_an_uncached_file_is_read_and_mapped_by_the_kernel_from_its_backing_file(mnt):
+    data = random.Random(3).randbytes(24 << 20)
+    put(mnt, "ckpt.bin", data)
+    before = mnt.status()
+    assert (mnt.mnt / "ckpt.bin").read_bytes() == data
+    with open(mnt.mnt / "ckpt.bin", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        assert hashlib.sha256(mm).digest() == hashlib.sha256(data).digest()
+        assert os.fstat(f.fileno()).st_ino == os.stat(mnt.mnt / "ckpt.bin").st_ino
+    subprocess.run(["dd", f"if={mnt.mnt / 'ckpt.bin'}", "of=/dev/null", "bs=1M", "status=none"],
+                   check=True)
+    after = mnt.status()
+    assert after["cache"]["cached_files"] == before["cache"]["cached_files"]
+    assert after["cold_reads"]["opened"] >= before["cold_reads"]["opened"] + 3
+    assert after["cold_reads"]["opens"] == 0, after["cold_reads"]
+    if passthrough_on(mnt):
+        assert reads(mnt) == before["requests"].get("read", 0), "a READ reached the daemon"
+    else:
+        assert reads(mnt) > before["requests"].get("read", 0)
+
+
+def test_a_writer_opens_a_file_that_readers_hold_open_and_mapped(mnt):
+    """The kernel's one-backing-file-per-inode rule: the writer gets its own kernel inode
+    (no EIO), writes as on any file, and the readers keep the version they opened."""
+    old = random.Random(4).randbytes(8 << 20)
+    put(mnt, "w.bin", old)
+    path = mnt.mnt / "w.bin"
+    readers = [open(path, "rb") for _ in range(3)]
+    try:
+        maps = [mmap.mmap(r.fileno(), 0, prot=mmap.PROT_READ) for r in readers[:2]]
+        assert readers[2].read(4096) == old[:4096]
+        ino = os.fstat(readers[0].fileno()).st_ino
+        with open(path, "r+b") as w:      # an open for writing: no EIO
+            w.seek(4096)
+            w.write(b"N" * 4096)
+            assert os.fstat(w.fileno()).st_ino == ino, "one file, one st_ino"
+        with open(path, "rb") as r2:      # a new reader: the new version
+            assert r2.read(8192) == old[:4096] + b"N" * 4096
+        # the readers that opened before keep the version they opened, read and mapped
+        assert readers[2].read(4096) == old[4096:8192]
+        assert all(m[4096:8192] == old[4096:8192] for m in maps)
+        for m in maps:
+            m.close()
+        mnt.sync()
+        assert (mnt.back / "w.bin").read_bytes()[:8192] == old[:4096] + b"N" * 4096
+        assert readers[0].read() == old
+    finally:
+        for r in readers:
+            r.close()
+    # truncated and rewritten whole by a new writer while nothing is open: as on any file
+    path.write_bytes(b"short")
+    assert path.read_bytes() == b"short"
+    assert os.stat(path).st_ino == ino
+
+
+def test_a_version_another_node_published_is_read_at_the_next_open(make_mount):
+    m = make_mount(extra=("--coherence-timeout", "0.2"))
+    put(m, "latest.pt", b"A" * (1 << 20))
+    holder = open(m.mnt / "latest.pt", "rb")
+    try:
+        assert holder.read(4) == b"AAAA"
+        put(m, "latest.pt", b"B" * (2 << 20))     # another node's new version
+        wait_for(lambda: (m.mnt / "latest.pt").read_bytes() == b"B" * (2 << 20), timeout=20,
+                 what="the new version at a new open")
+        assert holder.read() == b"A" * ((1 << 20) - 4), "the old open keeps its version"
+    finally:
+        holder.close()
+    assert (m.mnt / "latest.pt").read_bytes() == b"B" * (2 << 20)
+
+
+def test_a_file_larger_than_the_cache_reads_whole_and_right(make_mount):
+    m = make_mount(cache_size="64M")
+    data = random.Random(5).randbytes(160 << 20)
+    put(m, "big.bin", data)
+    h = hashlib.sha256()
+    with open(m.mnt / "big.bin", "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    assert h.digest() == hashlib.sha256(data).digest()
+    with open(m.mnt / "big.bin", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        assert mm[-(1 << 20):] == data[-(1 << 20):]
+    assert m.status()["cache"]["used_bytes"] <= 64 << 20
+
+
+def test_many_readers_of_one_cold_file_share_one_backing_file(mnt):
+    data = random.Random(6).randbytes(4 << 20)
+    put(mnt, "shared.bin", data)
+    files = [open(mnt.mnt / "shared.bin", "rb") for _ in range(8)]
+    try:
+        st = mnt.status()
+        assert st["cold_reads"]["files"] == 1 and st["cold_reads"]["opens"] == 8, st["cold_reads"]
+        assert all(f.read() == data for f in files)
+    finally:
+        for f in files:
+            f.close()
+    assert mnt.status()["cold_reads"]["opens"] == 0
+
+
+@pytest.mark.parametrize("how", ["truncate", "append", "rename_over"])
+def test_changes_by_path_while_a_cold_reader_is_open(mnt, how):
+    """Changes that do not open the file for writing through the reader's kernel inode."""
+    put(mnt, "c.bin", b"x" * 10000)
+    path = mnt.mnt / "c.bin"
+    with open(path, "rb") as r:
+        assert r.read(10) == b"x" * 10
+        if how == "truncate":
+            os.truncate(path, 100)
+            assert os.stat(path).st_size == 100
+            assert path.read_bytes() == b"x" * 100
+        elif how == "append":
+            with open(path, "ab") as a:
+                a.write(b"tail")
+            assert path.read_bytes() == b"x" * 10000 + b"tail"
+        else:
+            (mnt.mnt / "new.bin").write_bytes(b"new")
+            os.rename(mnt.mnt / "new.bin", path)
+            assert path.read_bytes() == b"new"
+        assert r.read(10) == b"x" * 10, "the reader keeps the version it opened"
+    mnt.sync()
+    expect = {"truncate": b"x" * 100, "append": b"x" * 10000 + b"tail", "rename_over": b"new"}[how]
+    assert (mnt.back / "c.bin").read_bytes() == expect

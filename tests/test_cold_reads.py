@@ -18,7 +18,7 @@ import subprocess
 
 import pytest
 
-from conftest import wait_for
+from conftest import ACPFS, wait_for
 
 
 def passthrough_on(m) -> bool:
@@ -126,6 +126,9 @@ def test_many_readers_of_one_cold_file_share_one_backing_file(mnt):
     try:
         st = mnt.status()
         assert st["cold_reads"]["files"] == 1 and st["cold_reads"]["opens"] == 8, st["cold_reads"]
+        out = subprocess.run([*ACPFS, "status", str(mnt.mnt)], capture_output=True, text=True,
+                             check=True).stdout
+        assert "  uncached   1 files read from the backing" in out and "(8 opens;" in out, out
         assert all(f.read() == data for f in files)
     finally:
         for f in files:

@@ -131,6 +131,14 @@ def test_endpoint_counts_what_was_written_and_persisted(make_mount):
     passed = 1 if m.status()["passthrough"]["on"] else 0
     assert grew("acpfs_writer_opens_total", decision="passed_through") == passed
     assert value(after, "acpfs_cache_over_size_bytes", m) == 0
+    (m.back / "cold.bin").write_bytes(b"c" * 4096)   # not in the cache: read from the backing file
+    with open(m.mnt / "cold.bin", "rb") as f:
+        assert f.read() == b"c" * 4096
+        _, reading = scrape(address)
+        assert value(reading, "acpfs_cold_read_files", m) == 1
+    _, read = scrape(address)
+    assert value(read, "acpfs_cold_read_opens_total", m) - value(after, "acpfs_cold_read_opens_total", m) == 1
+    assert value(read, "acpfs_cold_read_files", m) == 0
     assert grew("acpfs_close_to_durable_seconds_count") == 1
     assert grew("acpfs_close_to_durable_seconds_bucket", le="+Inf") == 1
     assert grew("acpfs_close_to_durable_seconds_bucket", le="3600.0") == 1   # within the hour

@@ -38,8 +38,11 @@ TARGET_LABEL = {
     "acpfs-disk": "acpfs, store on disk",   # --cache-dir on the backing disk: page cache bounds RAM
     "acpfs-daemon": "acpfs, daemon path",   # --passthrough off: the pool, every request through the daemon
     "rclone": "rclone",
+    "backing": "backing, direct",   # the cold workload: the same loader on the mount's backing
 }
-WORKLOADS = ["torch", "safetensors", "dcp", "dd", "writers", "admission", "small", "close_flush"]
+COLUMNS = TARGETS + ["backing"]   # targets and the references recorded beside them
+WORKLOADS = ["torch", "safetensors", "dcp", "dd", "writers", "admission", "cold", "small",
+             "close_flush"]
 WRITERS = (1, 2, 4, 8, 16)   # the scaling line of the writers workload (--writers picks)
 
 # metric -> (workload, unit, higher_is_better, description)
@@ -64,6 +67,13 @@ METRICS = {
     "loop_b2b_save": ("admission", "GB/s", True, "the same loop, steps back to back (the "
                       "flusher behind): steps 2-5"),
     "loop_b2b_passed": ("admission", "%", True, "opens of steps 2-5 passed through, back to back"),
+    "cold_read": ("cold", "GB/s", True, "read() in 8 MiB pieces of a file the cache does not hold"),
+    "cold_read_again": ("cold", "GB/s", True, "the same file read again (second open; "
+                        "/dev/shm: a copy there)"),
+    "cold_np_memmap": ("cold", "GB/s", True, "np.memmap + touch every page, file not in the cache"),
+    "cold_torch_mmap": ("cold", "GB/s", True, "torch.load(mmap=True) + touch every page, "
+                        "file not in the cache"),
+    "cold_st_load": ("cold", "GB/s", True, "safetensors load_file + touch, file not in the cache"),
     "small_create": ("small", "files/s", True, "small files: create+write+close"),
     "small_stat": ("small", "files/s", True, "small files: stat"),
     "small_unlink": ("small", "files/s", True, "small files: unlink"),
@@ -620,6 +630,45 @@ class Bench:
                 t.settle(d)
         t.remove(d)
 
+    def wl_cold(self, t: Target, rep: int) -> None:
+        """A resume on a node whose cache does not hold the checkpoint: files written straight
+        into the mount's backing (so in its page cache, as after a read there), each loaded
+        through the mount once (a fresh name: never cached) and the same loader run directly
+        on the backing file, side by side; then the second read, against a copy in /dev/shm."""
+        if not isinstance(t, Acpfs):
+            return
+        d = os.path.join(t.backing, f"cold-r{rep}")
+        os.makedirs(d)
+        loaders = [("cold_read", "read_file", {}), ("cold_np_memmap", "np_memmap", {}),
+                   ("cold_torch_mmap", "torch_load", {"mmap": True})]
+        for metric, op, kw in loaders:
+            back = os.path.join(d, f"{metric}.pt")
+            self.w.call("torch_save", path=back, fsync=False)
+            gb = os.path.getsize(back) / 1e9
+            r = self.w.call(op, path=back, **kw)
+            self.record(metric, "backing", rep, gb / r["s"])
+            through = os.path.join(t.root, f"cold-r{rep}", f"{metric}.pt")
+            r = self.w.call(op, path=through, **kw)
+            self.record(metric, t.name, rep, gb / r["s"])
+            if metric == "cold_read":
+                r = self.w.call(op, path=through)
+                self.record("cold_read_again", t.name, rep, gb / r["s"])
+                if t.name == "acpfs":
+                    copy = os.path.join(self.shm, "cold-copy.pt")
+                    shutil.copyfile(back, copy)
+                    r = self.w.call(op, path=copy)
+                    self.record("cold_read_again", "shm", rep, gb / r["s"])
+                    os.unlink(copy)
+        back = os.path.join(d, "cold_st_load.safetensors")
+        self.w.call("st_save", path=back, fsync=False)
+        gb = os.path.getsize(back) / 1e9
+        r = self.w.call("st_load", path=back)
+        self.record("cold_st_load", "backing", rep, gb / r["s"])
+        r = self.w.call("st_load", path=os.path.join(t.root, f"cold-r{rep}", os.path.basename(back)))
+        self.record("cold_st_load", t.name, rep, gb / r["s"])
+        self.extra.setdefault("cold_reads", {}).setdefault(t.name, []).append(t.status()["cold_reads"])
+        t.remove(os.path.join(t.root, f"cold-r{rep}"))
+
     def wl_small(self, t: Target, rep: int) -> None:
         d = self.fresh(t, "small", rep)
         n = self.args.small_files
@@ -835,6 +884,12 @@ class Bench:
         ok = self.extra.get("mmap_ok", {}).get("acpfs")
         add("torch_load_mmap", "mmap=True works", None, None if ok is None else all(ok),
             "works" if ok and all(ok) else ("fails" if ok else "-"))
+        for metric in ("cold_read", "cold_np_memmap", "cold_torch_mmap", "cold_st_load"):
+            r = ratio(metric, "acpfs", "backing")
+            add(metric, ">=0.9x backing, direct", r, None if r is None else r >= 0.9,
+                f"{r:.2f}x" if r else "-")
+        r = ratio("cold_read_again", "acpfs", "shm")
+        add("cold_read_again", ">=0.9x shm", r, None if r is None else r >= 0.9, f"{r:.2f}x" if r else "-")
         r = ratio("small_create", "acpfs", "rclone")
         add("small_create", ">=1.0x rclone", r, None if r is None else r >= 1.0, f"{r:.2f}x" if r else "-")
         v = m("rss_100k_mib", "acpfs")
@@ -848,7 +903,7 @@ class Bench:
         checks = self.checks(med)
         self.extra["medians"] = {f"{k[0]}|{k[1]}": v for k, v in med.items()}
         self.extra["checks"] = checks
-        names = [n for n in TARGETS if any(k[1] == n for k in med)]
+        names = [n for n in COLUMNS if any(k[1] == n for k in med)]
         by_metric: dict[str, list[dict]] = {}
         for c in checks:
             by_metric.setdefault(c["metric"], []).append(c)
@@ -862,7 +917,7 @@ class Bench:
                  f"acpfs {self.meta.get('acpfs_commit', '?')}", ""]
         hdr = ["metric", "unit"] + [TARGET_LABEL[n] for n in names] + \
             ["acpfs/shm", "acpfs/disk", "acpfs/rclone", "store on disk/shm", "daemon path/shm",
-             "target"]
+             "acpfs/backing", "daemon path/backing", "target"]
         lines.append("| " + " | ".join(hdr) + " |")
         lines.append("|" + "|".join("---" for _ in hdr) + "|")
         for metric, (_wl, unit, higher, _desc) in METRICS.items():
@@ -873,7 +928,8 @@ class Bench:
                 v = med.get((metric, n))
                 row.append(fmt(v["median"]) if v else "-")
             for mine, other in (("acpfs", "shm"), ("acpfs", "disk"), ("acpfs", "rclone"),
-                                ("acpfs-disk", "shm"), ("acpfs-daemon", "shm")):
+                                ("acpfs-disk", "shm"), ("acpfs-daemon", "shm"),
+                                ("acpfs", "backing"), ("acpfs-daemon", "backing")):
                 x, y = med.get((metric, mine)), med.get((metric, other))
                 row.append(f"{x['median'] / y['median']:.2f}" if x and y and y["median"] else "-")
             row.append("; ".join(f"{c['goal']}: {c['shown']} {c['result']}" for c in by_metric.get(metric, [])))

@@ -170,6 +170,17 @@ class Worker:
         del sd
         return {"s": s, "ok": ok}
 
+    def read_file(self, path: str, piece: int = 8 << 20) -> dict:
+        """read() of a whole file in ``piece``-sized pieces into one buffer (a loader that
+        reads rather than maps)."""
+        buf = bytearray(piece)
+        n = 0
+        t = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while got := f.readinto(buf):
+                n += got
+        return {"s": time.perf_counter() - t, "bytes": n}
+
     def np_memmap(self, path: str) -> dict:
         """A file mapped by np.memmap (as weight loaders of raw arrays do), every 4 KiB page
         read once: the mmap load path, without a framework's parsing."""

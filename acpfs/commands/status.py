@@ -130,6 +130,11 @@ def render_status(d: dict[str, Any]) -> str:
         *([f"  store      {c['store']} on {c['filesystem']}: RAM bounded by the "
             f"{c['ram_bounded_by']}"] if c.get("filesystem") else []),
         f"  data path  {data_path(d)}",
+        *([f"  uncached   {cr['files']} files read from the backing "
+           f"{'file by the kernel' if (d.get('passthrough') or {}).get('on') else 'by the daemon'} "
+           f"now ({cr['opens']} opens; {cr['opened']} since mount"
+           + (f"; {cr['refused']} refused by the kernel" if cr.get("refused") else "") + ")"]
+          if (cr := d.get("cold_reads") or {}).get("opened") else []),
         f"  dirty      {di['files']} files, {format_size(di['bytes'])}",
         f"  flushing   {fl['files']} files, {format_size(fl['bytes'])} "
         f"({fl['in_flight']} uploads in flight, {d['queue']['pending_ops']} operations queued)",

@@ -69,6 +69,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "acpfs_writer_opens_total": ("counter", "opens for writing that could have been passed "
                                  "through, by decision (passed_through, unknown_size, no_room, "
                                  "over_size)"),
+    "acpfs_cold_read_opens_total": ("counter", "opens of files not in the cache, read from the "
+                                    "backing file by the kernel (passthrough) or the daemon"),
+    "acpfs_cold_read_files": ("gauge", "files not in the cache open for reading from the "
+                              "backing file now"),
     "acpfs_cache_over_size_bytes": ("gauge", "bytes the cache holds past --cache-size (files "
                                     "written with passthrough that grew), 0 if none"),
     "acpfs_close_to_durable_seconds": ("histogram", "time from a file's last close (its "
@@ -84,6 +88,7 @@ GAUGES = {
     "acpfs_cache_peak_used_bytes": "cache.peak_used_bytes",
     "acpfs_cached_files": "cache.cached_files",
     "acpfs_cache_over_size_bytes": "cache.over_limit_bytes",
+    "acpfs_cold_read_files": "cold_reads.files",
     "acpfs_dirty_bytes": "dirty.bytes",
     "acpfs_dirty_files": "dirty.files",
     "acpfs_flushing_bytes": "flushing.bytes",
@@ -99,6 +104,7 @@ COUNTERS = {
     "acpfs_write_through_bytes_total": "write_through.bytes",
     "acpfs_write_through_files_total": "write_through.files",
     "acpfs_backing_reopened_total": "backing_reopened.count",
+    "acpfs_cold_read_opens_total": "cold_reads.opened",
 }
 
 Sample = tuple[str, dict[str, str], float]   # (name with suffix, labels, value)

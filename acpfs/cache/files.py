@@ -178,8 +178,12 @@ class Files:
             return self.backing.open_version(inodes.backing_path(node.backing_parent), node.backing_name,
                                              node.backing_version if verify else None)[0]
 
-    def read_backing_into(self, node: Node, content: Content) -> None:
-        """Worker thread: fill ``content`` with the backing content of ``node``."""
+    def read_backing_into(self, node: Node, content: Content, fd: int = -1) -> None:
+        """Worker thread: fill ``content`` with the backing content of ``node`` (from ``fd``,
+        a descriptor of that version, where given: the backing then sees one open)."""
+        if fd >= 0:
+            self.store.fill(content, fd, node.size, self.backing)
+            return
         fd = self.open_backing_copy(node)
         try:
             self.store.fill(content, fd, node.size, self.backing)

@@ -72,10 +72,11 @@ class ColdReads:
     @staticmethod
     def shares(served: Served, node: Node) -> bool:
         """A reader of a kernel inode passed through to ``served`` may be passed through to
-        it too: it holds the version the node shows, and nothing newer is cached or queued."""
+        it too: it holds the version the node shows, and nothing newer is cached (a copy
+        kept since, clean, is that version) or queued."""
         return (served.node is node and node.generation == served.generation
-                and node.content is None and node.staged is None and not node.writers
-                and not node.publish_ops)
+                and node.staged is None and not node.writers and not node.publish_ops
+                and not node.dirty)
 
     def conflicts(self, nodeid: int, node: Node, writable: bool) -> None:
         """Before an open of kernel inode ``nodeid`` takes any path: ESTALE when that kernel

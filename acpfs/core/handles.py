@@ -58,6 +58,8 @@ class Kernel(Protocol):
     def unregister(self, backing_id: int) -> None: ...
 
 
+# a file read from the backing is kept in the cache when it takes at most this share of it
+KEEP_SHARE = 0.5
 PASSTHROUGH_LOOK = 0.5   # s between looks at the files writers passed through have written
 UNSHARED_POLL = 0.005   # s between looks at a memory file an upload still holds (Handles.unshared)
 
@@ -100,6 +102,7 @@ class Handles:
         self.admission = admission   # which writers may be passed through
         self.direct_io_mmap = direct_io_mmap   # asked at each open: the INIT reply decides
         self.handles: dict[int, Handle] = {}
+        self._nursery: trio.Nursery | None = None
         self.cold = ColdReads(inodes, files, kernel)   # uncached files read by the kernel itself
         # opens of each kernel inode (node id), counted from the start of the open: the kernel
         # allows only one kind of open per kernel inode (passthrough or not, one backing file)
@@ -108,6 +111,7 @@ class Handles:
         self._next_fh = 1
 
     def start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery   # files read from the backing are kept in the background
         if self.kernel is not None:
             nursery.start_soon(self._count_passthrough_writes)
 
@@ -174,6 +178,10 @@ class Handles:
         append = bool(flags & os.O_APPEND)
         if claimed:
             served = await self.cold.open(ino, node, claimed)
+            if served is not None and claimed == "open" and self._nursery is not None \
+                    and node.size <= self.files.store.limit * KEEP_SHARE:
+                self._nursery.start_soon(self._keep, node, os.dup(served.fd),
+                                         served.generation)
             if served is not None:
                 self.files.open(node, False, False)
                 h = Handle(node, False, append, nodeid=ino)
@@ -436,26 +444,52 @@ class Handles:
         persisted files, the answer is ENOSPC at once. A preloaded file is clean and
         evictable like any persisted file.
         """
-        files = self.files
         if not node.is_reg:
             raise err(errno.EINVAL, "only regular files can be preloaded")
-        await self.wt.settle(node)
-        if node.content is None and node.staged is None:
-            if node.size > files.store.limit:
-                raise err(errno.EFBIG, "file larger than the cache")
-            async with self.wt.copying(node):
-                if node.content is None:
-                    try:
-                        content = files.copy_up(node)
-                    except CacheFull:
-                        raise err(errno.ENOSPC, "cache full") from None
-                    try:
-                        await trio.to_thread.run_sync(files.read_backing_into, node, content)
-                    except BaseException:
-                        files.release_content(content)
-                        raise
-                    files.attach_content(node, content)
-                    files.maybe_evictable(node)
-        files.touch(node)
+        if node.size > self.files.store.limit:
+            raise err(errno.EFBIG, "file larger than the cache")
+        try:
+            await self._copy_in(node)
+        except CacheFull:
+            raise err(errno.ENOSPC, "cache full") from None
+        self.files.touch(node)
         return json.dumps({"size": node.size, "cached": node.content is not None}).encode()
 
+    async def _keep(self, node: Node, fd: int, version: int) -> None:
+        """A file opened from the backing (``fd``: the readers' version) is copied into the
+        cache meanwhile, several ranges at once, clean and evictable: the next open reads it
+        from memory. Not where there is no room without evicting what is not persisted, nor
+        after a change."""
+        try:
+            await self._copy_in(node, fd, version)
+        except CacheFull:
+            log.debug("%s: not kept: no room in the cache", node_path(node))
+        except OSError as e:   # changed or gone in the backing meanwhile: the next open sees
+            log.debug("%s: not kept: %s", node_path(node), e)
+        finally:
+            os.close(fd)
+
+    async def _copy_in(self, node: Node, fd: int = -1, version: int | None = None) -> None:
+        """Copy the backing version of a file that is neither cached nor staged into the
+        cache (raises CacheFull, or OSError from the backing); ``fd``: a descriptor of
+        version ``version`` (``Node.generation``), copied only while the node shows it."""
+        files = self.files
+        await self.wt.settle(node)
+        if node.content is not None or node.staged is not None:
+            return
+        async with self.wt.copying(node):
+            if version is None:
+                version = node.generation
+            if node.content is None and node.staged is None and node.nlink \
+                    and node.generation == version:
+                content = files.copy_up(node)
+                try:
+                    await trio.to_thread.run_sync(files.read_backing_into, node, content, fd)
+                except BaseException:
+                    files.release_content(content)
+                    raise
+                if node.generation != version or node.staged is not None:
+                    files.release_content(content)   # another version came meanwhile
+                    return
+                files.attach_content(node, content)
+                files.maybe_evictable(node)

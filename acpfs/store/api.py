@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Any, ContextManager, Iterator, Protocol
+import threading
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 Content = Any   # a store's handle: list[int] for the pool, filestore.MemFile for memory files
 
@@ -49,7 +50,8 @@ class Store(Protocol):
     def alloc(self, size: int) -> Content:
         """Room for ``size`` bytes, to be filled (``fill``); raises CacheFull."""
     def fill(self, c: Content, src_fd: int, size: int, backing: Any) -> None:
-        """Worker thread: copy ``size`` bytes from ``src_fd``, a file of ``backing``, into ``c``."""
+        """Worker thread: copy ``size`` bytes from ``src_fd``, a file of ``backing``, into ``c``,
+        several ranges at once (``in_ranges``)."""
     def need(self, c: Content, off: int, end: int) -> int:
         """Bytes a write of [off, end) would take from the free space."""
     def need_truncate(self, c: Content, size: int, new: int) -> int:
@@ -90,6 +92,71 @@ def status_of(store: Store) -> dict[str, Any]:
     return {"used_bytes": store.used, "limit_bytes": store.limit, "peak_used_bytes": store.peak,
             "over_limit_bytes": max(0, store.used - store.limit), "block_size": store.unit,
             "store": store.kind}
+
+
+FILL_STREAMS = 4          # ranges of one file copied into the cache at once (``in_ranges``)
+FILL_CHUNK = 16 << 20     # bytes each range takes at a time
+
+
+def in_ranges(size: int, copy: Callable[[int, int], None], unit: int = 1,
+              streams: int = FILL_STREAMS) -> None:
+    """Call ``copy(off, n)`` over [0, ``size``) in chunks of FILL_CHUNK (a multiple of
+    ``unit``), ``streams`` threads at once: a backing that answers each request after a
+    round trip (NFS, Lustre) delivers several ranges in the time of one. The first error
+    stops the others and is raised."""
+    chunk = max(unit, FILL_CHUNK // unit * unit)
+    if size <= chunk or streams <= 1:
+        for off in range(0, size, chunk):
+            copy(off, min(chunk, size - off))
+        return
+    offsets = iter(range(0, size, chunk))
+    lock = threading.Lock()
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        while not failed:
+            with lock:
+                off = next(offsets, None)
+            if off is None:
+                return
+            try:
+                copy(off, min(chunk, size - off))
+            except BaseException as e:   # noqa: BLE001 (raised in the caller's thread)
+                failed.append(e)
+    threads = [threading.Thread(target=work, name="acpfs-fill", daemon=True)
+               for _ in range(min(streams, -(-size // chunk)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[0]
+
+
+def copy_range(src: int, dst: int, off: int, n: int) -> None:
+    """Copy bytes [off, off + n) of ``src`` to the same offsets of ``dst`` (any thread:
+    no file position is used): copy_file_range where the two filesystems allow it, else
+    pread and pwrite. Stops early at the end of ``src``."""
+    end = off + n
+    try:
+        while off < end:
+            got = os.copy_file_range(src, dst, end - off, off, off)
+            if got == 0:
+                return
+            off += got
+        return
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    buf = memoryview(bytearray(min(n, 4 << 20)))
+    while off < end:
+        got = os.preadv(src, [buf[:min(len(buf), end - off)]], off)
+        if got == 0:
+            return
+        done = 0
+        while done < got:
+            done += os.pwritev(dst, [buf[done:got]], off + done)
+        off += got
 
 
 def copy_fd(src: int, dst: int, size: int) -> None:

@@ -32,7 +32,7 @@ import threading
 from typing import Callable, Iterator
 
 from ..config import ram_filesystem
-from .api import CacheFull, copy_fd
+from .api import CacheFull, copy_fd, copy_range, in_ranges
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +205,8 @@ class MemFiles:
 
     def fill(self, mf: MemFile, src_fd: int, size: int, backing) -> None:
         with self._opened(mf) as fd:
-            backing.copy_file(src_fd, fd, size)
             os.ftruncate(fd, size)
+            in_ranges(size, lambda off, n: copy_range(src_fd, fd, off, n))
 
     def need(self, mf: MemFile, off: int, end: int) -> int:
         size = os.fstat(self._fd(mf)).st_size

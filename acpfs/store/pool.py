@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..config import DEFAULT_BLOCK_SIZE
-from .api import CacheFull
+from .api import CacheFull, in_ranges
 
 log = logging.getLogger(__name__)
 
@@ -191,11 +191,15 @@ class Pool:
     def fill(self, blocks: list[int], src_fd: int, size: int, backing) -> None:
         bs = self.block_size
         view = self.view
-        for i, b in enumerate(blocks):
-            want = min(bs, size - i * bs)
-            got = backing.read_into(src_fd, view[b * bs:b * bs + want], i * bs)
-            if got < bs:
-                self.mem[b * bs + got:(b + 1) * bs] = 0
+
+        def blocks_of(off: int, n: int) -> None:
+            for i in range(off // bs, -(-(off + n) // bs)):
+                b = blocks[i]
+                want = min(bs, size - i * bs)
+                got = backing.read_into(src_fd, view[b * bs:b * bs + want], i * bs)
+                if got < bs:
+                    self.mem[b * bs + got:(b + 1) * bs] = 0
+        in_ranges(min(size, len(blocks) * bs), blocks_of, unit=bs)
 
     def need(self, blocks: list[int], off: int, end: int) -> int:
         bs = self.block_size

@@ -446,7 +446,7 @@ class Handles:
         """
         if not node.is_reg:
             raise err(errno.EINVAL, "only regular files can be preloaded")
-        if node.size > self.files.store.limit:
+        if node.content is None and node.staged is None and node.size > self.files.store.limit:
             raise err(errno.EFBIG, "file larger than the cache")
         try:
             await self._copy_in(node)

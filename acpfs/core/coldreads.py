@@ -48,7 +48,7 @@ class Kernel(Protocol):
 class Served:
     """A kernel inode whose opens read one version of a backing file: passed through to it
     (``backing_id``), or read by the daemon from ``fd`` (``backing_id`` 0)."""
-    __slots__ = ("node", "fd", "backing_id", "generation", "opens")
+    __slots__ = ("node", "fd", "backing_id", "generation", "opens", "idle")
 
     def __init__(self, node: Node, fd: int, backing_id: int, generation: int) -> None:
         self.node = node
@@ -56,6 +56,9 @@ class Served:
         self.backing_id = backing_id
         self.generation = generation  # Node.generation when it was opened
         self.opens = 0
+        # set once its last open is closed: a copy into the cache from a fast backing waits
+        # for it (Fetch._keep), so that it never takes CPU from the readers
+        self.idle = trio.Event()
 
 
 class ColdReads:
@@ -169,6 +172,7 @@ class ColdReads:
             del self.opens_of[node.ino]
         if served.opens:
             return
+        served.idle.set()
         del self.serving[nodeid]
         if served.backing_id:
             try:

@@ -20,7 +20,6 @@ backing reads run in worker threads. ``Handle.backing_fd`` is closed on the trio
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import stat as statmod
@@ -29,10 +28,10 @@ from typing import Callable, Protocol
 import trio
 
 from ..config import Options, format_size
-from ..store.api import CacheFull
 from ..cache.admission import Admission
 from ..cache.files import Files
 from .coldreads import ColdReads
+from .fetch import Fetch
 from .loader import Loader
 from .longopen import LongOpen
 from ..cache.inodes import Inodes
@@ -58,8 +57,6 @@ class Kernel(Protocol):
     def unregister(self, backing_id: int) -> None: ...
 
 
-# a file read from the backing is kept in the cache when it takes at most this share of it
-KEEP_SHARE = 0.5
 PASSTHROUGH_LOOK = 0.5   # s between looks at the files writers passed through have written
 UNSHARED_POLL = 0.005   # s between looks at a memory file an upload still holds (Handles.unshared)
 
@@ -102,7 +99,7 @@ class Handles:
         self.admission = admission   # which writers may be passed through
         self.direct_io_mmap = direct_io_mmap   # asked at each open: the INIT reply decides
         self.handles: dict[int, Handle] = {}
-        self._nursery: trio.Nursery | None = None
+        self.fetch = Fetch(files, wt)   # copies of backing files into the cache
         self.cold = ColdReads(inodes, files, kernel)   # uncached files read by the kernel itself
         # opens of each kernel inode (node id), counted from the start of the open: the kernel
         # allows only one kind of open per kernel inode (passthrough or not, one backing file)
@@ -111,7 +108,7 @@ class Handles:
         self._next_fh = 1
 
     def start(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery   # files read from the backing are kept in the background
+        self.fetch.start(nursery)
         if self.kernel is not None:
             nursery.start_soon(self._count_passthrough_writes)
 
@@ -178,10 +175,8 @@ class Handles:
         append = bool(flags & os.O_APPEND)
         if claimed:
             served = await self.cold.open(ino, node, claimed)
-            if served is not None and claimed == "open" and self._nursery is not None \
-                    and node.size <= self.files.store.limit * KEEP_SHARE:
-                self._nursery.start_soon(self._keep, node, os.dup(served.fd),
-                                         served.generation)
+            if served is not None and claimed == "open":
+                self.fetch.keep(node, served.fd, served.generation, served.idle)
             if served is not None:
                 self.files.open(node, False, False)
                 h = Handle(node, False, append, nodeid=ino)
@@ -436,60 +431,3 @@ class Handles:
     async def fsync(self, fh: int) -> None:
         if self.opts.fsync_backing:
             await self.wt.fsync(self.handle(fh).node)
-
-    async def preload(self, node: Node) -> bytes:
-        """``user.acpfs.preload``: read a file's backing copy into the cache, for a fast resume.
-
-        Never waits for the flusher: when the cache cannot hold the file even after evicting
-        persisted files, the answer is ENOSPC at once. A preloaded file is clean and
-        evictable like any persisted file.
-        """
-        if not node.is_reg:
-            raise err(errno.EINVAL, "only regular files can be preloaded")
-        if node.content is None and node.staged is None and node.size > self.files.store.limit:
-            raise err(errno.EFBIG, "file larger than the cache")
-        try:
-            await self._copy_in(node)
-        except CacheFull:
-            raise err(errno.ENOSPC, "cache full") from None
-        self.files.touch(node)
-        return json.dumps({"size": node.size, "cached": node.content is not None}).encode()
-
-    async def _keep(self, node: Node, fd: int, version: int) -> None:
-        """A file opened from the backing (``fd``: the readers' version) is copied into the
-        cache meanwhile, several ranges at once, clean and evictable: the next open reads it
-        from memory. Not where there is no room without evicting what is not persisted, nor
-        after a change."""
-        try:
-            await self._copy_in(node, fd, version)
-        except CacheFull:
-            log.debug("%s: not kept: no room in the cache", node_path(node))
-        except OSError as e:   # changed or gone in the backing meanwhile: the next open sees
-            log.debug("%s: not kept: %s", node_path(node), e)
-        finally:
-            os.close(fd)
-
-    async def _copy_in(self, node: Node, fd: int = -1, version: int | None = None) -> None:
-        """Copy the backing version of a file that is neither cached nor staged into the
-        cache (raises CacheFull, or OSError from the backing); ``fd``: a descriptor of
-        version ``version`` (``Node.generation``), copied only while the node shows it."""
-        files = self.files
-        await self.wt.settle(node)
-        if node.content is not None or node.staged is not None:
-            return
-        async with self.wt.copying(node):
-            if version is None:
-                version = node.generation
-            if node.content is None and node.staged is None and node.nlink \
-                    and node.generation == version:
-                content = files.copy_up(node)
-                try:
-                    await trio.to_thread.run_sync(files.read_backing_into, node, content, fd)
-                except BaseException:
-                    files.release_content(content)
-                    raise
-                if node.generation != version or node.staged is not None:
-                    files.release_content(content)   # another version came meanwhile
-                    return
-                files.attach_content(node, content)
-                files.maybe_evictable(node)

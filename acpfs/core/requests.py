@@ -307,7 +307,7 @@ class Core:
     async def getxattr(self, ino: int, name: bytes, uid: int = 0) -> bytes:
         node = self.node(ino)
         if name == control.PRELOAD:
-            return await self.handles.preload(node)
+            return await self.handles.fetch.preload(node)
         if name.startswith(control.PREFIX):
             # file names are for root and the mount's owner (with --allow-other, other users
             # could otherwise read names inside directories they may not list)

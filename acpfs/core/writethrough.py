@@ -348,7 +348,7 @@ class WriteThrough:
 
     @contextlib.asynccontextmanager
     async def copying(self, node: Node) -> AsyncIterator[None]:
-        """One copy into the cache per file at a time (``cached`` and ``Handles.preload``);
+        """One copy into the cache per file at a time (``cached`` and ``Fetch.copy_in``);
         whoever holds it looks again whether the copy is still needed."""
         lk = self._copy_locks.get(node.ino)
         if lk is None:

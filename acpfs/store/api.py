@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 Content = Any   # a store's handle: list[int] for the pool, filestore.MemFile for memory files
@@ -51,7 +52,7 @@ class Store(Protocol):
         """Room for ``size`` bytes, to be filled (``fill``); raises CacheFull."""
     def fill(self, c: Content, src_fd: int, size: int, backing: Any) -> None:
         """Worker thread: copy ``size`` bytes from ``src_fd``, a file of ``backing``, into ``c``,
-        several ranges at once (``in_ranges``)."""
+        several ranges at once where it is slow (``in_ranges``)."""
     def need(self, c: Content, off: int, end: int) -> int:
         """Bytes a write of [off, end) would take from the free space."""
     def need_truncate(self, c: Content, size: int, new: int) -> int:
@@ -96,20 +97,45 @@ def status_of(store: Store) -> dict[str, Any]:
 
 FILL_STREAMS = 4          # ranges of one file copied into the cache at once (``in_ranges``)
 FILL_CHUNK = 16 << 20     # bytes each range takes at a time
+# a first chunk that came at least this fast came from memory (the backing's page cache, a
+# local disk): more streams would only take CPU from the programs; slower, it came over a
+# network, where each request waits a round trip, and the other streams start
+FILL_FAST = 1 << 30       # bytes/s
+
+
+def fast_source(fd: int, size: int) -> bool:
+    """Whether the first FILL_CHUNK of ``fd`` reads at FILL_FAST or faster (from memory: the
+    page cache, a local disk), timed; it is in the page cache afterwards."""
+    n = min(FILL_CHUNK, size)
+    buf = memoryview(bytearray(min(n, 4 << 20)))
+    start = time.monotonic()
+    off = 0
+    while off < n:
+        got = os.preadv(fd, [buf[:min(len(buf), n - off)]], off)
+        if got == 0:
+            break
+        off += got
+    return off >= FILL_FAST * (time.monotonic() - start)
 
 
 def in_ranges(size: int, copy: Callable[[int, int], None], unit: int = 1,
               streams: int = FILL_STREAMS) -> None:
     """Call ``copy(off, n)`` over [0, ``size``) in chunks of FILL_CHUNK (a multiple of
-    ``unit``), ``streams`` threads at once: a backing that answers each request after a
+    ``unit``): the first one alone and timed, the rest by one thread when it was fast
+    (FILL_FAST), else by ``streams`` at once: a backing that answers each request after a
     round trip (NFS, Lustre) delivers several ranges in the time of one. The first error
     stops the others and is raised."""
     chunk = max(unit, FILL_CHUNK // unit * unit)
-    if size <= chunk or streams <= 1:
-        for off in range(0, size, chunk):
+    start = time.monotonic()
+    copy(0, min(chunk, size))
+    took = time.monotonic() - start
+    if size <= chunk:
+        return
+    if streams <= 1 or min(chunk, size) >= FILL_FAST * took:
+        for off in range(chunk, size, chunk):
             copy(off, min(chunk, size - off))
         return
-    offsets = iter(range(0, size, chunk))
+    offsets = iter(range(chunk, size, chunk))
     lock = threading.Lock()
     failed: list[BaseException] = []
 
@@ -124,7 +150,7 @@ def in_ranges(size: int, copy: Callable[[int, int], None], unit: int = 1,
             except BaseException as e:   # noqa: BLE001 (raised in the caller's thread)
                 failed.append(e)
     threads = [threading.Thread(target=work, name="acpfs-fill", daemon=True)
-               for _ in range(min(streams, -(-size // chunk)))]
+               for _ in range(min(streams, -(-(size - chunk) // chunk)))]
     for t in threads:
         t.start()
     for t in threads:

@@ -265,22 +265,22 @@ def test_preload(seeded):
         assert answer == {"size": len(small), "cached": True}
         assert s.content is not None and h.store.used == 4 * BS
         assert bytes(h.cache.files.read(s, 0, CACHE)) == small
-        assert json.loads(await core.handles.preload(s)) == answer        # again: nothing to do
+        assert json.loads(await core.handles.fetch.preload(s)) == answer        # again: nothing to do
         assert h.store.used == 4 * BS
 
-        await raises(errno.EFBIG, core.handles.preload, await core.lookup(ROOT, b"big"))
-        await raises(errno.EINVAL, core.handles.preload, await core.lookup(ROOT, b"d"))
+        await raises(errno.EFBIG, core.handles.fetch.preload, await core.lookup(ROOT, b"big"))
+        await raises(errno.EINVAL, core.handles.fetch.preload, await core.lookup(ROOT, b"d"))
 
         fh, w = await create(core, b"w")                           # 8 blocks dirty, open
         await write(core, fh, b"w" * (8 * BS))
         m = await core.lookup(ROOT, b"mid")
         t = time.monotonic()
-        await raises(errno.ENOSPC, core.handles.preload, m)                # 4 + 8 + 10 > 16
+        await raises(errno.ENOSPC, core.handles.fetch.preload, m)                # 4 + 8 + 10 > 16
         assert time.monotonic() - t < 0.2                          # never waits for the flusher
         assert m.content is None and h.store.used <= 12 * BS
         await close(core, fh)
         await drain(h)                                             # w is persisted: evictable
-        answer = json.loads(await core.handles.preload(m))
+        answer = json.loads(await core.handles.fetch.preload(m))
         assert answer == {"size": len(mid), "cached": True}
         fr, _, _ = await core.handles.open(m.ino, os.O_RDONLY)
         assert await read(core, fr, CACHE) == mid                 # from the cache
@@ -294,7 +294,7 @@ def test_preload_of_a_staged_file_reports_not_cached(h):
         fh, node = await create(core, b"big")
         await write(core, fh, pattern(CACHE + BS))                 # written through
         assert node.staged is not None
-        assert json.loads(await core.handles.preload(node)) == {"size": CACHE + BS, "cached": False}
+        assert json.loads(await core.handles.fetch.preload(node)) == {"size": CACHE + BS, "cached": False}
         await close(core, fh)
         await drain(h)
     run(h, test)
@@ -454,7 +454,7 @@ def test_a_copy_of_another_version_than_checked_is_estale(seeded):
     async def test(core):
         node = await core.lookup(ROOT, b"f")
         _replace(h.back / "f", b"b" * 300)               # after the check of the lookup
-        await raises(errno.ESTALE, core.handles.preload, node)
+        await raises(errno.ESTALE, core.handles.fetch.preload, node)
         assert node.content is None and h.store.used == 0 * BS
     run(h, test, coherence_timeout=3600.0)
 

@@ -82,3 +82,60 @@ def test_a_restart_claims_what_the_journal_names_and_removes_the_rest(tmp_path):
     with pytest.raises(OSError, match="gone"):
         r2.claim_refs([[9999]])
     r2.close()
+
+
+# -- fills of the cache in ranges (store.api.in_ranges) -------------------------------------
+
+def test_ranges_cover_a_file_once_each_with_streams_only_for_a_slow_backing(monkeypatch):
+    import threading
+    import time as time_mod
+
+    from acpfs.store import api
+    monkeypatch.setattr(api, "FILL_CHUNK", 1 << 20)
+    for slow in (False, True):
+        seen: list[tuple[int, int]] = []
+        threads: set[str] = set()
+
+        def copy(off: int, n: int) -> None:
+            if slow:
+                time_mod.sleep(0.02)     # 1 MiB in 20 ms: 50 MB/s, a network's round trips
+            seen.append((off, n))
+            threads.add(threading.current_thread().name)
+        size = 10 * (1 << 20) + 123
+        api.in_ranges(size, copy, unit=4096)
+        assert sorted(seen) == [(off, min(1 << 20, size - off)) for off in range(0, size, 1 << 20)]
+        assert (len(threads) > 1) == slow, threads
+
+
+def test_an_error_in_one_range_stops_the_fill_and_reaches_the_caller(monkeypatch):
+    import time as time_mod
+
+    from acpfs.store import api
+    monkeypatch.setattr(api, "FILL_CHUNK", 1 << 20)
+
+    def copy(off: int, n: int) -> None:
+        time_mod.sleep(0.01)
+        if off == 5 << 20:
+            raise OSError(5, "backing failed")
+    with pytest.raises(OSError, match="backing failed"):
+        api.in_ranges(20 << 20, copy)
+
+
+def test_copy_range_copies_at_the_same_offsets_across_filesystems(tmp_path):
+    from acpfs.store.api import copy_range
+    src = tmp_path / "src"
+    data = os.urandom(3 << 20)
+    src.write_bytes(data)
+    dst = "/dev/shm/acpfs-test-copy-range"    # tmpfs: copy_file_range refuses (EXDEV)
+    s = os.open(src, os.O_RDONLY)
+    d = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(d, len(data))
+        copy_range(s, d, 1 << 20, 1 << 20)
+        copy_range(s, d, 0, 1 << 20)
+        copy_range(s, d, 2 << 20, 5 << 20)   # past the end: stops there
+        assert os.pread(d, len(data), 0) == data
+    finally:
+        os.close(s)
+        os.close(d)
+        os.unlink(dst)

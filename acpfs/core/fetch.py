@@ -1,0 +1,121 @@
+"""Copies of backing files into the cache: ``acpfs preload`` (``preload``), and files read
+from the backing kept once read (``keep``).
+
+Owns the copies in flight: at most KEEPS files kept at a time (``_keeps``) and the worker
+threads the copies take (``_fills``); one copy per file at a time is
+``WriteThrough.copying``'s. A copy is several ranges at once where the backing is slow
+(``store.api.in_ranges``); a file is attached to its node only if the node still shows the
+version copied (``Node.generation``), clean and evictable like any persisted file.
+
+Runs on the trio thread; the copies in worker threads.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+
+import trio
+
+from ..cache.files import Files
+from ..node import Node, err, node_path
+from ..store.api import CacheFull, fast_source
+from .writethrough import WriteThrough
+
+log = logging.getLogger(__name__)
+
+# a file read from the backing is kept in the cache when it takes at most this share of it
+KEEP_SHARE = 0.5
+KEEPS = 8   # files copied into the cache after a read, at once
+
+
+class Fetch:
+    def __init__(self, files: Files, wt: WriteThrough) -> None:
+        self.files = files
+        self.wt = wt
+        self._nursery: trio.Nursery | None = None
+        self._keeps = trio.CapacityLimiter(KEEPS)
+        self._fills = trio.CapacityLimiter(KEEPS + 2)   # threads of keeps, probes and preloads
+        self.kept = 0   # files kept after a read, since mount
+
+    def start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+    async def preload(self, node: Node) -> bytes:
+        """``user.acpfs.preload``: read a file's backing copy into the cache, for a fast resume.
+
+        Never waits for the flusher: when the cache cannot hold the file even after evicting
+        persisted files, the answer is ENOSPC at once. A preloaded file is clean and
+        evictable like any persisted file.
+        """
+        if not node.is_reg:
+            raise err(errno.EINVAL, "only regular files can be preloaded")
+        if node.content is None and node.staged is None and node.size > self.files.store.limit:
+            raise err(errno.EFBIG, "file larger than the cache")
+        try:
+            await self.copy_in(node)
+        except CacheFull:
+            raise err(errno.ENOSPC, "cache full") from None
+        self.files.touch(node)
+        return json.dumps({"size": node.size, "cached": node.content is not None}).encode()
+
+    def keep(self, node: Node, fd: int, version: int, readers_gone: trio.Event) -> None:
+        """After the first open of ``node`` read from its backing file ``fd`` (version
+        ``version``): copy it into the cache in the background, if it takes at most
+        KEEP_SHARE of the cache (``_keep``)."""
+        if self._nursery is not None and node.size <= self.files.store.limit * KEEP_SHARE:
+            self._nursery.start_soon(self._keep, node, os.dup(fd), version, readers_gone)
+
+    async def _keep(self, node: Node, fd: int, version: int, readers_gone: trio.Event) -> None:
+        """The next open reads the file from memory: from a slow backing the copy starts at
+        once, several ranges at a time (the readers then find the bytes in the page cache);
+        from a fast one (its first range says: ``fast_source``) once its readers are gone,
+        so that the copy never takes CPU from them. Not where there is no room without
+        evicting what is not persisted, nor after a change."""
+        try:
+            fast = await trio.to_thread.run_sync(fast_source, fd, node.size, limiter=self._fills)
+            if fast:
+                os.close(fd)
+                fd = -1
+                await readers_gone.wait()
+            async with self._keeps:
+                if await self.copy_in(node, fd, version):
+                    self.kept += 1
+        except CacheFull:
+            log.debug("%s: not kept: no room in the cache", node_path(node))
+        except OSError as e:   # changed or gone in the backing meanwhile: the next open sees
+            log.debug("%s: not kept: %s", node_path(node), e)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    async def copy_in(self, node: Node, fd: int = -1, version: int | None = None) -> bool:
+        """Copy the backing version of a file that is neither cached nor staged into the
+        cache (raises CacheFull, or OSError from the backing); ``fd``: a descriptor of
+        version ``version`` (``Node.generation``), copied only while the node shows it.
+        Whether this call copied it."""
+        files = self.files
+        await self.wt.settle(node)
+        if node.content is not None or node.staged is not None:
+            return False
+        async with self.wt.copying(node):
+            if version is None:
+                version = node.generation
+            if node.content is not None or node.staged is not None or not node.nlink \
+                    or node.generation != version:
+                return False
+            content = files.copy_up(node)
+            try:
+                await trio.to_thread.run_sync(files.read_backing_into, node, content, fd,
+                                              limiter=self._fills)
+            except BaseException:
+                files.release_content(content)
+                raise
+            if node.generation != version or node.staged is not None:
+                files.release_content(content)   # another version came meanwhile
+                return False
+            files.attach_content(node, content)
+            files.maybe_evictable(node)
+            return True

@@ -133,6 +133,7 @@ def test_a_file_read_from_the_backing_is_kept_and_read_again_from_memory(make_mo
     sums = {r.communicate()[0].split()[0].decode() for r in ranks}
     assert sums == {hashlib.sha256(data).hexdigest()}
     wait_for(lambda: m.status()["cache"]["cached_files"] >= 2, 30, "eight.bin kept too")
+    assert m.status()["cold_reads"]["kept"] == 2
     eight = backing_reads() - start - one
     assert eight <= 1.5 * one, f"8 readers made the backing serve {eight} reads, one reader {one}"
     again = backing_reads()

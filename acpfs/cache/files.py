@@ -178,11 +178,13 @@ class Files:
             return self.backing.open_version(inodes.backing_path(node.backing_parent), node.backing_name,
                                              node.backing_version if verify else None)[0]
 
-    def read_backing_into(self, node: Node, content: Content, fd: int = -1) -> None:
+    def read_backing_into(self, node: Node, content: Content, fd: int = -1,
+                          fast: bool | None = None) -> None:
         """Worker thread: fill ``content`` with the backing content of ``node`` (from ``fd``,
-        a descriptor of that version, where given: the backing then sees one open)."""
+        a descriptor of that version, where given: the backing then sees one open; ``fast``:
+        whether the backing is, known already: ``Store.fill``)."""
         if fd >= 0:
-            self.store.fill(content, fd, node.size, self.backing)
+            self.store.fill(content, fd, node.size, self.backing, fast)
             return
         fd = self.open_backing_copy(node)
         try:

@@ -38,7 +38,8 @@ class Fetch:
         self._nursery: trio.Nursery | None = None
         self._keeps = trio.CapacityLimiter(KEEPS)
         self._fills = trio.CapacityLimiter(KEEPS + 2)   # threads of keeps, probes and preloads
-        self.kept = 0   # files kept after a read, since mount
+        self.kept = 0      # files kept after a read, since mount
+        self.keeping = 0   # files to be kept: waiting for their readers, or being copied
 
     def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -66,12 +67,13 @@ class Fetch:
         ``version``): copy it into the cache in the background, if it takes at most
         KEEP_SHARE of the cache (``_keep``)."""
         if self._nursery is not None and node.size <= self.files.store.limit * KEEP_SHARE:
+            self.keeping += 1
             self._nursery.start_soon(self._keep, node, os.dup(fd), version, readers_gone)
 
     async def _keep(self, node: Node, fd: int, version: int, readers_gone: trio.Event) -> None:
         """The next open reads the file from memory: from a slow backing the copy starts at
         once, several ranges at a time (the readers then find the bytes in the page cache);
-        from a fast one (its first range says: ``fast_source``) once its readers are gone,
+        from a fast one (a timed read says: ``fast_source``) once its readers are gone,
         so that the copy never takes CPU from them. Not where there is no room without
         evicting what is not persisted, nor after a change."""
         try:
@@ -81,21 +83,23 @@ class Fetch:
                 fd = -1
                 await readers_gone.wait()
             async with self._keeps:
-                if await self.copy_in(node, fd, version):
+                if await self.copy_in(node, fd, version, fast):
                     self.kept += 1
         except CacheFull:
             log.debug("%s: not kept: no room in the cache", node_path(node))
         except OSError as e:   # changed or gone in the backing meanwhile: the next open sees
             log.debug("%s: not kept: %s", node_path(node), e)
         finally:
+            self.keeping -= 1
             if fd >= 0:
                 os.close(fd)
 
-    async def copy_in(self, node: Node, fd: int = -1, version: int | None = None) -> bool:
+    async def copy_in(self, node: Node, fd: int = -1, version: int | None = None,
+                      fast: bool | None = None) -> bool:
         """Copy the backing version of a file that is neither cached nor staged into the
         cache (raises CacheFull, or OSError from the backing); ``fd``: a descriptor of
-        version ``version`` (``Node.generation``), copied only while the node shows it.
-        Whether this call copied it."""
+        version ``version`` (``Node.generation``), copied only while the node shows it;
+        ``fast``: whether the backing is, known already. Whether this call copied it."""
         files = self.files
         await self.wt.settle(node)
         if node.content is not None or node.staged is not None:
@@ -108,7 +112,7 @@ class Fetch:
                 return False
             content = files.copy_up(node)
             try:
-                await trio.to_thread.run_sync(files.read_backing_into, node, content, fd,
+                await trio.to_thread.run_sync(files.read_backing_into, node, content, fd, fast,
                                               limiter=self._fills)
             except BaseException:
                 files.release_content(content)

@@ -82,7 +82,9 @@ class Core:
         self.handles = Handles(cache.inodes, cache.files, cache.names, self.loader, self.wt,
                                self.longopen, opts, kernel=kernel, direct_io_mmap=direct_io_mmap,
                                admission=cache.admission)
-        info.cold_reads = lambda: {**self.handles.cold.status(), "kept": self.handles.fetch.kept}
+        fetch = self.handles.fetch
+        info.cold_reads = lambda: {**self.handles.cold.status(), "kept": fetch.kept,
+                                   "keeping": fetch.keeping}
         self._statfs: os.statvfs_result | None = self.backing.statvfs()   # answers at mount
         self._statfs_call: trio.Event | None = None
 

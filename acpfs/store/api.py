@@ -50,9 +50,10 @@ class Store(Protocol):
         """The content of an empty file."""
     def alloc(self, size: int) -> Content:
         """Room for ``size`` bytes, to be filled (``fill``); raises CacheFull."""
-    def fill(self, c: Content, src_fd: int, size: int, backing: Any) -> None:
+    def fill(self, c: Content, src_fd: int, size: int, backing: Any,
+             fast: bool | None = None) -> None:
         """Worker thread: copy ``size`` bytes from ``src_fd``, a file of ``backing``, into ``c``,
-        several ranges at once where it is slow (``in_ranges``)."""
+        several ranges at once where it is slow (``in_ranges``; ``fast``: known already)."""
     def need(self, c: Content, off: int, end: int) -> int:
         """Bytes a write of [off, end) would take from the free space."""
     def need_truncate(self, c: Content, size: int, new: int) -> int:
@@ -103,39 +104,47 @@ FILL_CHUNK = 16 << 20     # bytes each range takes at a time
 FILL_FAST = 1 << 30       # bytes/s
 
 
+PROBE = 1 << 20           # bytes ``fast_source`` reads
+
+
 def fast_source(fd: int, size: int) -> bool:
-    """Whether the first FILL_CHUNK of ``fd`` reads at FILL_FAST or faster (from memory: the
-    page cache, a local disk), timed; it is in the page cache afterwards."""
-    n = min(FILL_CHUNK, size)
-    buf = memoryview(bytearray(min(n, 4 << 20)))
+    """Whether ``fd`` reads at FILL_FAST or faster (from memory: the page cache, a local
+    disk): PROBE bytes from the middle of the file, timed (away from where a reader that
+    just opened it reads ahead)."""
+    n = min(PROBE, size)
+    off = (size - n) // 2 // 4096 * 4096
+    buf = memoryview(bytearray(n))
     start = time.monotonic()
-    off = 0
-    while off < n:
-        got = os.preadv(fd, [buf[:min(len(buf), n - off)]], off)
-        if got == 0:
+    got = 0
+    while got < n:
+        k = os.preadv(fd, [buf[got:]], off + got)
+        if k == 0:
             break
-        off += got
-    return off >= FILL_FAST * (time.monotonic() - start)
+        got += k
+    return got >= FILL_FAST * (time.monotonic() - start)
 
 
 def in_ranges(size: int, copy: Callable[[int, int], None], unit: int = 1,
-              streams: int = FILL_STREAMS) -> None:
+              streams: int = FILL_STREAMS, fast: bool | None = None) -> None:
     """Call ``copy(off, n)`` over [0, ``size``) in chunks of FILL_CHUNK (a multiple of
     ``unit``): the first one alone and timed, the rest by one thread when it was fast
-    (FILL_FAST), else by ``streams`` at once: a backing that answers each request after a
-    round trip (NFS, Lustre) delivers several ranges in the time of one. The first error
-    stops the others and is raised."""
+    (FILL_FAST; ``fast``: known already), else by ``streams`` at once: a backing that answers
+    each request after a round trip (NFS, Lustre) delivers several ranges in the time of
+    one. The first error stops the others and is raised."""
     chunk = max(unit, FILL_CHUNK // unit * unit)
-    start = time.monotonic()
-    copy(0, min(chunk, size))
-    took = time.monotonic() - start
-    if size <= chunk:
+    first = 0
+    if fast is None:
+        start = time.monotonic()
+        copy(0, min(chunk, size))
+        fast = min(chunk, size) >= FILL_FAST * (time.monotonic() - start)
+        first = chunk
+    if size <= first:
         return
-    if streams <= 1 or min(chunk, size) >= FILL_FAST * took:
-        for off in range(chunk, size, chunk):
+    if streams <= 1 or fast:
+        for off in range(first, size, chunk):
             copy(off, min(chunk, size - off))
         return
-    offsets = iter(range(chunk, size, chunk))
+    offsets = iter(range(first, size, chunk))
     lock = threading.Lock()
     failed: list[BaseException] = []
 
@@ -150,7 +159,7 @@ def in_ranges(size: int, copy: Callable[[int, int], None], unit: int = 1,
             except BaseException as e:   # noqa: BLE001 (raised in the caller's thread)
                 failed.append(e)
     threads = [threading.Thread(target=work, name="acpfs-fill", daemon=True)
-               for _ in range(min(streams, -(-(size - chunk) // chunk)))]
+               for _ in range(min(streams, -(-(size - first) // chunk)))]
     for t in threads:
         t.start()
     for t in threads:

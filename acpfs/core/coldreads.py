@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 
 class Kernel(Protocol):
+    """What open files need of the kernel's passthrough (``fuse.passthrough.Kernel``, which
+    the daemon hands in): whether the kernel granted it, and backing ids for descriptors."""
+
     def granted(self) -> bool: ...
 
     def register(self, fd: int) -> int: ...

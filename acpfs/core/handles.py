@@ -23,14 +23,14 @@ import errno
 import logging
 import os
 import stat as statmod
-from typing import Callable, Protocol
+from typing import Callable
 
 import trio
 
 from ..config import Options, format_size
 from ..cache.admission import Admission
 from ..cache.files import Files
-from .coldreads import ColdReads
+from .coldreads import ColdReads, Kernel
 from .fetch import Fetch
 from .loader import Loader
 from .longopen import LongOpen
@@ -44,17 +44,6 @@ FALLOC_FL_KEEP_SIZE = 0x01
 log = logging.getLogger(__name__)
 
 PRIV_BITS = statmod.S_ISUID | statmod.S_ISGID
-
-
-class Kernel(Protocol):
-    """What open files need of the kernel's passthrough (``fuse.passthrough.Kernel``, which
-    the daemon hands in): whether the kernel granted it, and a backing id for a descriptor."""
-
-    def granted(self) -> bool: ...
-
-    def register(self, fd: int) -> int: ...
-
-    def unregister(self, backing_id: int) -> None: ...
 
 
 PASSTHROUGH_LOOK = 0.5   # s between looks at the files writers passed through have written

@@ -164,8 +164,8 @@ class Node:
         self.journal_state = JournalState.NONE           # (lock) its last journal record
         self.journal_content: Any = None                 # (lock) content held for a FLUSHED record
         self.truncated = False                           # shrunk since its last snapshot
-        self.listed_at = 0.0                             # directories: when the backing's
-                                                         # entries were last merged in (monotonic)
+        self.listed_at = 0.0                             # directories: when the listing last
+                                                         # merged in began (monotonic)
         self.listed_version: tuple[int, int, int] | None = None   # directories: the backing
                                                          # directory's (ino, mtime, ctime) then
         self.backing_version: tuple[int, int, int] | None = None   # (position lock) files:

@@ -85,10 +85,11 @@ class TreeReads:
             return out
 
     def open_file(self, comps: Comps, name: bytes) -> int:
-        """Open a regular file of the backing for reading (never through a symlink)."""
+        """Open a regular file of the backing for reading (never through a symlink; a FIFO
+        another writer put under the name does not block the open)."""
         check_name(name)
         with self.dir(comps) as dfd:
-            return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
 
     def open_version(self, comps: Comps, name: bytes,
                      version: tuple[int, int, int] | None) -> tuple[int, os.stat_result]:
@@ -99,6 +100,9 @@ class TreeReads:
         fd = self.open_file(comps, name)
         try:
             st = os.fstat(fd)
+            if not statmod.S_ISREG(st.st_mode):
+                raise OSError(errno.ESTALE, "another writer put another kind of file under the name")
+            os.set_blocking(fd, True)   # a regular file: reads as any other descriptor of it
             if version is not None and (st.st_ino, st.st_size, st.st_mtime_ns) != version:
                 raise OSError(errno.ESTALE, "another writer replaced the file in the backing")
         except BaseException:

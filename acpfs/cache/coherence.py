@@ -39,6 +39,7 @@ class Relisting(NamedTuple):
     known: set[bytes]                      # names this mount has something of its own on
     applied: int                           # the flusher's last applied seq then
     version: tuple[int, int, int] | None   # the directory's, before the listing
+    began: float                           # time.monotonic() when the listing began
 
 
 class Coherence:
@@ -52,22 +53,25 @@ class Coherence:
         self.kernel = kernel      # tells the kernel to forget what another node changed
 
     # -- loading from the backing ---------------------------------------------------------
-    def list_backing(self, node: Node) -> tuple[list, tuple[int, int, int] | None]:
-        """Runs in a worker thread: the backing listing of a directory not yet loaded, and
-        the directory's version (``Backing.dir_version``) taken before it."""
+    def list_backing(self, node: Node) -> tuple[list, tuple[int, int, int] | None, float]:
+        """Runs in a worker thread: the backing listing of a directory not yet loaded, the
+        directory's version (``Backing.dir_version``) taken before it, and when it began."""
         with self.inodes.position_lock:
+            began = time.monotonic()
             comps = self.inodes.backing_path(node)
             version = self.backing.dir_version(comps)
-            return self.backing.listdir(comps), version
+            return self.backing.listdir(comps), version, began
 
-    def attach_listing(self, node: Node, listing: tuple[list, tuple[int, int, int] | None]) -> None:
+    def attach_listing(self, node: Node, listing: tuple[list, tuple[int, int, int] | None, float]) -> None:
+        """A directory's entries as ``list_backing`` found them; ``Node.listed_at`` is when
+        that listing began (a name missing from it was missing then)."""
         if node.children is not None:
             return
         node.children = Children()
-        entries, node.listed_version = listing
+        entries, node.listed_version, began = listing
         for name, st, target in entries:
             self._attach(node, name, st, target)
-        node.listed_at = time.monotonic()
+        node.listed_at = began
 
     def _attach(self, node: Node, name: bytes, st: os.stat_result, target: bytes | None) -> Node:
         """A child found in the backing. A file with several names there is one node: a
@@ -110,13 +114,14 @@ class Coherence:
         moment (under position_lock, so that no op of this mount lands in between). None
         when the directory's version is still ``unless``: nothing was made or removed in it."""
         with self.inodes.position_lock:
+            began = time.monotonic()
             comps = self.inodes.backing_path(node)
             version = self.backing.dir_version(comps)
             if unless is not None and version == unless:
                 return None
             listing = self.backing.listdir(comps)
             known, applied = self._known_names(node)
-            return Relisting(listing, known, applied, version)
+            return Relisting(listing, known, applied, version, began)
 
     def _known_names(self, node: Node) -> tuple[set[bytes], int]:
         """The names in directory ``node`` of the backing that belong to nodes this mount
@@ -163,7 +168,7 @@ class Coherence:
         return self._attach(parent, name, *found)
 
     def merge_listing(self, node: Node, listing: list, known: set[bytes], applied: int,
-                      version: tuple[int, int, int] | None = None) -> None:
+                      version: tuple[int, int, int] | None = None, began: float | None = None) -> None:
         """Close-to-open coherence: merge the backing's current entries (``relist_backing``)
         into a loaded directory. Entries another writer made appear; entries another writer
         removed disappear, if this mount has nothing of its own pending on them. This mount's
@@ -215,7 +220,7 @@ class Coherence:
             if not self.subtree_quiescent(child, applied):
                 continue    # something of this mount is pending on it, or under it
             self.removed_elsewhere(node, name, child)
-        node.listed_at = time.monotonic()
+        node.listed_at = time.monotonic() if began is None else began
         node.listed_version = version
 
     def quiescent(self, node: Node, applied: int | None = None) -> bool:

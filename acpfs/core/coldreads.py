@@ -109,11 +109,18 @@ class ColdReads:
             return ""
         if nodeid in self.serving or nodeid in self.opening:
             return "share"
-        if (node.content is not None or node.staged is not None or node.writers
-                or node.backing_parent is None or kernel_opens):
+        if not self.first(nodeid, node, kernel_opens):
             return ""
         self.opening[nodeid] = trio.Event()
         return "open"
+
+    def first(self, nodeid: int, node: Node, kernel_opens: int) -> bool:
+        """Whether a read-only open of kernel inode ``nodeid`` would open the backing file
+        (``claim`` "open"): a regular file neither cached nor staged nor written, with a
+        backing copy, and no open of that kernel inode yet."""
+        return (node.is_reg and node.content is None and node.staged is None and not node.writers
+                and node.backing_parent is not None and not kernel_opens
+                and nodeid not in self.serving and nodeid not in self.opening)
 
     async def open(self, nodeid: int, node: Node, claimed: str) -> Served | None:
         """What a claimed open of kernel inode ``nodeid`` reads: the backing version the open

@@ -13,9 +13,12 @@ Runs on the trio thread; the copies in worker threads.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
+import threading
+from typing import Callable
 
 import trio
 
@@ -29,6 +32,31 @@ log = logging.getLogger(__name__)
 # a file read from the backing is kept in the cache when it takes at most this share of it
 KEEP_SHARE = 0.5
 KEEPS = 8   # files copied into the cache after a read, at once
+# seconds a file read from a fast backing rests after its last close before it is copied: a
+# loader that mapped it touches its pages after the close (the mapping holds the backing
+# file, not the open), and the copy must not take CPU or memory bandwidth from it
+KEEP_QUIET = 1.0
+
+
+def when_idle(fn: Callable[[], None]) -> None:
+    """Worker thread: ``fn()`` in a thread of its own that runs only on a CPU nothing else
+    wants (SCHED_IDLE, where the kernel allows it); its exception is raised here."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (OSError, AttributeError):
+            pass
+        try:
+            fn()
+        except BaseException as e:   # noqa: BLE001 (raised in the caller's thread)
+            failed.append(e)
+    t = threading.Thread(target=run, name="acpfs-keep", daemon=True)
+    t.start()
+    t.join()
+    if failed:
+        raise failed[0]
 
 
 class Fetch:
@@ -73,17 +101,19 @@ class Fetch:
     async def _keep(self, node: Node, fd: int, version: int, readers_gone: trio.Event) -> None:
         """The next open reads the file from memory: from a slow backing the copy starts at
         once, several ranges at a time (the readers then find the bytes in the page cache);
-        from a fast one (a timed read says: ``fast_source``) once its readers are gone,
-        so that the copy never takes CPU from them. Not where there is no room without
-        evicting what is not persisted, nor after a change."""
+        from a fast one (a timed read says: ``fast_source``) KEEP_QUIET after its readers
+        are gone, on idle CPU alone (``when_idle``), so that the copy never takes CPU
+        from them. Not where there is no room without evicting what is not persisted, nor
+        after a change."""
         try:
             fast = await trio.to_thread.run_sync(fast_source, fd, node.size, limiter=self._fills)
             if fast:
                 os.close(fd)
                 fd = -1
                 await readers_gone.wait()
+                await trio.sleep(KEEP_QUIET)
             async with self._keeps:
-                if await self.copy_in(node, fd, version, fast):
+                if await self.copy_in(node, fd, version, fast, idle=fast):
                     self.kept += 1
         except CacheFull:
             log.debug("%s: not kept: no room in the cache", node_path(node))
@@ -95,11 +125,12 @@ class Fetch:
                 os.close(fd)
 
     async def copy_in(self, node: Node, fd: int = -1, version: int | None = None,
-                      fast: bool | None = None) -> bool:
+                      fast: bool | None = None, idle: bool = False) -> bool:
         """Copy the backing version of a file that is neither cached nor staged into the
         cache (raises CacheFull, or OSError from the backing); ``fd``: a descriptor of
         version ``version`` (``Node.generation``), copied only while the node shows it;
-        ``fast``: whether the backing is, known already. Whether this call copied it."""
+        ``fast``: whether the backing is, known already; ``idle``: on idle CPU alone
+        (``when_idle``). Whether this call copied it."""
         files = self.files
         await self.wt.settle(node)
         if node.content is not None or node.staged is not None:
@@ -112,7 +143,9 @@ class Fetch:
                 return False
             content = files.copy_up(node)
             try:
-                await trio.to_thread.run_sync(files.read_backing_into, node, content, fd, fast,
+                def fill() -> None:
+                    files.read_backing_into(node, content, fd, fast)
+                await trio.to_thread.run_sync(functools.partial(when_idle, fill) if idle else fill,
                                               limiter=self._fills)
             except BaseException:
                 files.release_content(content)

@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import stat as statmod
+import time
 from typing import Callable
 
 import trio
@@ -131,24 +132,45 @@ class Handles:
     async def open(self, ino: int, flags: int, uid: int = 0) -> tuple[int, bool, int]:
         """Open a file: (file handle, whether the kernel should bypass its page cache, the
         backing id the kernel passes the file through to, or 0)."""
-        node = await self.loader.revalidated(self.inodes.known(ino), at_open=True)
-        if node.is_dir:
-            raise err(errno.EISDIR)
-        if node.parent is None and node.content is None and node.staged is None \
-                and node.backing_parent is None:
-            # another writer removed it and a listing took it out of the view while the
-            # kernel still held its name: the kernel looks the name up again
-            raise err(errno.ESTALE, "another writer removed the file in the backing")
+        node = self.inodes.known(ino)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
-        await self.wt.settle(node)
-        self.cold.conflicts(ino, node, writable)   # ESTALE: the kernel opens another inode
-        claimed = self.cold.claim(ino, node, writable, self.kernel_opens.get(ino, 0))
-        self.kernel_opens[ino] = self.kernel_opens.get(ino, 0) + 1
-        try:
-            return await self._open(ino, node, flags, uid, claimed)
-        except BaseException:
-            self._closed_on(ino)
-            raise
+        # Close-to-open: the backing is looked at now. The first reader of a file the cache
+        # does not hold opens the backing file, which checks the version itself (ESTALE
+        # where it is another): one worker-thread trip, not a stat and then an open. Any
+        # error there takes the usual way, a stat first (Loader.revalidated)
+        checked = writable or bool(node.links) \
+            or not self.cold.first(ino, node, self.kernel_opens.get(ino, 0))
+        while True:
+            if checked:
+                node = await self.loader.revalidated(node, at_open=True)
+            if node.is_dir:
+                raise err(errno.EISDIR)
+            if node.parent is None and node.content is None and node.staged is None \
+                    and node.backing_parent is None:
+                # another writer removed it and a listing took it out of the view while the
+                # kernel still held its name: the kernel looks the name up again
+                raise err(errno.ESTALE, "another writer removed the file in the backing")
+            await self.wt.settle(node)
+            self.cold.conflicts(ino, node, writable)   # ESTALE: the kernel opens another inode
+            claimed = self.cold.claim(ino, node, writable, self.kernel_opens.get(ino, 0))
+            if not checked and claimed != "open":   # it changed meanwhile
+                checked = True
+                continue
+            self.kernel_opens[ino] = self.kernel_opens.get(ino, 0) + 1
+            try:
+                opened = await self._open(ino, node, flags, uid, claimed, checked)
+            except OSError:
+                self._closed_on(ino)
+                if checked or claimed != "open":
+                    raise
+                checked = True
+                continue
+            except BaseException:
+                self._closed_on(ino)
+                raise
+            if not checked:
+                node.checked_at = time.monotonic()   # as Loader.revalidated would have
+            return opened
 
     def _closed_on(self, nodeid: int) -> None:
         left = self.kernel_opens[nodeid] - 1
@@ -158,7 +180,7 @@ class Handles:
             del self.kernel_opens[nodeid]
 
     async def _open(self, ino: int, node: Node, flags: int, uid: int,
-                    claimed: str) -> tuple[int, bool, int]:
+                    claimed: str, checked: bool) -> tuple[int, bool, int]:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         trunc = bool(flags & os.O_TRUNC) and writable
         append = bool(flags & os.O_APPEND)
@@ -174,6 +196,8 @@ class Handles:
                 fh = self._new_fh()
                 self.handles[fh] = h
                 return fh, False, served.backing_id
+            if not checked:   # it changed meanwhile: compared with the backing first (open)
+                raise err(errno.ESTALE, f"{node_path(node)} changed while it was opened")
         if writable:
             await self.loader.xattrs_loaded(node)
             while True:   # until the content is cached or staged, and private, at once

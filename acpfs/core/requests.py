@@ -118,10 +118,19 @@ class Core:
         if len(name) > NAME_MAX:
             raise err(errno.ENAMETOOLONG, "name longer than 255 bytes")
         # another node may have made or removed it since this directory was last looked at
+        began = time.monotonic()
         parent = await self.loader.refreshed(await self.dir(parent_ino))
+        # a listing begun during this lookup (Node.listed_at) looked at the name already: a
+        # name missing from it is missing, and its lstat checked a clean file
+        listed = parent.listed_at >= began
         node = parent.entries().get(name)
         if node is None:
+            if listed:
+                raise err(errno.ENOENT)
             return await self.loader.found_elsewhere(parent, name)
+        if listed and node.is_reg and not node.links and self.loader.coherence.quiescent(node) \
+                and node.position_at(parent, name) is not None:
+            return node
         # The kernel asks only once its entry ran out, or to be sure (before a create, link,
         # mkdir or rename onto the name: LOOKUP_EXCL, LOOKUP_RENAME_TARGET): a clean file is
         # compared with the backing now, as at an open, so that a name another node removed

@@ -11,9 +11,12 @@ the suite first) the reads must not reach the daemon; on the daemon's path
 from __future__ import annotations
 
 import hashlib
+import json
 import mmap
 import os
 import random
+import re
+import signal
 import subprocess
 import time
 
@@ -197,3 +200,102 @@ def test_changes_by_path_while_a_cold_reader_is_open(mnt, how):
     mnt.sync()
     expect = {"truncate": b"x" * 100, "append": b"x" * 10000 + b"tail", "rename_over": b"new"}[how]
     assert (mnt.back / "c.bin").read_bytes() == expect
+
+
+def test_preload_reads_a_directory_up_to_a_byte_budget_and_shows_its_rate(make_mount):
+    m = make_mount(cache_size="256M")
+    (m.back / "ckpt").mkdir()
+    data = {f"shard{i}.bin": random.Random(i).randbytes(3 << 20) for i in range(6)}
+    for name, d in data.items():
+        put(m, f"ckpt/{name}", d)
+    before = m.status()
+    r = subprocess.run([*ACPFS, "preload", str(m.mnt / "ckpt"), "--max-bytes", "10M"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "preloaded 3 files (9.0 MiB); 3 not read: past --max-bytes 10.0 MiB" in r.stderr, r.stderr
+    assert re.search(r"preload: .*3/3 files, 9\.0 MiB of 9\.0 MiB, fetched at .+/s", r.stderr), r.stderr
+    after = m.status()
+    assert after["cold_reads"]["fetched_bytes"] - before["cold_reads"]["fetched_bytes"] >= 9 << 20
+    assert after["cache"]["cached_files"] - before["cache"]["cached_files"] == 3
+    for name in ("shard0.bin", "shard1.bin", "shard2.bin"):   # the order given: sorted names
+        assert json.loads(os.getxattr(m.mnt / "ckpt" / name, "user.acpfs.preload")) == \
+            {"size": 3 << 20, "cached": True}
+    assert m.status()["cold_reads"]["fetched_bytes"] == after["cold_reads"]["fetched_bytes"]
+    for name, d in data.items():
+        assert (m.mnt / "ckpt" / name).read_bytes() == d
+    # the rest, then the whole directory again: nothing left to fetch
+    r = subprocess.run([*ACPFS, "preload", str(m.mnt / "ckpt")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "preloaded 6 files (18.0 MiB)" in r.stderr, r.stderr
+    for bad in ("lots", "-1M"):
+        r = subprocess.run([*ACPFS, "preload", str(m.mnt / "ckpt"), "--max-bytes", bad],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "--max-bytes" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("how", ["preload", "read"])
+def test_a_daemon_killed_during_a_fetch_leaves_nothing_wrong(make_mount, faults, tmp_path, how):
+    """SIGKILL while a file is copied from a slow backing into the cache (by ``acpfs preload``,
+    or kept after a read): the backing copy is untouched and a remount reads the file right."""
+    m = make_mount(cache_size="256M", mount=False)
+    src = tmp_path / "src"
+    shim = faults.shim(src, m.back)
+    faults.mount(m)
+    data = random.Random(11).randbytes(64 << 20)
+    (src / "big.bin").write_bytes(data)
+    shim.set("slow 0.01 read")
+    cmd = [*ACPFS, "preload", str(m.mnt / "big.bin")] if how == "preload" else \
+        ["dd", f"if={m.mnt / 'big.bin'}", "of=/dev/null", "bs=1M", "status=none"]
+    client = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: m.status()["cold_reads"]["fetched_bytes"] > 0, 60, "a fetch under way")
+        assert m.status()["cache"]["cached_files"] == 0, "the fetch ended before the kill"
+        os.kill(m.pid, signal.SIGKILL)
+    finally:
+        client.kill()
+        client.wait()
+    shim.set("ok")
+    r = subprocess.run([*ACPFS, *m.args()], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "stale mount" in r.stderr, r.stderr
+    m.pid = m.status()["pid"]
+    assert not (m.status()["recovery"] or {}).get("lost_open_files"), m.status()["recovery"]
+    assert hashlib.sha256((m.mnt / "big.bin").read_bytes()).digest() == hashlib.sha256(data).digest()
+    assert hashlib.sha256((src / "big.bin").read_bytes()).digest() == hashlib.sha256(data).digest()
+    assert sorted(p.name for p in src.iterdir() if not p.name.startswith(".acpfs")) == ["big.bin"]
+    assert json.loads(os.getxattr(m.mnt / "big.bin", "user.acpfs.preload")) == \
+        {"size": len(data), "cached": True}
+    assert (m.mnt / "big.bin").read_bytes() == data
+
+
+def test_files_kept_after_a_read_make_room_for_writers_least_recently_used_first(make_mount):
+    """Read-once copies are clean and evictable: a writer that needs their room gets it at
+    once (nothing is written through), the least recently used going first (on passthrough,
+    where reads never reach the daemon, the last close of a file is its use)."""
+    m = make_mount(cache_size="64M")
+    files = {f"r{i}.bin": random.Random(20 + i).randbytes(16 << 20) for i in range(3)}
+    for name, d in files.items():
+        put(m, name, d)
+    for name, d in files.items():
+        assert (m.mnt / name).read_bytes() == d
+        time.sleep(0.05)
+    wait_for(lambda: m.status()["cold_reads"]["kept"] == 3 and m.status()["cold_reads"]["keeping"] == 0,
+             60, "the three files kept")
+    assert (m.mnt / "r0.bin").read_bytes() == files["r0.bin"]   # r0 read again: r1 is the oldest
+    new = random.Random(30).randbytes(24 << 20)
+    with open(m.mnt / "w.bin", "wb") as f:
+        f.write(new)
+    st = m.status()
+    assert st["write_through"]["files"] == 0, st["write_through"]
+    assert st["cache"]["used_bytes"] <= 64 << 20
+
+    def cold_opens() -> int:   # opens of files the cache does not hold
+        return m.status()["cold_reads"]["opened"]
+    start = cold_opens()
+    assert (m.mnt / "r0.bin").read_bytes() == files["r0.bin"]
+    assert (m.mnt / "r2.bin").read_bytes() == files["r2.bin"]
+    assert cold_opens() == start, "r0.bin or r2.bin, read later, was evicted before r1.bin"
+    assert (m.mnt / "r1.bin").read_bytes() == files["r1.bin"]
+    assert cold_opens() == start + 1, "r1.bin, read least recently, was not evicted"
+    m.sync()
+    assert (m.back / "w.bin").read_bytes() == new

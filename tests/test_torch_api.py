@@ -315,6 +315,11 @@ def test_preload_python_and_cli(make_mount, tmp_path):
     assert "not loaded" in r.stderr and "did not fit" in r.stderr, r.stderr
     res = at.preload([m.mnt / "ckpt"])
     assert 1 <= res.files < 3 and len(res.left_out) == 3 - res.files
+    # a byte budget: the files from the first one past it on are not read
+    res = at.preload([m.mnt / "ckpt"], max_bytes=1 << 20)
+    assert (res.files, res.left_out) == (0, []) and len(res.over_budget) == 3, res
+    with pytest.raises(ValueError, match="max_bytes"):
+        at.preload([m.mnt / "ckpt"], max_bytes=-1)
     # a path on no acpfs mount: one line on stderr, non-zero exit
     r = acpfs("preload", str(tmp_path), check=False)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -179,10 +179,14 @@ def add_sync_command(sub) -> None:
 def add_preload_command(sub) -> None:
     r = sub.add_parser("preload", help="read files into the cache ahead of a resume",
                        description="Read the files named (directories recursively) from the backing "
-                       "directory into the cache, so that loading them later runs at memory speed. "
+                       "directory into the cache, so that loading them later runs at memory speed: "
+                       "several files at once, each in parallel ranges, with progress in bytes/s. "
                        "Stops short of the cache size: files that do not fit are listed and the exit "
-                       "status is 1.")
+                       "status is 1. With --max-bytes, stops before the first file past that budget "
+                       "(the files not read are counted; exit status 0).")
     r.add_argument("paths", nargs="+", metavar="PATH", help="files or directories on an acpfs mount")
+    r.add_argument("--max-bytes", metavar="SIZE", help="read at most this much, in the order given "
+                   "(bytes with a K/M/G/T suffix)")
     r.set_defaults(fn=cmd_preload)
 
 

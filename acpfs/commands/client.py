@@ -8,18 +8,20 @@ preloading files and directories into their mount's cache (``preload``), and wai
 mount has persisted a sequence number. The mount table is ``acpfs.mounttable``; the error
 type is ``acpfs.errors.Failure``.
 
-Nothing here imports numpy, pyfuse3 or torch, or starts a thread: ``cli`` forks the daemon
-after importing this, and training processes import it through ``acpfs.torch``.
+Nothing here imports numpy, pyfuse3 or torch, or starts a thread on import (``preload`` asks
+in threads of its own while it runs): ``cli`` forks the daemon after importing this, and
+training processes import it through ``acpfs.torch``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import os
 import stat
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from .. import mounttable
 from ..config import format_size
@@ -173,20 +175,34 @@ def files_under(paths: list[str]) -> list[tuple[str, int]]:
     return out
 
 
-def preload(paths: list[str], quiet: bool = False) -> tuple[int, int, list[str]]:
-    """Read files into their mount's cache, in the order given, at most what the cache holds.
+PRELOAD_FILES = 4   # files ``preload`` asks for at once (the daemon fetches each in ranges)
 
-    Returns (files loaded, bytes loaded, files left out with the reason). Files are loaded in
-    the order given; a file that does not fit is left out and the rest still tried.
-    """
+
+class Preloaded(NamedTuple):
+    """What ``preload`` did: files and bytes now in the cache, files left out for want of
+    room (with the reason), files not tried because the byte budget was spent."""
+    files: int
+    nbytes: int
+    left_out: list[str]
+    over_budget: list[str]
+
+
+def preload(paths: list[str], quiet: bool = False, max_bytes: int | None = None) -> Preloaded:
+    """Read files into their mount's cache, PRELOAD_FILES at once, in the order given, at
+    most what the cache holds and at most ``max_bytes`` (files from the first one past the
+    budget on are not tried). A file that does not fit is left out and the rest still
+    tried. Progress (unless ``quiet``): bytes fetched from the backing and their rate, from
+    the mounts' ``cold_reads.fetched_bytes``."""
     files = files_under(paths)
-    total = sum(size for _, size in files)
     limits: dict[str, int] = {}
-    prog = Progress() if not quiet else None
-    done_files = done_bytes = 0
+    planned: list[tuple[str, int]] = []
     left_out: list[str] = []
-    start = time.monotonic()
-    for path, size in files:
+    over_budget: list[str] = []
+    budget = max_bytes
+    for i, (path, size) in enumerate(files):
+        if budget is not None and size > budget:
+            over_budget = [p for p, _ in files[i:]]
+            break
         mount = mounttable.mount_of(path)
         if mount not in limits:
             limits[mount] = read_status(mount)["cache"]["limit_bytes"]
@@ -194,19 +210,56 @@ def preload(paths: list[str], quiet: bool = False) -> tuple[int, int, list[str]]
             left_out.append(f"{path}: {format_size(size)}, but only {format_size(limits[mount])} of "
                             f"the cache is left for preloading")
             continue
-        if not preload_file(path):
-            left_out.append(f"{path}: the cache is full")
-            continue
         limits[mount] -= size
-        done_files += 1
-        done_bytes += size
-        if prog:
-            rate = done_bytes / max(1e-6, time.monotonic() - start)
-            prog.update(f"preload: {bar(done_bytes / max(1, total))} {done_files}/{len(files)} files, "
-                        f"{format_size(done_bytes)} of {format_size(total)}, {format_size(rate)}/s")
-    if prog:
-        prog.done()
-    return done_files, done_bytes, left_out
+        if budget is not None:
+            budget -= size
+        planned.append((path, size))
+    done_files, done_bytes, full = _preload_all(planned, limits, quiet)
+    left_out += [f"{path}: the cache is full" for path in full]
+    return Preloaded(done_files, done_bytes, left_out, over_budget)
+
+
+def _fetched(mounts) -> int:
+    return sum(read_status(m)["cold_reads"].get("fetched_bytes", 0) for m in mounts)
+
+
+def _preload_all(planned: list[tuple[str, int]], mounts: dict[str, int], quiet: bool) -> tuple[int, int, list[str]]:
+    """``preload_file`` of each, PRELOAD_FILES at once; (files loaded, their bytes, files
+    the cache had no room for). The first error stops the rest and is raised."""
+    total = sum(size for _, size in planned)
+    prog = Progress() if not quiet and planned else None
+    before = _fetched(mounts) if prog else 0
+    start = time.monotonic()
+    done_files = done_bytes = 0
+    full: list[str] = []
+    with concurrent.futures.ThreadPoolExecutor(PRELOAD_FILES, thread_name_prefix="acpfs-preload") as pool:
+        futures = {pool.submit(preload_file, path): (path, size) for path, size in planned}
+        pending = set(futures)
+        try:
+            while pending:
+                finished, pending = concurrent.futures.wait(pending, timeout=0.5)
+                for f in finished:
+                    path, size = futures[f]
+                    if f.result():
+                        done_files += 1
+                        done_bytes += size
+                    else:
+                        full.append(path)
+                if prog:
+                    fetched = _fetched(mounts) - before
+                    shown = min(total, max(done_bytes, fetched))
+                    rate = fetched / max(1e-6, time.monotonic() - start)
+                    prog.update(f"preload: {bar(shown / max(1, total))} {done_files}/{len(planned)} files, "
+                                f"{format_size(shown)} of {format_size(total)}, "
+                                f"fetched at {format_size(rate)}/s")
+        except BaseException:
+            for f in pending:
+                f.cancel()
+            raise
+        finally:
+            if prog:
+                prog.done()
+    return done_files, done_bytes, full
 
 
 # -- waiting for durability ----------------------------------------------------------------------

@@ -11,7 +11,7 @@ import sys
 import time
 
 from .. import mounttable
-from ..config import age, format_size, safe
+from ..config import age, format_size, parse_size, safe
 from ..errors import Failure, UsageError
 from ..mounttable import FSTYPE
 from . import client, syncing
@@ -70,14 +70,20 @@ def sync_all_nodes(a: argparse.Namespace) -> int:
 
 
 def cmd_preload(a: argparse.Namespace) -> int:
-    n, nbytes, left_out = client.preload(a.paths)
-    for line in left_out[:20]:
+    budget = None if a.max_bytes is None else parse_size(a.max_bytes, "--max-bytes")
+    start = time.monotonic()
+    done = client.preload(a.paths, max_bytes=budget)
+    for line in done.left_out[:20]:
         print(f"acpfs: preload: not loaded: {safe(line)}", file=sys.stderr)
-    if len(left_out) > 20:
-        print(f"acpfs: preload: ... and {len(left_out) - 20} more not loaded", file=sys.stderr)
-    print(f"acpfs: preloaded {n} files ({format_size(nbytes)})"
-          + (f"; {len(left_out)} did not fit in the cache" if left_out else ""), file=sys.stderr)
-    return 1 if left_out else 0
+    if len(done.left_out) > 20:
+        print(f"acpfs: preload: ... and {len(done.left_out) - 20} more not loaded", file=sys.stderr)
+    took = time.monotonic() - start
+    print(f"acpfs: preloaded {done.files} files ({format_size(done.nbytes)})"
+          + (f"; {len(done.left_out)} did not fit in the cache" if done.left_out else "")
+          + (f"; {len(done.over_budget)} not read: past --max-bytes {format_size(budget)}"
+             if done.over_budget else "")
+          + f"; {took:.1f}s, {format_size(done.nbytes / max(took, 1e-3))}/s", file=sys.stderr)
+    return 1 if done.left_out else 0
 
 
 def cmd_umount(a: argparse.Namespace) -> int:

@@ -135,6 +135,10 @@ def render_status(d: dict[str, Any]) -> str:
            f"now ({cr['opens']} opens; {cr['opened']} since mount"
            + (f"; {cr['refused']} refused by the kernel" if cr.get("refused") else "") + ")"]
           if (cr := d.get("cold_reads") or {}).get("opened") else []),
+        *([f"  fetched    {format_size(cr['fetched_bytes'])} from the backing into the cache since "
+           f"mount ({cr['kept']} files kept after a read"
+           + (f", {cr['keeping']} to keep" if cr.get("keeping") else "") + ")"]
+          if cr.get("fetched_bytes") else []),
         f"  dirty      {di['files']} files, {format_size(di['bytes'])}",
         f"  flushing   {fl['files']} files, {format_size(fl['bytes'])} "
         f"({fl['in_flight']} uploads in flight, {d['queue']['pending_ops']} operations queued)",

@@ -227,7 +227,7 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         {"on": False, "why_not": "not asked for"},
         "requests": dict(sorted(info.requests.items())),
         "cold_reads": info.cold_reads() if info.cold_reads is not None else
-        {"files": 0, "opens": 0, "opened": 0, "refused": 0, "kept": 0, "keeping": 0},
+        {"files": 0, "opens": 0, "opened": 0, "refused": 0, "kept": 0, "keeping": 0, "fetched_bytes": 0},
         "metrics": info.metrics,
     }
 

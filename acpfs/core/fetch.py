@@ -68,6 +68,8 @@ class Fetch:
         self._fills = trio.CapacityLimiter(KEEPS + 2)   # threads of keeps, probes and preloads
         self.kept = 0      # files kept after a read, since mount
         self.keeping = 0   # files to be kept: waiting for their readers, or being copied
+        self.fetched = 0   # bytes copied from the backing into the cache (preloads, keeps)
+        self._fetched_lock = threading.Lock()   # the copies' threads add to it
 
     def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -124,6 +126,13 @@ class Fetch:
             if fd >= 0:
                 os.close(fd)
 
+    def _copied(self, n: int) -> None:
+        with self._fetched_lock:
+            self.fetched += n
+
+    def status(self) -> dict:
+        return {"kept": self.kept, "keeping": self.keeping, "fetched_bytes": self.fetched}
+
     async def copy_in(self, node: Node, fd: int = -1, version: int | None = None,
                       fast: bool | None = None, idle: bool = False) -> bool:
         """Copy the backing version of a file that is neither cached nor staged into the
@@ -144,7 +153,7 @@ class Fetch:
             content = files.copy_up(node)
             try:
                 def fill() -> None:
-                    files.read_backing_into(node, content, fd, fast)
+                    files.read_backing_into(node, content, fd, fast, self._copied)
                 await trio.to_thread.run_sync(functools.partial(when_idle, fill) if idle else fill,
                                               limiter=self._fills)
             except BaseException:

@@ -83,8 +83,7 @@ class Core:
                                self.longopen, opts, kernel=kernel, direct_io_mmap=direct_io_mmap,
                                admission=cache.admission)
         fetch = self.handles.fetch
-        info.cold_reads = lambda: {**self.handles.cold.status(), "kept": fetch.kept,
-                                   "keeping": fetch.keeping}
+        info.cold_reads = lambda: {**self.handles.cold.status(), **fetch.status()}
         self._statfs: os.statvfs_result | None = self.backing.statvfs()   # answers at mount
         self._statfs_call: trio.Event | None = None
 

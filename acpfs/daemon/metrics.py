@@ -71,6 +71,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
                                  "over_size)"),
     "acpfs_cold_read_opens_total": ("counter", "opens of files not in the cache, read from the "
                                     "backing file by the kernel (passthrough) or the daemon"),
+    "acpfs_fetched_bytes_total": ("counter", "bytes copied from the backing into the cache: "
+                                  "preloads and files kept after a read"),
     "acpfs_cold_read_files": ("gauge", "files not in the cache open for reading from the "
                               "backing file now"),
     "acpfs_cache_over_size_bytes": ("gauge", "bytes the cache holds past --cache-size (files "
@@ -105,6 +107,7 @@ COUNTERS = {
     "acpfs_write_through_files_total": "write_through.files",
     "acpfs_backing_reopened_total": "backing_reopened.count",
     "acpfs_cold_read_opens_total": "cold_reads.opened",
+    "acpfs_fetched_bytes_total": "cold_reads.fetched_bytes",
 }
 
 Sample = tuple[str, dict[str, str], float]   # (name with suffix, labels, value)

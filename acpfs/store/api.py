@@ -51,9 +51,10 @@ class Store(Protocol):
     def alloc(self, size: int) -> Content:
         """Room for ``size`` bytes, to be filled (``fill``); raises CacheFull."""
     def fill(self, c: Content, src_fd: int, size: int, backing: Any,
-             fast: bool | None = None) -> None:
+             fast: bool | None = None, progress: Callable[[int], None] | None = None) -> None:
         """Worker thread: copy ``size`` bytes from ``src_fd``, a file of ``backing``, into ``c``,
-        several ranges at once where it is slow (``in_ranges``; ``fast``: known already)."""
+        several ranges at once where it is slow (``in_ranges``; ``fast``: known already;
+        ``progress``: told the bytes of each range copied)."""
     def need(self, c: Content, off: int, end: int) -> int:
         """Bytes a write of [off, end) would take from the free space."""
     def need_truncate(self, c: Content, size: int, new: int) -> int:
@@ -125,12 +126,20 @@ def fast_source(fd: int, size: int) -> bool:
 
 
 def in_ranges(size: int, copy: Callable[[int, int], None], unit: int = 1,
-              streams: int = FILL_STREAMS, fast: bool | None = None) -> None:
+              streams: int = FILL_STREAMS, fast: bool | None = None,
+              progress: Callable[[int], None] | None = None) -> None:
     """Call ``copy(off, n)`` over [0, ``size``) in chunks of FILL_CHUNK (a multiple of
     ``unit``): the first one alone and timed, the rest by one thread when it was fast
     (FILL_FAST; ``fast``: known already), else by ``streams`` at once: a backing that answers
     each request after a round trip (NFS, Lustre) delivers several ranges in the time of
-    one. The first error stops the others and is raised."""
+    one. The first error stops the others and is raised. ``progress(n)`` after each
+    chunk of ``n`` bytes copied (any of the threads)."""
+    if progress is not None:
+        inner = copy
+
+        def copy(off: int, n: int) -> None:
+            inner(off, n)
+            progress(min(n, size - off))
     chunk = max(unit, FILL_CHUNK // unit * unit)
     first = 0
     if fast is None:

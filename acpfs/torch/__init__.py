@@ -51,10 +51,12 @@ API
     the mount: with the size and modification time it had on the mount); otherwise
     :class:`NotPersisted` is raised (the data was lost with the daemon).
 
-``preload(paths) -> Preloaded``
+``preload(paths, max_bytes=None) -> Preloaded``
     Reads files (directories recursively) into their mount's cache ahead of a resume, like
-    ``acpfs preload``; files that do not fit are listed in ``left_out``. Paths on no live acpfs
-    mount are skipped (no-op).
+    ``acpfs preload`` (several files at once, each in parallel ranges); files that do not fit
+    are listed in ``left_out``, files past the ``max_bytes`` budget in ``over_budget``. Paths on
+    no live acpfs mount are skipped (no-op). ``load`` of a file not in the cache needs no
+    preload: the kernel reads the backing file itself, and the file is kept once read.
 
 ``configure(mountpoint=None, backing=None, timeout=None)``
     Name the backing directory of a mount point explicitly (wins over the mount record), and/or
@@ -137,10 +139,12 @@ class Saved:
 
 @dataclass(frozen=True)
 class Preloaded:
-    """What ``preload`` loaded: counts, and the files left out with the reason."""
+    """What ``preload`` loaded: counts, the files left out with the reason, and the files not
+    read because the byte budget was spent."""
     files: int = 0
     bytes: int = 0
     left_out: list[str] = field(default_factory=list)
+    over_budget: list[str] = field(default_factory=list)
 
 
 _timeout: float | None = None                   # configure(timeout=...)
@@ -389,11 +393,16 @@ def wait_persisted(path_or_dir: str | os.PathLike, timeout: float | None = None)
 
 
 # -- preload -------------------------------------------------------------------------------------
-def preload(paths: Iterable[str | os.PathLike]) -> Preloaded:
-    """Read files (directories recursively) into their mount's cache ahead of a resume.
+def preload(paths: Iterable[str | os.PathLike], max_bytes: int | None = None) -> Preloaded:
+    """Read files (directories recursively) into their mount's cache ahead of a resume,
+    several at once, each fetched from the backing in parallel ranges.
 
-    Paths on no live acpfs mount are skipped. Files that do not fit are listed in ``left_out``.
+    Paths on no live acpfs mount are skipped. Files that do not fit are listed in ``left_out``;
+    with ``max_bytes``, the files from the first one past that budget on are not read and
+    are listed in ``over_budget``.
     """
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError("acpfs preload: max_bytes must not be negative")
     live = []
     for p in paths:
         t = _resolve(p)
@@ -404,9 +413,9 @@ def preload(paths: Iterable[str | os.PathLike]) -> Preloaded:
     if not live:
         return Preloaded()
     try:
-        files, nbytes, left_out = client.preload(live, quiet=True)
+        done = client.preload(live, quiet=True, max_bytes=max_bytes)
     except UsageError as e:
         raise ValueError(f"acpfs preload: {e}") from None
     except Failure as e:
         raise OSError(errno.EIO, f"acpfs preload failed: {e}") from None
-    return Preloaded(files, nbytes, list(left_out))
+    return Preloaded(done.files, done.nbytes, list(done.left_out), list(done.over_budget))

@@ -78,6 +78,8 @@ METRICS = {
                   "answers each read 2 ms late (faultfs); backing: one stream read directly"),
     "slow_preload": ("cold", "GB/s", True, "acpfs preload of such a file; backing: one stream "
                      "read directly"),
+    "slow_8_ranks": ("cold", "x", False, "read requests the slow backing served while 8 processes "
+                     "read one such file at once, / those for one reader of another"),
     "small_create": ("small", "files/s", True, "small files: create+write+close"),
     "small_stat": ("small", "files/s", True, "small files: stat"),
     "small_unlink": ("small", "files/s", True, "small files: unlink"),
@@ -701,7 +703,7 @@ class Bench:
         for d in (src, shim_dir):
             os.makedirs(d)
         block = os.urandom(MiB)
-        for name in ("direct.bin", "read.bin", "preload.bin", "preload-direct.bin"):
+        for name in ("direct.bin", "read.bin", "preload.bin", "preload-direct.bin", "eight.bin"):
             with open(os.path.join(src, name), "wb") as f:
                 for _ in range(size // MiB):
                     f.write(block)
@@ -715,8 +717,15 @@ class Bench:
             r = self.w.call("read_file", path=os.path.join(shim_dir, "direct.bin"))
             self.record("slow_read", "backing", rep, gb / r["s"])
             self.record("slow_preload", "backing", rep, gb / r["s"])
+            served = self.backing_reads(shim, m)
             r = self.w.call("read_file", path=os.path.join(m.root, "read.bin"))
             self.record("slow_read", t.name, rep, gb / r["s"])
+            one = self.backing_reads(shim, m) - served
+            ranks = [subprocess.Popen(["dd", f"if={os.path.join(m.root, 'eight.bin')}", "of=/dev/null",
+                                       "bs=8M", "status=none"]) for _ in range(8)]
+            if any(p.wait() for p in ranks):
+                raise RuntimeError("a reader of eight.bin failed")
+            self.record("slow_8_ranks", t.name, rep, (self.backing_reads(shim, m) - served - one) / max(1, one))
             s0 = time.perf_counter()
             m.acpfs("preload", os.path.join(m.root, "preload.bin"), timeout=600)
             self.record("slow_preload", t.name, rep, gb / (time.perf_counter() - s0))
@@ -726,6 +735,13 @@ class Bench:
                 m.stop()
             shim.close()
             rm_tree(src)
+
+    def backing_reads(self, shim, m: Acpfs) -> int:
+        """READ requests faultfs served so far, once the copies kept after reads are made
+        (faultfs writes its counts at most every 0.2 s)."""
+        self.kept(m)
+        time.sleep(0.5)
+        return shim.counts().get("read", 0)
 
     def wl_small(self, t: Target, rep: int) -> None:
         d = self.fresh(t, "small", rep)
@@ -950,6 +966,9 @@ class Bench:
             r = ratio(metric, "acpfs", "backing")
             add(metric, ">=2x one stream direct", r, None if r is None else r >= 2,
                 f"{r:.2f}x" if r else "-")
+        v = m("slow_8_ranks", "acpfs")
+        add("slow_8_ranks", "<=1.2x one reader", v, None if v is None else v <= 1.2,
+            f"{v:.2f}x" if v is not None else "-")
         r = ratio("cold_read_again", "acpfs", "shm")
         add("cold_read_again", ">=0.9x shm", r, None if r is None else r >= 0.9, f"{r:.2f}x" if r else "-")
         r = ratio("small_create", "acpfs", "rclone")

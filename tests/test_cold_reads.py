@@ -33,6 +33,16 @@ def reads(m) -> int:
     return m.status()["requests"].get("read", 0)
 
 
+def over_faultfs(make_mount, faults, tmp_path):
+    """A mount (256 MiB cache) whose backing is a faultfs mirror of ``src``: (mount, src,
+    the faultfs shim, which counts what it serves and can be slowed)."""
+    m = make_mount(cache_size="256M", mount=False)
+    src = tmp_path / "src"
+    shim = faults.shim(src, m.back)
+    faults.mount(m)
+    return m, src, shim
+
+
 def put(m, rel: str, data: bytes) -> None:
     """A file written into the backing by another program (or node), replaced atomically."""
     tmp = m.back / (rel + ".tmp")
@@ -111,10 +121,7 @@ def test_a_version_another_node_published_is_read_at_the_next_open(make_mount):
 def test_a_file_read_from_the_backing_is_kept_and_read_again_from_memory(make_mount, faults, tmp_path):
     """Read once, kept: the backing (faultfs, counting what it serves) sees the file read
     once however many readers open it at once, and not at all when it is read again."""
-    m = make_mount(cache_size="256M", mount=False)
-    src = tmp_path / "src"
-    shim = faults.shim(src, m.back)
-    faults.mount(m)
+    m, src, shim = over_faultfs(make_mount, faults, tmp_path)
     data = random.Random(7).randbytes(32 << 20)
     (src / "one.bin").write_bytes(data)
     (src / "eight.bin").write_bytes(data)
@@ -238,10 +245,7 @@ def test_preload_reads_a_directory_up_to_a_byte_budget_and_shows_its_rate(make_m
 def test_a_daemon_killed_during_a_fetch_leaves_nothing_wrong(make_mount, faults, tmp_path, how):
     """SIGKILL while a file is copied from a slow backing into the cache (by ``acpfs preload``,
     or kept after a read): the backing copy is untouched and a remount reads the file right."""
-    m = make_mount(cache_size="256M", mount=False)
-    src = tmp_path / "src"
-    shim = faults.shim(src, m.back)
-    faults.mount(m)
+    m, src, shim = over_faultfs(make_mount, faults, tmp_path)
     data = random.Random(11).randbytes(64 << 20)
     (src / "big.bin").write_bytes(data)
     shim.set("slow 0.01 read")

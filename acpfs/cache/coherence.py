@@ -168,7 +168,7 @@ class Coherence:
         return self._attach(parent, name, *found)
 
     def merge_listing(self, node: Node, listing: list, known: set[bytes], applied: int,
-                      version: tuple[int, int, int] | None = None, began: float | None = None) -> None:
+                      version: tuple[int, int, int] | None, began: float) -> None:
         """Close-to-open coherence: merge the backing's current entries (``relist_backing``)
         into a loaded directory. Entries another writer made appear; entries another writer
         removed disappear, if this mount has nothing of its own pending on them. This mount's
@@ -220,7 +220,7 @@ class Coherence:
             if not self.subtree_quiescent(child, applied):
                 continue    # something of this mount is pending on it, or under it
             self.removed_elsewhere(node, name, child)
-        node.listed_at = time.monotonic() if began is None else began
+        node.listed_at = began
         node.listed_version = version
 
     def quiescent(self, node: Node, applied: int | None = None) -> bool:

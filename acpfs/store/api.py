@@ -139,7 +139,7 @@ def in_ranges(size: int, copy: Callable[[int, int], None], unit: int = 1,
 
         def copy(off: int, n: int) -> None:
             inner(off, n)
-            progress(min(n, size - off))
+            progress(n)
     chunk = max(unit, FILL_CHUNK // unit * unit)
     first = 0
     if fast is None:

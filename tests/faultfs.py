@@ -10,8 +10,9 @@ mirrors the directory SOURCE at MOUNTPOINT. Before each request it reads the fil
     hang [OP ...]       do not answer requests until CONTROL says otherwise
     slow S [OP ...]     answer requests S seconds late (a slow store: ``slow 0.005 write``)
 
-It counts the requests it gets, by handler, in CONTROL.counts (JSON, rewritten at most every
-0.2 s): what the filesystem below saw, as a network filesystem's server would.
+It counts the requests it gets, by handler, and the bytes its READs returned ("read_bytes"),
+in CONTROL.counts (JSON, rewritten every 0.1 s while they change): what the filesystem below
+saw, as a network filesystem's server would.
 
 Stopping the process (SIGSTOP) is the other way to hang it. Inode numbers are our own,
 mapped to the (device, inode) of the source files, each with its current path; renames move
@@ -64,7 +65,7 @@ if pyfuse3 is not None:
             self.control = control
             self.ctl_key = None
             self.counts: dict[str, int] = {}   # requests served, by handler (CONTROL.counts)
-            self.counts_written = 0.0
+            self.counts_changed = False
             self.mode: tuple[str, frozenset] = ("ok", frozenset())
             st = os.lstat(source)
             self.inos = {(st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode)): pyfuse3.ROOT_INODE}
@@ -90,13 +91,7 @@ if pyfuse3 is not None:
 
         async def gate(self, name: str) -> None:
             self.counts[name] = self.counts.get(name, 0) + 1
-            now = time.monotonic()
-            if now - self.counts_written > 0.2:
-                self.counts_written = now
-                tmp = self.control + ".counts.new"
-                with open(tmp, "w") as f:
-                    f.write(json.dumps(self.counts))
-                os.replace(tmp, self.control + ".counts")
+            self.counts_changed = True
             while True:
                 mode, ops = self.read_mode()
                 if mode == "slow":
@@ -109,6 +104,17 @@ if pyfuse3 is not None:
                 if mode == "eio":
                     raise pyfuse3.FUSEError(errno.EIO)
                 await trio.sleep(0.02)   # "hang": hold the request
+
+        async def write_counts(self) -> None:
+            """Runs beside the session: CONTROL.counts every 0.1 s while the counts change."""
+            while True:
+                if self.counts_changed:
+                    self.counts_changed = False
+                    tmp = self.control + ".counts.new"
+                    with open(tmp, "w") as f:
+                        f.write(json.dumps(self.counts))
+                    os.replace(tmp, self.control + ".counts")
+                await trio.sleep(0.1)
 
         # inodes and paths
         def path(self, ino: int) -> bytes:
@@ -304,7 +310,9 @@ if pyfuse3 is not None:
 
         @handler
         def read(self, fh, off, size):
-            return os.pread(fh, size, off)
+            data = os.pread(fh, size, off)
+            self.counts["read_bytes"] = self.counts.get("read_bytes", 0) + len(data)
+            return data
 
         @handler
         def write(self, fh, off, buf):
@@ -346,8 +354,14 @@ if pyfuse3 is not None:
         opts = set(pyfuse3.default_options)
         opts.add("fsname=faultfs")
         pyfuse3.init(fs, mountpoint, opts)
+        async def serve() -> None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fs.write_counts)
+                await pyfuse3.main()
+                nursery.cancel_scope.cancel()
+
         try:
-            trio.run(pyfuse3.main)
+            trio.run(serve)
         finally:
             pyfuse3.close(unmount=False)
 
@@ -382,7 +396,7 @@ class Shim:
         os.replace(tmp, self.control)
 
     def counts(self) -> dict[str, int]:
-        """Requests served so far, by handler (up to 0.2 s old)."""
+        """Requests served so far, by handler, and "read_bytes" (up to 0.1 s old)."""
         try:
             return json.loads(Path(str(self.control) + ".counts").read_text())
         except FileNotFoundError:

@@ -127,8 +127,10 @@ def test_a_file_read_from_the_backing_is_kept_and_read_again_from_memory(make_mo
     (src / "eight.bin").write_bytes(data)
 
     def backing_reads() -> int:
-        time.sleep(0.5)    # faultfs writes its counts at most every 0.2 s
-        return shim.counts().get("read", 0)
+        """Bytes the backing's READs returned so far (the requests split where readers
+        meet: they are not the measure)."""
+        time.sleep(0.5)    # faultfs writes its counts every 0.1 s
+        return shim.counts().get("read_bytes", 0)
 
     def cached(name: str) -> bool:
         return m.state(name) == "persisted" and m.status()["cache"]["cached_files"] >= 1
@@ -137,7 +139,7 @@ def test_a_file_read_from_the_backing_is_kept_and_read_again_from_memory(make_mo
     assert (m.mnt / "one.bin").read_bytes() == data
     wait_for(lambda: cached("one.bin"), 30, "one.bin kept in the cache")
     one = backing_reads() - start
-    assert one > 0
+    assert one >= len(data), f"one reader: the backing served {one} bytes of {len(data)}"
     ranks = [subprocess.Popen(["sha256sum", str(m.mnt / "eight.bin")], stdout=subprocess.PIPE)
              for _ in range(8)]
     sums = {r.communicate()[0].split()[0].decode() for r in ranks}
@@ -145,7 +147,7 @@ def test_a_file_read_from_the_backing_is_kept_and_read_again_from_memory(make_mo
     wait_for(lambda: m.status()["cache"]["cached_files"] >= 2, 30, "eight.bin kept too")
     assert m.status()["cold_reads"]["kept"] == 2
     eight = backing_reads() - start - one
-    assert eight <= 1.5 * one, f"8 readers made the backing serve {eight} reads, one reader {one}"
+    assert eight <= 1.25 * one, f"8 readers made the backing serve {eight} bytes, one reader {one}"
     again = backing_reads()
     for name in ("one.bin", "eight.bin"):
         with open(m.mnt / name, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:

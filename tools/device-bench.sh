@@ -11,7 +11,7 @@
 # outcome and sniffio wheels, setuptools + setuptools_scm to build pyfuse3 with.
 # Steps: check the machine and /dev/fuse; install the build tools and wheels into scratch;
 # build pyfuse3 from its sdist (from its shipped C file, Cython hidden) and acpfs.fuse._fastwrite
-# in place (acpfs/_fastwrite*.so in this tree), both against the kit's libfuse3; mount, write,
+# in place (acpfs/fuse/_fastwrite*.so in this tree), both against the kit's libfuse3; mount, write,
 # sync and unmount once; run tools/bench.py; stop it cleanly before the caller's limit.
 #
 # Environment:
@@ -108,7 +108,7 @@ echo "/dev/fuse opens read-write"
 
 # ---------------------------------------------------------------------------------------
 step "compiler and Python headers"
-command -v gcc >/dev/null || die "no gcc on PATH: neither pyfuse3 nor acpfs/_fastwrite.c can be built"
+command -v gcc >/dev/null || die "no gcc on PATH: neither pyfuse3 nor acpfs/fuse/_fastwrite.c can be built"
 gcc --version | sed -n 1p
 PYINC="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
 EXT_SUFFIX="$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
@@ -176,7 +176,7 @@ echo "built $PF_SO"
 
 # ---------------------------------------------------------------------------------------
 step "build acpfs.fuse._fastwrite in place"
-rm -f acpfs/_fastwrite"$EXT_SUFFIX"
+rm -f acpfs/fuse/_fastwrite"$EXT_SUFFIX"
 if ! PYTHONPATH="$W/buildtools" "$PY" setup.py -q build_ext --inplace --build-temp "$W/build-temp" --build-lib "$W/build-lib" \
         >"$W/fastwrite-build.log" 2>&1; then
     show_log "$W/fastwrite-build.log"
@@ -184,12 +184,12 @@ if ! PYTHONPATH="$W/buildtools" "$PY" setup.py -q build_ext --inplace --build-te
 fi
 grep -iE "warning|error" "$W/fastwrite-build.log" | head -20 || true
 # the extension is optional=True in setup.py: a failed compile is only a warning there
-[ -f "acpfs/_fastwrite$EXT_SUFFIX" ] || { show_log "$W/fastwrite-build.log"; die "acpfs/_fastwrite$EXT_SUFFIX was not built"; }
-echo "built $REPO/acpfs/_fastwrite$EXT_SUFFIX"
+[ -f "acpfs/fuse/_fastwrite$EXT_SUFFIX" ] || { show_log "$W/fastwrite-build.log"; die "acpfs/fuse/_fastwrite$EXT_SUFFIX was not built"; }
+echo "built $REPO/acpfs/fuse/_fastwrite$EXT_SUFFIX"
 
 # ---------------------------------------------------------------------------------------
 step "check the built modules"
-for so in "$PF_SO" "acpfs/_fastwrite$EXT_SUFFIX"; do
+for so in "$PF_SO" "acpfs/fuse/_fastwrite$EXT_SUFFIX"; do
     echo "$so:"
     deps="$(ldd "$so")" || die "ldd $so failed"
     grep -E "fuse|not found" <<<"$deps" || true

@@ -59,6 +59,12 @@ FSYNC_CHOICES = {   # --fsync: what fsync() waits for
     "backing": "waits until the file is durable in the backing directory",
 }
 PASSTHROUGH_MODES = ("auto", "on", "off")   # --passthrough (ACPFS_PASSTHROUGH)
+DEFAULT_BACKING_CALLS = "auto"        # --backing-calls (BACKING_CALLS)
+BACKING_CALLS = {   # --backing-calls: where a lookup's or an open's call to the backing runs
+    "auto": "on the daemon's event loop where the backing is a local filesystem "
+            "(mounttable.local_fstype), else in worker threads",
+    "threads": "always in worker threads (a local disk that can stall for long)",
+}
 PASSTHROUGH_CHOICES = {   # --passthrough, one per mode
     "auto": "where possible",
     "on": "fail the mount where not",
@@ -211,6 +217,7 @@ class Options:
     peer_heartbeat: float = DEFAULT_PEER_HEARTBEAT
     peer_lease: float = DEFAULT_PEER_LEASE
     passthrough: str = DEFAULT_PASSTHROUGH   # PASSTHROUGH_MODES
+    backing_calls: str = DEFAULT_BACKING_CALLS   # BACKING_CALLS
     metrics: str = DEFAULT_METRICS           # --metrics HOST:PORT, "" for none
 
     def as_status(self) -> dict[str, Any]:
@@ -219,7 +226,8 @@ class Options:
                 "flush_workers": self.flush_workers,
                 "cache_full_timeout_s": self.cache_full_timeout,
                 "persist_open_after_s": self.persist_open_after,
-                "coherence_timeout_s": self.coherence_timeout}
+                "coherence_timeout_s": self.coherence_timeout,
+                "backing_calls": self.backing_calls}
 
 
 # -- reading the options -------------------------------------------------------------------
@@ -295,7 +303,11 @@ def settings(a: Any) -> dict[str, Any]:
     pt_mode = text_setting(a, "passthrough", DEFAULT_PASSTHROUGH).lower()
     if pt_mode not in PASSTHROUGH_MODES:
         raise UsageError(f"invalid --passthrough {pt_mode!r}: use auto, on or off")
-    settings.update(block_size=block_size, foreground=foreground, passthrough=pt_mode)
+    calls = text_setting(a, "backing_calls", DEFAULT_BACKING_CALLS).lower()
+    if calls not in BACKING_CALLS:
+        raise UsageError(f"invalid --backing-calls {calls!r}: use auto or threads")
+    settings.update(block_size=block_size, foreground=foreground, passthrough=pt_mode,
+                    backing_calls=calls)
     metrics = text_setting(a, "metrics", DEFAULT_METRICS).strip()
     if metrics:
         parse_address(metrics)

@@ -132,3 +132,23 @@ def fstype_of(path: str, text: str | None = None) -> str:
             if best is None or len(m.mountpoint) >= len(best):
                 best, kind = m.mountpoint, m.fstype
     return kind
+
+
+# Filesystems on a device of this machine: a metadata call on one (lstat, open) costs
+# microseconds from the cache and at worst a disk read; it never waits for a server
+LOCAL_FSTYPES = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs", "tmpfs",
+                           "jfs", "reiserfs", "nilfs2", "zfs"})
+
+
+def local_fstype(path: str, text: str | None = None) -> str | None:
+    """The type of the filesystem holding ``path`` where it is local (LOCAL_FSTYPES) and no
+    other filesystem is mounted anywhere below ``path``; None otherwise (NFS, Lustre, a FUSE
+    filesystem, a mount under it: any of them can make a call wait for a server)."""
+    real = os.path.realpath(path)
+    kind = fstype_of(real, text)
+    if kind not in LOCAL_FSTYPES:
+        return None
+    below = real.rstrip("/") + "/"
+    if any(m.mountpoint.startswith(below) for m in table(text)):
+        return None
+    return kind

@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Iterator, overload
 
+from .. import mounttable
 from .names import STALE, Comps, MissingDir, check_name
 
 log = logging.getLogger("acpfs.backing")
@@ -39,6 +40,9 @@ class RootDir:
         # A backing that is itself a mount can be mounted again (module docstring): the root
         # is opened again only once a filesystem is mounted there again
         self._root_is_mount = self._is_mount_point(self.root_fd)
+        # a local filesystem with nothing mounted below: calls to it need no worker thread
+        # (core/backcalls.py); None where a call may wait for a server
+        self.local_fstype = mounttable.local_fstype(root)
         self._old_roots: list[int] = []   # closed at close(): another thread may hold one
         self._reopen_lock = threading.Lock()
         self.reopened = 0

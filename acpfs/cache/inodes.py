@@ -36,7 +36,8 @@ ALIAS_SHIFT = 40
 
 class Inodes:
     def __init__(self, root_st: os.stat_result) -> None:
-        self.position_lock = threading.Lock()
+        # reentrant: core/backcalls.py holds it around a call that takes it again
+        self.position_lock = threading.RLock()
         root = Node(ROOT_INODE, root_st.st_mode, root_st.st_uid, root_st.st_gid, None, b"")
         root.nlink = 2
         root.lookups = 1

@@ -13,9 +13,9 @@ import argparse
 import sys
 
 from .. import __version__
-from ..config import (CACHE_AREA, DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_FRACTION,
-                      DEFAULT_CACHE_FULL_TIMEOUT, DEFAULT_COHERENCE_TIMEOUT, DEFAULT_FLUSH_WORKERS,
-                      DEFAULT_FSYNC, DEFAULT_GLOBAL_ORDER, DEFAULT_LOG_LEVEL,
+from ..config import (BACKING_CALLS, CACHE_AREA, DEFAULT_BACKING_CALLS, DEFAULT_BLOCK_SIZE,
+                      DEFAULT_CACHE_FRACTION, DEFAULT_CACHE_FULL_TIMEOUT,
+                      DEFAULT_COHERENCE_TIMEOUT, DEFAULT_FLUSH_WORKERS, DEFAULT_FSYNC, DEFAULT_GLOBAL_ORDER, DEFAULT_LOG_LEVEL,
                       DEFAULT_MAX_CLOCK_SKEW, DEFAULT_PASSTHROUGH, DEFAULT_PEER_HEARTBEAT,
                       DEFAULT_PEER_LEASE, DEFAULT_PERSIST_OPEN_AFTER, DEFAULT_TEMPS_OLDER_THAN,
                       DEFAULT_WATCH_INTERVAL, FSYNC_CHOICES, LOG_LEVELS, METRICS_HOST,
@@ -121,6 +121,10 @@ def add_daemon_options(m: argparse.ArgumentParser) -> None:
                    "itself, at memory speed (Linux 6.9+, root). " + "; ".join(
                        f"'{mode}'{' (default)' if mode == DEFAULT_PASSTHROUGH else ''}: "
                        f"{PASSTHROUGH_CHOICES[mode]}" for mode in PASSTHROUGH_MODES))
+    m.add_argument("--backing-calls", choices=tuple(BACKING_CALLS),
+                   help="where the backing is asked at a lookup or an open: " + "; ".join(
+                       f"'{mode}'{' (default)' if mode == DEFAULT_BACKING_CALLS else ''}: "
+                       f"{why}" for mode, why in BACKING_CALLS.items()))
     m.add_argument("--block-size", help="cache block size, a power of two "
                    f"(default {short_size(DEFAULT_BLOCK_SIZE)}; the daemon's path only)")
     m.add_argument("--mlock", action="store_true", help="lock the cache pool in RAM")

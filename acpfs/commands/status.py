@@ -139,6 +139,10 @@ def render_status(d: dict[str, Any]) -> str:
            f"mount ({cr['kept']} files kept after a read"
            + (f", {cr['keeping']} to keep" if cr.get("keeping") else "") + ")"]
           if cr.get("fetched_bytes") else []),
+        *([f"  backing    asked by lookups and opens on the event loop ({bc['fstype']}, a local "
+           f"filesystem): {bc['inline']} calls, {bc['threaded']} in worker threads (the "
+           f"flusher held the backing)"] if (bc := d.get("backing_calls") or {}).get("where") == "inline"
+          else []),
         f"  dirty      {di['files']} files, {format_size(di['bytes'])}",
         f"  flushing   {fl['files']} files, {format_size(fl['bytes'])} "
         f"({fl['in_flight']} uploads in flight, {d['queue']['pending_ops']} operations queued)",

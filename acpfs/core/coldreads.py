@@ -18,7 +18,8 @@ were given a new node id (``Inodes.realias``): the kernel looks the name up agai
 path; readers of the old one keep the version they opened (the descriptor holds it, also
 once it is replaced or removed in the backing).
 
-Runs on the trio thread; the backing is opened in a worker thread.
+Runs on the trio thread; the backing file is opened where ``BackingCalls`` says (on the
+event loop for a local backing, else in a worker thread).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import trio
 from ..cache.files import Files
 from ..cache.inodes import Inodes
 from ..node import Node, err, node_path
+from .backcalls import BackingCalls
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +67,12 @@ class Served:
 
 
 class ColdReads:
-    def __init__(self, inodes: Inodes, files: Files, kernel: Kernel | None) -> None:
+    def __init__(self, inodes: Inodes, files: Files, kernel: Kernel | None,
+                 calls: BackingCalls) -> None:
         self.inodes = inodes
         self.files = files
         self.kernel = kernel
+        self.calls = calls   # where the backing file is opened
         self.serving: dict[int, Served] = {}
         self.opening: dict[int, trio.Event] = {}   # node ids whose backing file is being opened
         self.opens_of: dict[int, int] = {}   # node ino -> its opens passed through to the backing
@@ -151,7 +155,7 @@ class ColdReads:
 
     async def _open_backing(self, nodeid: int, node: Node) -> Served | None:
         generation = node.generation
-        fd = await trio.to_thread.run_sync(self.files.open_backing_copy, node, True)
+        fd = await self.calls.run(self.files.open_backing_copy, node, True)
         if not (node.generation == generation and node.content is None
                 and node.staged is None and not node.writers):
             os.close(fd)   # changed meanwhile: the usual path

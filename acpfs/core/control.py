@@ -71,6 +71,8 @@ class MountInfo:
     requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     # uncached files the kernel reads from the backing file (coldreads.ColdReads.status)
     cold_reads: Callable[[], dict] | None = None
+    # where lookups and opens ask the backing (backcalls.BackingCalls.status)
+    backing_calls: Callable[[], dict] | None = None
     metrics: str | None = None   # where the Prometheus endpoint listens (metrics_http.py)
     pid: int = dataclasses.field(default_factory=os.getpid)
     owner: int = dataclasses.field(default_factory=os.getuid)   # the mount's owner
@@ -228,6 +230,8 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         "requests": dict(sorted(info.requests.items())),
         "cold_reads": info.cold_reads() if info.cold_reads is not None else
         {"files": 0, "opens": 0, "opened": 0, "refused": 0, "kept": 0, "keeping": 0, "fetched_bytes": 0},
+        "backing_calls": info.backing_calls() if info.backing_calls is not None else
+        {"where": "threads", "fstype": None, "inline": 0, "threaded": 0},
         "metrics": info.metrics,
     }
 

@@ -90,7 +90,7 @@ class Handles:
         self.direct_io_mmap = direct_io_mmap   # asked at each open: the INIT reply decides
         self.handles: dict[int, Handle] = {}
         self.fetch = Fetch(files, wt)   # copies of backing files into the cache
-        self.cold = ColdReads(inodes, files, kernel)   # uncached files read by the kernel itself
+        self.cold = ColdReads(inodes, files, kernel, loader.calls)   # uncached files read by the kernel
         # opens of each kernel inode (node id), counted from the start of the open: the kernel
         # allows only one kind of open per kernel inode (passthrough or not, one backing file)
         self.kernel_opens: dict[int, int] = {}
@@ -326,7 +326,7 @@ class Handles:
         version the mount knows, else ESTALE (an open looks the name up again)."""
         node = h.node
         version = node.generation   # read before: a publish meanwhile only reopens once more
-        fd = await trio.to_thread.run_sync(self.files.open_backing_copy, node, verify)
+        fd = await self.loader.calls.run(self.files.open_backing_copy, node, verify)
         if h.backing_fd >= 0:
             self.backing.close_fd(h.backing_fd)
         h.backing_fd, h.generation = fd, version

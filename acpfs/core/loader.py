@@ -32,6 +32,7 @@ from ..cache.coherence import Coherence, Relisting
 from ..config import Options
 from ..cache.inodes import Inodes
 from ..node import KernelNotices, Node, err, name_path, node_path
+from .backcalls import BackingCalls
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class Loader:
         self._list_locks: dict[int, trio.Lock] = {}
         self._checking: set[object] = set()   # inos and names with a check in a worker thread
         self.check_threads = trio.CapacityLimiter(8)   # checks stuck on a hung backing stop here
+        local = backing.local_fstype if opts.backing_calls == "auto" else None
+        self.calls = BackingCalls(local, inodes.position_lock)   # on the event loop or in a thread
 
     async def loaded(self, node: Node) -> Node:
         """Make sure a directory's entries are known (read from the backing once)."""
@@ -111,7 +114,7 @@ class Loader:
                 got: Relisting | None | bool = False
                 try:
                     with trio.move_on_after(COHERENCE_WAIT):
-                        got = await self._check(node.ino, relist)
+                        got = await self._check(node.ino, relist, quick=False)
                 except OSError as e:   # a failing backing: what this mount knows stands
                     log.debug("relisting %s: %s", node_path(node), e)
                 if got is False:       # failing or not answering: look again after the timeout
@@ -267,10 +270,11 @@ class Loader:
         pos[0].listed_at = 0.0
         self.kernel_notices.forget_entry(pos[0].ino, pos[1])
 
-    async def _check(self, key: object, fn: Callable[[], T]) -> T:
+    async def _check(self, key: object, fn: Callable[[], T], quick: bool = True) -> T:
         """``fn()`` in a worker thread that may be abandoned (a hung backing): at most one
         per ``key`` (an inode, a name) at a time, and at most ``check_threads`` in all, so
-        that stuck checks never take the threads that cached work needs."""
+        that stuck checks never take the threads that cached work needs. ``quick`` (a stat,
+        not a listing): on the event loop where ``BackingCalls`` says it may."""
         self._checking.add(key)
         started = []
 
@@ -281,6 +285,8 @@ class Loader:
             finally:
                 self._checking.discard(key)
         try:
+            if quick:
+                return await self.calls.run(job, abandon_on_cancel=True, limiter=self.check_threads)
             return await trio.to_thread.run_sync(job, abandon_on_cancel=True, limiter=self.check_threads)
         finally:
             if not started:      # cancelled while waiting for a thread: it never ran

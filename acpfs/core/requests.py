@@ -84,6 +84,7 @@ class Core:
                                admission=cache.admission)
         fetch = self.handles.fetch
         info.cold_reads = lambda: {**self.handles.cold.status(), **fetch.status()}
+        info.backing_calls = self.loader.calls.status
         self._statfs: os.statvfs_result | None = self.backing.statvfs()   # answers at mount
         self._statfs_call: trio.Event | None = None
 

@@ -51,6 +51,7 @@ def test_mount_help_gives_the_defaults_that_config_holds():
             ("--peer-heartbeat", f"(default {config.DEFAULT_PEER_HEARTBEAT:g})"),
             ("--peer-lease", f"(default {config.DEFAULT_PEER_LEASE:g})"),
             ("--passthrough", f"'{config.DEFAULT_PASSTHROUGH}' (default)"),
+            ("--backing-calls", f"'{config.DEFAULT_BACKING_CALLS}' (default)"),
             ("--fsync", f"'{config.DEFAULT_FSYNC}' (default:"),
             ("--block-size", f"(default {config.short_size(config.DEFAULT_BLOCK_SIZE)};"),
             ("--log-level", f"{config.DEFAULT_LOG_LEVEL} (default)"),
@@ -83,7 +84,8 @@ def test_mount_options_come_from_the_command_line_then_the_environment_then_conf
                     max_clock_skew=config.DEFAULT_MAX_CLOCK_SKEW,
                     peer_heartbeat=config.DEFAULT_PEER_HEARTBEAT, peer_lease=config.DEFAULT_PEER_LEASE,
                     block_size=config.DEFAULT_BLOCK_SIZE, foreground=False,
-                    passthrough=config.DEFAULT_PASSTHROUGH, metrics=config.DEFAULT_METRICS)
+                    passthrough=config.DEFAULT_PASSTHROUGH, metrics=config.DEFAULT_METRICS,
+                    backing_calls=config.DEFAULT_BACKING_CALLS)
     assert settings == defaults
     flags = {"allow_other": False, "noexec": False, "mlock": False}   # read with the places
     for field in dataclasses.fields(config.Options):
@@ -95,9 +97,13 @@ def test_mount_options_come_from_the_command_line_then_the_environment_then_conf
     monkeypatch.setenv("ACPFS_BLOCK_SIZE", "1M")
     monkeypatch.setenv("ACPFS_PASSTHROUGH", "off")
     monkeypatch.setenv("ACPFS_METRICS", ":9710")
+    monkeypatch.setenv("ACPFS_BACKING_CALLS", "threads")
     settings = config.settings(parse(["mount", "/mnt", "--backing", "/b", "--peer-lease", "50"]))
     assert (settings["peer_lease"], settings["block_size"], settings["passthrough"]) == (50, 1 << 20, "off")
-    assert settings["metrics"] == ":9710"
+    assert settings["metrics"] == ":9710" and settings["backing_calls"] == "threads"
+    monkeypatch.setenv("ACPFS_BACKING_CALLS", "sometimes")
+    with pytest.raises(config.UsageError, match="invalid --backing-calls 'sometimes'"):
+        config.settings(parse(["mount", "/mnt", "--backing", "/b"]))
 
 
 @pytest.mark.parametrize("args,needle", [

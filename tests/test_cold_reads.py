@@ -22,7 +22,8 @@ import time
 
 import pytest
 
-from conftest import ACPFS, wait_for
+from acpfs import mounttable
+from conftest import ACPFS, acpfs, wait_for
 
 
 def passthrough_on(m) -> bool:
@@ -116,6 +117,38 @@ def test_a_version_another_node_published_is_read_at_the_next_open(make_mount):
     finally:
         holder.close()
     assert (m.mnt / "latest.pt").read_bytes() == b"B" * (2 << 20)
+
+
+@pytest.mark.parametrize("calls", ["auto", "threads"])
+def test_a_local_backing_is_asked_on_the_event_loop_and_a_remote_one_in_threads(make_mount, faults,
+                                                                               tmp_path, calls):
+    """--backing-calls: lookups and opens of files another program put in a local backing
+    ask it on the daemon's event loop (auto), or in worker threads (threads, and always over
+    a FUSE backing, which may wait for a server); either way each open reads the version it
+    revalidated."""
+    m = make_mount("local", extra=("--backing-calls", calls))
+    for i in range(20):
+        put(m, f"f{i}", bytes([i]) * 65536)
+    for i in range(20):
+        assert (m.mnt / f"f{i}").read_bytes() == bytes([i]) * 65536
+    put(m, "f0", b"new")
+    wait_for(lambda: (m.mnt / "f0").read_bytes() == b"new", 20, "the new version at a new open")
+    bc = m.status()["backing_calls"]
+    text = acpfs("status", str(m.mnt)).stdout
+    if calls == "auto":
+        assert bc["where"] == "inline" and bc["fstype"] == mounttable.fstype_of(str(m.back))
+        assert bc["inline"] >= 20 and bc["inline"] > bc["threaded"], bc
+        assert f"on the event loop ({bc['fstype']}, a local filesystem)" in text
+    else:
+        assert bc == {"where": "threads", "fstype": None, "inline": 0, "threaded": bc["threaded"]}
+        assert bc["threaded"] >= 20 and "on the event loop" not in text
+    if calls == "threads":
+        return
+    r, src, shim = over_faultfs(make_mount, faults, tmp_path)
+    (src / "g").write_bytes(b"g" * 4096)
+    assert (r.mnt / "g").read_bytes() == b"g" * 4096
+    bc = r.status()["backing_calls"]
+    assert bc["where"] == "threads" and bc["inline"] == 0 and bc["threaded"] >= 1, bc
 
 
 def test_a_file_read_from_the_backing_is_kept_and_read_again_from_memory(make_mount, faults, tmp_path):

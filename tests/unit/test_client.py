@@ -121,6 +121,26 @@ def xattrs(monkeypatch):
     return table, calls
 
 
+def test_a_backing_is_local_only_on_a_local_filesystem_with_nothing_mounted_below(tmp_path):
+    """--backing-calls auto asks the backing on the event loop only where no call can wait
+    for a server: the filesystem holding it is local and no mount (NFS, FUSE, even a local
+    one) lies anywhere below it."""
+    root = os.path.realpath(tmp_path)
+    base = [line(1, "/", "ext4"), line(2, f"{root}/nfs", "nfs4"), line(3, f"{root}/ram", "tmpfs"),
+            line(4, f"{root}/ram/fuse", "fuse.faultfs"), line(5, f"{root}/data", "xfs")]
+    text = "\n".join(base)
+    assert mounttable.local_fstype(f"{root}/data/ckpt", text) == "xfs"
+    assert mounttable.local_fstype(f"{root}/nfs/ckpt", text) is None
+    assert mounttable.local_fstype(f"{root}/ram/fuse/x", text) is None
+    assert mounttable.local_fstype(f"{root}/ram", text) is None          # FUSE mounted below
+    assert mounttable.local_fstype(f"{root}/ram/other", text) == "tmpfs"
+    assert mounttable.local_fstype(root, text) is None                   # mounts below it
+    assert mounttable.local_fstype(f"{root}/else", text) == "ext4"
+    assert mounttable.local_fstype(f"{root}/nfsx", text) == "ext4"      # "/nfsx" is not under "/nfs"
+    over = "\n".join(base + [line(6, f"{root}/data", "cifs")])          # mounted over it later
+    assert mounttable.local_fstype(f"{root}/data/ckpt", over) is None
+
+
 def test_the_attribute_names_are_controls():
     assert [control.STATE, control.SEQ, control.STATUS, control.FILES, control.PRELOAD] == [
         control.PREFIX + n for n in (b"state", b"seq", b"status", b"files", b"preload")]

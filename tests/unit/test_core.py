@@ -479,3 +479,64 @@ def test_a_name_the_view_lacks_is_looked_up_and_opendir_relists_a_changed_direct
         await raises(errno.ENOENT, core.lookup, d.ino, b"theirs")
         await raises(errno.ENOENT, core.lookup, d.ino, b".acpfs-nodes")
     run(h, test, coherence_timeout=3600.0)
+
+
+def test_backing_calls_run_inline_on_a_local_backing_unless_the_flusher_holds_it():
+    """core/backcalls.py: on a local backing a lookup's call runs on the event loop; while
+    another thread (the flusher) holds position_lock it runs in a worker thread instead,
+    never waiting on the event loop; a backing that is not local always uses threads."""
+    import threading
+
+    from acpfs.core.backcalls import BackingCalls
+
+    lock = threading.RLock()
+    where: list[str] = []
+
+    def call(x: int) -> int:
+        with lock:   # as Coherence.stat_name takes it again
+            where.append(threading.current_thread().name)
+        return x + 1
+
+    async def main() -> None:
+        me = threading.current_thread().name
+        local = BackingCalls("ext4", lock)
+        assert await local.run(call, 1) == 2 and where[-1] == me
+        held, release = threading.Event(), threading.Event()
+
+        def flusher() -> None:
+            with lock:
+                held.set()
+                release.wait(10)
+        t = threading.Thread(target=flusher)
+        t.start()
+        held.wait(10)
+        ticks: list[float] = []
+        got = 0
+        try:
+            async with trio.open_nursery() as n:
+                async def ticker() -> None:
+                    while not got:
+                        ticks.append(time.monotonic())
+                        await trio.sleep(0.01)
+
+                async def releaser() -> None:   # a trio task: it runs only if the loop does
+                    await trio.sleep(0.3)
+                    release.set()
+                n.start_soon(ticker)
+                n.start_soon(releaser)
+                got = await local.run(call, 2)
+        finally:
+            release.set()
+            t.join()
+        assert len(ticks) >= 10, "the event loop kept serving while the call waited for the lock"
+        assert got == 3 and where[-1] != me
+        assert local.status() == {"where": "inline", "fstype": "ext4", "inline": 1, "threaded": 1}
+        remote = BackingCalls(None, lock)
+        assert await remote.run(call, 3) == 4 and where[-1] != me
+        assert remote.status()["where"] == "threads" and remote.status()["threaded"] == 1
+        with trio.CancelScope() as cs:
+            cs.cancel()
+            await local.run(call, 4)
+        assert len(where) == 3, "a cancelled call does not run"
+
+    trio.run(main)

@@ -103,12 +103,14 @@ class Fetch:
     async def _keep(self, node: Node, fd: int, version: int, readers_gone: trio.Event) -> None:
         """The next open reads the file from memory: from a slow backing the copy starts at
         once, several ranges at a time (the readers then find the bytes in the page cache);
-        from a fast one (a timed read says: ``fast_source``) KEEP_QUIET after its readers
-        are gone, on idle CPU alone (``when_idle``), so that the copy never takes CPU
-        from them. Not where there is no room without evicting what is not persisted, nor
+        from a fast one (a local filesystem, or a timed read says so: ``fast_source``)
+        KEEP_QUIET after its readers are gone, on idle CPU alone (``when_idle``), so that
+        the copy never takes CPU from them. Not where there is no room without evicting what is not persisted, nor
         after a change."""
         try:
-            fast = await trio.to_thread.run_sync(fast_source, fd, node.size, limiter=self._fills)
+            # a local disk is never helped by parallel ranges: no probe beside the reader
+            fast = self.files.backing.local_fstype is not None or \
+                await trio.to_thread.run_sync(fast_source, fd, node.size, limiter=self._fills)
             if fast:
                 os.close(fd)
                 fd = -1

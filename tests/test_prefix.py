@@ -489,8 +489,14 @@ def test_random_operations_only_show_states_of_the_mount(make_mount, faults, tmp
             totals["behind"] += self.history.behind
 
     totals = {"examples": 0, "holds": 0, "behind": 0}
-    run_state_machine_as_test(Machine, settings=settings(
-        max_examples=int(25 * SCALE), stateful_step_count=30, deadline=None,
-        suppress_health_check=list(HealthCheck)))
+    # A loaded machine slows the program more than the flusher, which then is behind at
+    # fewer holds (4 of 202 in one CI run; 11 of 145 with the other CPU busy; 7-33 on a
+    # quiet machine): more examples then, up to three rounds, for the same bar below
+    for _ in range(3):
+        run_state_machine_as_test(Machine, settings=settings(
+            max_examples=int(25 * SCALE), stateful_step_count=30, deadline=None,
+            suppress_health_check=list(HealthCheck)))
+        if totals["behind"] >= 5:
+            break
     print(f"random operations: {totals}")
     assert totals["behind"] >= 5, f"the flusher was hardly ever behind at a hold: {totals}"

@@ -68,9 +68,19 @@ def test_a_removed_temporary_file_is_written_again_and_sync_returns(make_mount, 
     model = os.urandom(3 << 20)
     (m.mnt / "d1" / "model.pt").write_bytes(model)
     (m.mnt / "latest").write_text("d1")
-    # latest's upload runs ahead of the failing op; remove its temporary file
-    temps = wait_for(lambda: [n for n in os.listdir(src) if n.startswith(".acpfs-tmp-")
-                              and not n.endswith("-staging")], what="latest's upload")
+    # latest's upload runs ahead of the failing op; remove its temporary file once it is
+    # complete (its times are set last): removed while being written, the upload itself
+    # fails (ESTALE from faultfs) and writes a new one, which is not the case tested here
+    mtime = (m.mnt / "latest").stat().st_mtime_ns
+
+    def complete_temps() -> list[str]:
+        names = [n for n in os.listdir(src) if n.startswith(".acpfs-tmp-") and not n.endswith("-staging")]
+        try:
+            return names if names and all((src / n).read_bytes() == b"d1" and
+                                          (src / n).stat().st_mtime_ns == mtime for n in names) else []
+        except FileNotFoundError:
+            return []
+    temps = wait_for(complete_temps, what="latest's upload")
     for n in temps:
         os.unlink(src / n)
     st = m.status()

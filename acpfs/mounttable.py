@@ -145,6 +145,9 @@ def local_fstype(path: str, text: str | None = None) -> str | None:
     other filesystem is mounted anywhere below ``path``; None otherwise (NFS, Lustre, a FUSE
     filesystem, a mount under it: any of them can make a call wait for a server)."""
     real = os.path.realpath(path)
+    if text is None:   # one reading: the type and what lies below it from one moment
+        with open(MOUNTINFO, "rb") as f:
+            text = os.fsdecode(f.read())
     kind = fstype_of(real, text)
     if kind not in LOCAL_FSTYPES:
         return None

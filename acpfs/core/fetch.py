@@ -105,8 +105,8 @@ class Fetch:
         once, several ranges at a time (the readers then find the bytes in the page cache);
         from a fast one (a local filesystem, or a timed read says so: ``fast_source``)
         KEEP_QUIET after its readers are gone, on idle CPU alone (``when_idle``), so that
-        the copy never takes CPU from them. Not where there is no room without evicting what is not persisted, nor
-        after a change."""
+        the copy never takes CPU from them. Not where there is no room without evicting
+        what is not persisted, nor after a change."""
         try:
             # a local disk is never helped by parallel ranges: no probe beside the reader
             fast = self.files.backing.local_fstype is not None or \

@@ -18,6 +18,7 @@ import random
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -338,3 +339,38 @@ def test_files_kept_after_a_read_make_room_for_writers_least_recently_used_first
     assert cold_opens() == start + 1, "r1.bin, read least recently, was not evicted"
     m.sync()
     assert (m.back / "w.bin").read_bytes() == new
+
+
+def test_a_readers_close_sends_no_flush_and_still_drops_its_locks(mnt):
+    """Opens for reading are answered FOPEN_NOFLUSH (a load opens each file twice: two round
+    trips less per file): cat, dd and a mapping loader close without a FLUSH reaching the
+    daemon, cached and uncached files alike, while a writer's close still sends one (it
+    stamps what it acknowledges). POSIX locks stay the kernel's: a read lock taken on a
+    reader's descriptor is gone once it is closed."""
+    import fcntl
+    put(mnt, "cold.bin", random.Random(40).randbytes(4 << 20))
+    (mnt.mnt / "cached.bin").write_bytes(b"c" * 100_000)
+    mnt.sync()
+
+    def flushes() -> int:
+        return mnt.status()["requests"].get("flush", 0)
+    before, noflush = flushes(), mnt.status()["fast_write"].get("noflush_opens", 0)
+    for name in ("cold.bin", "cached.bin"):
+        subprocess.run(["cat", str(mnt.mnt / name)], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["dd", f"if={mnt.mnt / name}", "of=/dev/null", "bs=1M", "status=none"],
+                       check=True)
+        with open(mnt.mnt / name, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+            assert len(mm) == os.fstat(f.fileno()).st_size
+    assert flushes() == before, "a reader's close sent a FLUSH"
+    assert mnt.status()["fast_write"]["noflush_opens"] >= noflush + 6
+    with open(mnt.mnt / "w.bin", "wb") as f:
+        f.write(b"w" * 1000)
+    assert flushes() >= before + 1, "a writer's close sent no FLUSH"
+    # a read lock on a reader's descriptor ends with its close (the kernel's own locks)
+    probe = [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'r+b'); "
+             "fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)", str(mnt.mnt / "cached.bin")]
+    f = open(mnt.mnt / "cached.bin", "rb")
+    fcntl.lockf(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    assert subprocess.run(probe, capture_output=True).returncode != 0, "the read lock held nothing"
+    f.close()
+    assert subprocess.run(probe, capture_output=True).returncode == 0, "the lock outlived close()"

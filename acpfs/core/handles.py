@@ -115,7 +115,7 @@ class Handles:
 
     async def opendir(self, ino: int) -> int:
         loader = self.loader
-        node = await loader.refreshed(await loader.loaded(self.inodes.known(ino)), at_open=True)
+        node = await loader.refreshed(await loader.loaded(self.inodes.known(ino)))
         fh = self._new_fh()
         self.dirs[fh] = list(node.entries().items())
         return fh

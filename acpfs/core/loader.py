@@ -1,8 +1,7 @@
 """Loading and revalidation: what requests learn from the backing, in worker threads.
 
 Owns the checks of the backing that requests make under trio: a directory's entries
-loaded once (``loaded``) and listed again once ``Options.coherence_timeout`` has passed
-(``refreshed``), extended attributes loaded once (``xattrs_loaded``), a name the view lacks
+loaded once (``loaded``) and listed again at an opendir (``refreshed``), extended attributes loaded once (``xattrs_loaded``), a name the view lacks
 looked up (``found_elsewhere``), a clean file or another entry compared with its backing
 copy (``revalidated``, ``entry_checked``). It owns the locks that let one listing of a
 directory run at a time (``_list_locks``), the keys with a check in flight
@@ -96,24 +95,23 @@ class Loader:
                 node.xattrs = values
         return node.xattrs
 
-    async def refreshed(self, node: Node, at_open: bool = False) -> Node:
-        """A loaded directory whose backing entries were merged in at most
-        ``coherence_timeout`` seconds ago: other nodes' changes show (close-to-open
-        coherence, as on NFS). ``at_open`` (opendir): also listed afresh at once when the
-        backing directory's version changed since the last listing (one stat of it), as NFS
-        revalidates a directory it opens. Only directories this mount has put in the backing
-        are looked at again; one listing at a time per directory."""
+    async def refreshed(self, node: Node) -> Node:
+        """At an opendir: a loaded directory whose backing entries were merged in at most
+        ``coherence_timeout`` seconds ago, and listed afresh at once when the backing
+        directory's version changed since the last listing (one stat of it), as NFS
+        revalidates a directory it opens: other nodes' changes show (close-to-open). Only
+        directories this mount has put in the backing are looked at again; one listing at a
+        time per directory. (A lookup looks at its one name instead: ``Core._lookup``.)"""
         coherence = self.coherence
         timeout = self.opts.coherence_timeout
-        if not self.inodes.present(node) or node.children is None or node.ino in self._checking \
-                or (not at_open and time.monotonic() - node.listed_at <= timeout):
+        if not self.inodes.present(node) or node.children is None or node.ino in self._checking:
             return node
         lk = self._list_locks.get(node.ino)
         if lk is None:
             lk = self._list_locks[node.ino] = trio.Lock()
         async with lk:
             stale = time.monotonic() - node.listed_at > timeout
-            if (stale or at_open) and self.inodes.present(node) and node.ino not in self._checking:
+            if self.inodes.present(node) and node.ino not in self._checking:
                 relist = functools.partial(coherence.relist_backing, node, unless=None if stale else node.listed_version)
                 got: Relisting | None | bool = False
                 small = node.children is not None and len(node.children) <= QUICK_LISTING
@@ -198,8 +196,8 @@ class Loader:
                     self.invalidate_attrs(node.ino)   # before the reader's first read
             else:
                 # another file under this name alone: split off now at an open or lookup
-                # (then ESTALE below), else by the listing of its directory at the next
-                # lookup; never read or written as this file
+                # (then ESTALE below), else at the next lookup of the name (the kernel
+                # forgets it); never read or written as this file
                 self._another_file_at(pos, node, st, at_open)
                 lost_name = True
         # a file with several names: each of them, as close-to-open asks. A name another
@@ -225,9 +223,14 @@ class Loader:
                          at_open: bool) -> None:
         """A name of a file with several names holds another file in the backing now (another
         writer replaced that name alone): at an open or lookup it becomes that file in the
-        view at once (``Coherence.split``); otherwise the next lookup lists its directory."""
-        if at_open and statmod.S_ISREG(st.st_mode) and node.links:
+        view at once (``Coherence.split``), and an entry of another kind there (a directory,
+        a symlink) takes the name from the file, which keeps its others (the lookup then
+        finds what the backing holds: ``Core._lookup``); otherwise at the next lookup of
+        the name."""
+        if at_open and node.links and statmod.S_ISREG(st.st_mode):
             self.coherence.split(pos[0], pos[1], node, st)
+        elif at_open and node.links:
+            self.coherence.removed_elsewhere(pos[0], pos[1], node)
         else:
             self._look_again(pos)
 
@@ -271,7 +274,9 @@ class Loader:
         raise err(errno.ESTALE, "another writer removed or replaced the entry in the backing")
 
     def _look_again(self, pos: tuple[Node, bytes]) -> None:
-        """The next lookup of this name lists its directory again (Coherence.merge_listing)."""
+        """The kernel forgets the name, so that its next lookup compares it with the backing
+        as at an open (``Core._lookup``: a name holding another file is split off there), and
+        the next opendir lists the directory afresh."""
         pos[0].listed_at = 0.0
         self.kernel_notices.forget_entry(pos[0].ino, pos[1])
 

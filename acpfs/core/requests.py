@@ -117,11 +117,13 @@ class Core:
     async def _lookup(self, parent_ino: int, name: bytes) -> Node:
         if len(name) > NAME_MAX:
             raise err(errno.ENAMETOOLONG, "name longer than 255 bytes")
-        # another node may have made or removed it since this directory was last looked at
+        # Another node may have made, removed or replaced the name since this directory was
+        # last listed: the name alone is compared with the backing (one lstat, as NFS's
+        # LOOKUP), never the whole directory (that is opendir's, Loader.refreshed).
         began = time.monotonic()
-        parent = await self.loader.refreshed(await self.dir(parent_ino))
-        # a listing begun during this lookup (Node.listed_at) looked at the name already: a
-        # name missing from it is missing, and its lstat checked a clean file
+        parent = await self.dir(parent_ino)
+        # a listing begun during this lookup (the directory's first) looked at the name
+        # already: a name missing from it is missing, and its lstat checked a clean file
         listed = parent.listed_at >= began
         node = parent.entries().get(name)
         if node is None:
@@ -145,8 +147,8 @@ class Core:
             if e.errno != errno.ESTALE:
                 raise
         node = parent.entries().get(name)   # what the check left there
-        if node is None:
-            raise err(errno.ENOENT)
+        if node is None:   # the name left the view: what the backing holds there now, if any
+            return await self.loader.found_elsewhere(parent, name)
         return node
 
     @staticmethod

@@ -299,6 +299,8 @@ static int passthrough;             /* the reply granted FUSE_PASSTHROUGH */
 static int killpriv_v2;             /* ... and FUSE_HANDLE_KILLPRIV_V2 with it */
 static int32_t next_backing;        /* reply_backing(): for the next OPEN/CREATE reply */
 static int32_t patching;            /* the OPEN/CREATE reply being sent carries this id */
+static int next_noflush;            /* reply_noflush(): the next OPEN reply gets FOPEN_NOFLUSH */
+static unsigned long long noflush_opens;
 static unsigned long long passthrough_opens;
 
 static ssize_t io_read(int fd, void *buf, size_t len, void *userdata)
@@ -406,7 +408,7 @@ int fuse_session_mount(struct fuse_session *se, const char *mountpoint)
         return -1;
     init_unique = kernel_flags = 0;   /* a session of its own: nothing from an earlier one */
     direct_io_mmap = custom_io = passthrough = killpriv_v2 = 0;
-    next_backing = patching = 0;
+    next_backing = patching = next_noflush = 0;
     session = NULL;
     int res = real(se, mountpoint);
     if (res != 0 || !kernel_maps_direct_io_safely()
@@ -457,12 +459,22 @@ typedef int (*reply_create_fn)(fuse_req_t, const struct fuse_entry_param *,
 
 /* Interposed like fuse_session_new. pyfuse3 calls it right after Operations.open returns,
  * with no other request handled in between, so the id reply_backing() set during that call
- * belongs to this reply; io_writev adds it (the reply is written within the real call). */
+ * belongs to this reply; io_writev adds it (the reply is written within the real call).
+ * reply_noflush() during that call: the reply says FOPEN_NOFLUSH (libfuse's noflush bit,
+ * which pyfuse3's FileInfo cannot set), so that close() of this open sends no FLUSH. */
 int fuse_reply_open(fuse_req_t req, const struct fuse_file_info *fi)
 {
     static reply_open_fn real;
     if (real == NULL && (real = (reply_open_fn)libfuse_symbol("fuse_reply_open")) == NULL)
         return -ENOSYS;
+    struct fuse_file_info copy;
+    if (next_noflush && fi != NULL) {
+        copy = *fi;
+        copy.noflush = 1;
+        fi = &copy;
+        noflush_opens++;
+    }
+    next_noflush = 0;
     patching = next_backing;
     next_backing = 0;
     int res = real(req, fi);
@@ -578,6 +590,12 @@ static PyObject *reply_backing(PyObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+static PyObject *reply_noflush(PyObject *self, PyObject *unused)
+{
+    next_noflush = 1;
+    Py_RETURN_NONE;
+}
+
 static PyObject *get_passthrough(PyObject *self, PyObject *unused)
 {
     return Py_BuildValue("{s:O,s:O,s:K}", "granted", passthrough ? Py_True : Py_False,
@@ -613,10 +631,11 @@ static PyObject *set_fallocate_handler(PyObject *self, PyObject *arg)
 
 static PyObject *stats(PyObject *self, PyObject *unused)
 {
-    return Py_BuildValue("{s:i,s:K,s:K,s:K,s:K,s:i,s:K}", "sessions_hooked", sessions_hooked,
+    return Py_BuildValue("{s:i,s:K,s:K,s:K,s:K,s:i,s:K,s:K}", "sessions_hooked", sessions_hooked,
                          "fast_writes", fast_writes, "passed_on", passed_on, "failed", failed,
                          "from_pipe", from_pipe, "custom_io", custom_io,
-                         "kernel_flags", (unsigned long long)kernel_flags);
+                         "kernel_flags", (unsigned long long)kernel_flags,
+                         "noflush_opens", noflush_opens);
 }
 
 static PyObject *get_direct_io_mmap(PyObject *self, PyObject *unused)
@@ -635,7 +654,8 @@ static PyMethodDef methods[] = {
      "{'sessions_hooked': sessions created through the hook, 'fast_writes': WRITEs written by "
      "the handler, 'passed_on': WRITEs it passed on to pyfuse3, 'failed': WRITEs answered with "
      "an error, 'from_pipe': WRITEs that arrived in libfuse's splice pipe, 'custom_io': the "
-     "session's I/O is ours, 'kernel_flags': the INIT flags the kernel offered}"},
+     "session's I/O is ours, 'kernel_flags': the INIT flags the kernel offered, "
+     "'noflush_opens': OPEN replies sent with FOPEN_NOFLUSH}"},
     {"set_passthrough", set_passthrough, METH_O,
      "Before the mount: ask for FUSE_PASSTHROUGH in INIT with this max_stack_depth (0: do not)."},
     {"passthrough", get_passthrough, METH_NOARGS,
@@ -647,6 +667,8 @@ static PyMethodDef methods[] = {
      "Unregister a backing id (FUSE_DEV_IOC_BACKING_CLOSE)."},
     {"reply_backing", reply_backing, METH_O,
      "The OPEN or CREATE reply pyfuse3 sends next passes the file through to this backing id."},
+    {"reply_noflush", reply_noflush, METH_NOARGS,
+     "The OPEN reply pyfuse3 sends next says FOPEN_NOFLUSH: its close() sends no FLUSH."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -84,6 +84,14 @@ def ask_passthrough(depth: int) -> None:
         _ext.set_passthrough(depth)
 
 
+def reply_noflush() -> None:
+    """The OPEN reply sent next says FOPEN_NOFLUSH: close() of that open sends no FLUSH (a
+    round trip to the daemon) where the daemon has nothing to do at close. Called as the last
+    step of an OPEN handler, as ``passthrough.Kernel.reply``; without the extension, a no-op."""
+    if _ext is not None:
+        _ext.reply_noflush()
+
+
 def direct_io_mmap() -> bool:
     """Whether files may get direct_io without losing shared mmap: the INIT reply granted
     FUSE_DIRECT_IO_ALLOW_MMAP (see acpfs/fuse/_fastwrite.c; off with ACPFS_NO_READ_DIRECT_IO=1)."""

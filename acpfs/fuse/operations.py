@@ -15,11 +15,12 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 import queue
 import threading
 from typing import Any, Callable
 
-from . import fastwrite  # noqa: F401  (before pyfuse3: it interposes fuse_session_new and _mount)
+from . import fastwrite  # (before pyfuse3: it interposes fuse_session_new and _mount)
 
 import pyfuse3  # noqa: E402
 
@@ -231,6 +232,10 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode, flags, ctx):
         fh, direct, backing_id = await self.handles.open(inode, flags, ctx.uid)
         info = pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False)
+        if flags & os.O_ACCMODE == os.O_RDONLY:
+            # a reader's close has nothing to stamp (Handles.flush) and no lock of the
+            # daemon's to drop (POSIX locks are the kernel's): no FLUSH round trip
+            fastwrite.reply_noflush()
         pass_through(self.core, backing_id)
         return info
 

@@ -481,6 +481,46 @@ def test_a_name_the_view_lacks_is_looked_up_and_opendir_relists_a_changed_direct
     run(h, test, coherence_timeout=3600.0)
 
 
+def test_a_lookup_compares_the_name_alone_never_lists_the_directory(seeded):
+    """After the coherence timeout a lookup looks at its one name in the backing (an lstat, as
+    NFS's LOOKUP): a name another writer made, removed or turned into a directory shows
+    right, and no lookup lists the directory again (a cold load's lookups in a large
+    directory cost one lstat each); the next opendir lists it."""
+    h = seeded({"d/mine": b"m", "d/gone": b"g", "d/kind": b"k"})
+    listings = []
+
+    async def test(core):
+        coherence = h.cache.coherence
+        for name in ("list_backing", "relist_backing"):
+            real = getattr(coherence, name)
+            setattr(coherence, name, lambda *a, _real=real, _name=name, **k:
+                    listings.append(_name) or _real(*a, **k))
+        d = await core.lookup(ROOT, b"d")
+        fh = await core.handles.opendir(d.ino)
+        assert sorted(n for n, _ in core.handles.dir_entries(fh)) == [b"gone", b"kind", b"mine"]
+        core.handles.releasedir(fh)
+        mine = await core.lookup(d.ino, b"mine")
+        listings.clear()
+        for i in range(100):
+            (h.back / "d" / f"new{i}").write_bytes(b"n" * i)
+        os.unlink(h.back / "d" / "gone")
+        os.unlink(h.back / "d" / "kind")
+        (h.back / "d" / "kind").mkdir()
+        await trio.sleep(0.01)                              # past the coherence timeout
+        assert (await core.lookup(d.ino, b"new42")).size == 42
+        assert await core.lookup(d.ino, b"mine") is mine
+        await raises(errno.ENOENT, core.lookup, d.ino, b"gone")
+        assert (await core.lookup(d.ino, b"kind")).is_dir
+        assert await core.lookup(ROOT, b"d") is d
+        assert listings == []
+        fh = await core.handles.opendir(d.ino)
+        names = {n for n, _ in core.handles.dir_entries(fh)}
+        core.handles.releasedir(fh)
+        assert listings == ["relist_backing"]
+        assert names == {b"mine", b"kind"} | {f"new{i}".encode() for i in range(100)}
+    run(h, test, coherence_timeout=0.005)
+
+
 def test_backing_calls_run_inline_on_a_local_backing_unless_the_flusher_holds_it():
     """core/backcalls.py: on a local backing a lookup's call runs on the event loop; while
     another thread (the flusher) holds position_lock it runs in a worker thread instead,

@@ -374,3 +374,19 @@ def test_a_readers_close_sends_no_flush_and_still_drops_its_locks(mnt):
     assert subprocess.run(probe, capture_output=True).returncode != 0, "the read lock held nothing"
     f.close()
     assert subprocess.run(probe, capture_output=True).returncode == 0, "the lock outlived close()"
+
+
+def test_the_passthrough_floor_tool_loads_through_a_c_daemon_and_acpfs():
+    """tools/passthrough_floor.py (docs/benchmarks.md, "The floor of a cold load") builds its C
+    daemon, mounts it and acpfs over one directory, loads through both and unmounts both."""
+    out = subprocess.run([sys.executable, "tools/passthrough_floor.py", "--size", "8", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    rows = {line[:34].strip(): line[34:].split() for line in out.stdout.splitlines()
+            if line.startswith(("torch.load", "np.memmap", "read()"))}
+    assert len(rows) == 3, out.stdout
+    for name, cells in rows.items():
+        assert len(cells) == 5 and all(float(c) > 0 for c in cells), (name, cells)
+    assert "lookup" in out.stdout.splitlines()[-1] and "open 2.0" in out.stdout, out.stdout
+    assert "acpfs-ptfloor" not in open("/proc/mounts").read(), "a mount was left behind"

@@ -43,6 +43,10 @@ COHERENCE_WAIT = 0.5
 # event loop for a local backing: an lstat per entry, ~0.1 ms for 64), a larger one always
 # in a worker thread
 QUICK_LISTING = 64
+# a directory not yet loaded whose size in the backing is at most this is listed where
+# BackingCalls says too: a few hundred entries at most on any filesystem (ext4 and xfs count
+# bytes of entries, tmpfs 20 per entry, btrfs twice the names' bytes), listed in under a ms
+QUICK_DIR_BYTES = 8192
 
 
 class Loader:
@@ -73,7 +77,10 @@ class Loader:
                 lk = self._list_locks[node.ino] = trio.Lock()
             async with lk:
                 if node.children is None:
-                    listing = await trio.to_thread.run_sync(self.coherence.list_backing, node)
+                    if node.size <= QUICK_DIR_BYTES:
+                        listing = await self.calls.run(self.coherence.list_backing, node)
+                    else:
+                        listing = await trio.to_thread.run_sync(self.coherence.list_backing, node)
                     self.coherence.attach_listing(node, listing)
             self._list_locks.pop(node.ino, None)
         return node

@@ -521,6 +521,37 @@ def test_a_lookup_compares_the_name_alone_never_lists_the_directory(seeded):
     run(h, test, coherence_timeout=0.005)
 
 
+def test_a_small_directory_is_listed_on_the_event_loop_a_large_one_in_a_thread(seeded):
+    """A directory's first listing runs where BackingCalls says when the backing directory is
+    at most QUICK_DIR_BYTES (a cold load of step/model.pt lists step on its way), a larger
+    one always in a worker thread (a listing of thousands of entries must not stop the
+    loop)."""
+    import threading
+
+    from acpfs.core.loader import QUICK_DIR_BYTES
+    files = {"small/a": b"a", "small/b": b"b"}
+    files.update({f"big/{'n' * 60}{i:04d}": b"" for i in range(300)})
+    h = seeded(files)
+    assert os.stat(h.back / "big").st_size > QUICK_DIR_BYTES >= os.stat(h.back / "small").st_size
+    where: dict[str, str] = {}
+
+    async def test(core):
+        coherence = h.cache.coherence
+        real = coherence.list_backing
+
+        def listing(node):
+            where[node.name.decode()] = threading.current_thread().name
+            return real(node)
+        coherence.list_backing = listing
+        me = threading.current_thread().name
+        small = await core.lookup(ROOT, b"small")
+        assert (await core.lookup(small.ino, b"b")).size == 1
+        big = await core.lookup(ROOT, b"big")
+        assert (await core.lookup(big.ino, b"n" * 60 + b"0299")).size == 0
+        assert where["small"] == me and where["big"] != me, where
+    run(h, test)
+
+
 def test_backing_calls_run_inline_on_a_local_backing_unless_the_flusher_holds_it():
     """core/backcalls.py: on a local backing a lookup's call runs on the event loop; while
     another thread (the flusher) holds position_lock it runs in a worker thread instead,

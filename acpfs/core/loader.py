@@ -1,9 +1,10 @@
 """Loading and revalidation: what requests learn from the backing, in worker threads.
 
 Owns the checks of the backing that requests make under trio: a directory's entries
-loaded once (``loaded``) and listed again at an opendir (``refreshed``), extended attributes loaded once (``xattrs_loaded``), a name the view lacks
-looked up (``found_elsewhere``), a clean file or another entry compared with its backing
-copy (``revalidated``, ``entry_checked``). It owns the locks that let one listing of a
+loaded once (``loaded``) and listed again at an opendir (``refreshed``), extended
+attributes loaded once (``xattrs_loaded``), a name the view lacks looked up
+(``found_elsewhere``), a clean file or another entry compared with its backing copy
+(``revalidated``, ``entry_checked``). It owns the locks that let one listing of a
 directory run at a time (``_list_locks``), the keys with a check in flight
 (``_checking``: at most one per inode or name) and the threads those checks may take
 (``check_threads``), so that checks stuck on a hung backing never take the threads cached
@@ -77,10 +78,8 @@ class Loader:
                 lk = self._list_locks[node.ino] = trio.Lock()
             async with lk:
                 if node.children is None:
-                    if node.size <= QUICK_DIR_BYTES:
-                        listing = await self.calls.run(self.coherence.list_backing, node)
-                    else:
-                        listing = await trio.to_thread.run_sync(self.coherence.list_backing, node)
+                    run = self.calls.run if node.size <= QUICK_DIR_BYTES else trio.to_thread.run_sync
+                    listing = await run(self.coherence.list_backing, node)
                     self.coherence.attach_listing(node, listing)
             self._list_locks.pop(node.ino, None)
         return node
@@ -119,7 +118,8 @@ class Loader:
         async with lk:
             stale = time.monotonic() - node.listed_at > timeout
             if self.inodes.present(node) and node.ino not in self._checking:
-                relist = functools.partial(coherence.relist_backing, node, unless=None if stale else node.listed_version)
+                relist = functools.partial(coherence.relist_backing, node,
+                                           unless=None if stale else node.listed_version)
                 got: Relisting | None | bool = False
                 small = node.children is not None and len(node.children) <= QUICK_LISTING
                 try:

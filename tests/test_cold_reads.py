@@ -277,6 +277,50 @@ def test_preload_reads_a_directory_up_to_a_byte_budget_and_shows_its_rate(make_m
         assert "--max-bytes" in r.stderr and "Traceback" not in r.stderr
 
 
+def resident(path) -> int:
+    """Bytes of ``path`` in the page cache (util-linux fincore)."""
+    r = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                       capture_output=True, text=True, check=True)
+    return int(r.stdout.split()[0])
+
+
+def test_a_copy_into_the_cache_drops_the_backing_pages_nobody_reads(mnt):
+    """RAM holds one copy of a file copied into the cache: the backing's page cache of what
+    was copied goes (docs/design.md, "Reading what the cache does not hold"), except where
+    an open of the file reads the backing file itself; a mapping keeps its pages."""
+    size = 16 << 20
+    data = {n: random.Random(n).randbytes(size) for n in ("alone", "read", "mapped", "kept")}
+    for name, d in data.items():
+        put(mnt, name, d)
+        with open(mnt.back / name, "rb") as f:   # clean in the backing's page cache, as after
+            os.fsync(f.fileno())                 # a read there (dirty pages are never dropped)
+            f.read()
+        assert resident(mnt.back / name) == size
+    reader = open(mnt.mnt / "read", "rb")   # reads the backing file (passed through or not)
+    try:
+        assert reader.read() == data["read"]
+        with open(mnt.back / "mapped", "rb") as f:   # another program maps the backing file
+            mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        assert hashlib.sha256(mapped).digest() == hashlib.sha256(data["mapped"]).digest()
+        for name in ("alone", "read", "mapped"):
+            assert json.loads(os.getxattr(mnt.mnt / name, "user.acpfs.preload")) == \
+                {"size": size, "cached": True}
+        assert resident(mnt.back / "alone") <= size // 16, "the backing's copy stayed in RAM"
+        assert resident(mnt.back / "read") == size, "dropped under an open reading it"
+        assert resident(mnt.back / "mapped") == size, "a mapping lost its pages"
+        mapped.close()
+    finally:
+        reader.close()
+    # read through the mount once, then kept after its reader is gone: dropped too
+    assert (mnt.mnt / "kept").read_bytes() == data["kept"]
+    wait_for(lambda: mnt.state("kept") == "persisted" and not mnt.status()["cold_reads"]["keeping"],
+             30, "kept in the cache")
+    assert resident(mnt.back / "kept") <= size // 16
+    for name, d in data.items():   # every file reads right, from the cache
+        assert (mnt.mnt / name).read_bytes() == d
+        assert mnt.state(name) == "persisted"
+
+
 @pytest.mark.parametrize("how", ["preload", "read"])
 def test_a_daemon_killed_during_a_fetch_leaves_nothing_wrong(make_mount, faults, tmp_path, how):
     """SIGKILL while a file is copied from a slow backing into the cache (by ``acpfs preload``,

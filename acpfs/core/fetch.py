@@ -5,7 +5,9 @@ Owns the copies in flight: at most KEEPS files kept at a time (``_keeps``) and t
 threads the copies take (``_fills``); one copy per file at a time is
 ``WriteThrough.copying``'s. A copy is several ranges at once where the backing is slow
 (``store.api.in_ranges``); a file is attached to its node only if the node still shows the
-version copied (``Node.generation``), clean and evictable like any persisted file.
+version copied (``Node.generation``), clean and evictable like any persisted file. What a
+copy read is dropped from the backing's page cache when no open of the node reads the
+backing file (``reading``; ``store.api.in_ranges``): RAM holds one copy of a file, not two.
 
 Runs on the trio thread; the copies in worker threads.
 """
@@ -60,9 +62,12 @@ def when_idle(fn: Callable[[], None]) -> None:
 
 
 class Fetch:
-    def __init__(self, files: Files, wt: WriteThrough) -> None:
+    def __init__(self, files: Files, wt: WriteThrough, reading: Callable[[Node], bool]) -> None:
         self.files = files
         self.wt = wt
+        # whether opens of this node read its backing file now (ColdReads): while they do,
+        # the backing's page cache is theirs; else a copy drops what it copied from it
+        self.reading = reading
         self._nursery: trio.Nursery | None = None
         self._keeps = trio.CapacityLimiter(KEEPS)
         self._fills = trio.CapacityLimiter(KEEPS + 2)   # threads of keeps, probes and preloads
@@ -155,7 +160,8 @@ class Fetch:
             content = files.copy_up(node)
             try:
                 def fill() -> None:
-                    files.read_backing_into(node, content, fd, fast, self._copied)
+                    files.read_backing_into(node, content, fd, fast, self._copied,
+                                            lambda: not self.reading(node))
                 await trio.to_thread.run_sync(functools.partial(when_idle, fill) if idle else fill,
                                               limiter=self._fills)
             except BaseException:

@@ -89,8 +89,9 @@ class Handles:
         self.admission = admission   # which writers may be passed through
         self.direct_io_mmap = direct_io_mmap   # asked at each open: the INIT reply decides
         self.handles: dict[int, Handle] = {}
-        self.fetch = Fetch(files, wt)   # copies of backing files into the cache
         self.cold = ColdReads(inodes, files, kernel, loader.calls)   # uncached files read by the kernel
+        # copies of backing files into the cache
+        self.fetch = Fetch(files, wt, lambda node: node.ino in self.cold.opens_of)
         # opens of each kernel inode (node id), counted from the start of the open: the kernel
         # allows only one kind of open per kernel inode (passthrough or not, one backing file)
         self.kernel_opens: dict[int, int] = {}

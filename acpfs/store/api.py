@@ -51,10 +51,12 @@ class Store(Protocol):
     def alloc(self, size: int) -> Content:
         """Room for ``size`` bytes, to be filled (``fill``); raises CacheFull."""
     def fill(self, c: Content, src_fd: int, size: int, backing: Any,
-             fast: bool | None = None, progress: Callable[[int], None] | None = None) -> None:
+             fast: bool | None = None, progress: Callable[[int], None] | None = None,
+             drop: Callable[[], bool] | None = None) -> None:
         """Worker thread: copy ``size`` bytes from ``src_fd``, a file of ``backing``, into ``c``,
         several ranges at once where it is slow (``in_ranges``; ``fast``: known already;
-        ``progress``: told the bytes of each range copied)."""
+        ``progress``: told the bytes of each range copied; ``drop``: asked after each range
+        whether the source's page cache over it is dropped: ``in_ranges``)."""
     def need(self, c: Content, off: int, end: int) -> int:
         """Bytes a write of [off, end) would take from the free space."""
     def need_truncate(self, c: Content, size: int, new: int) -> int:
@@ -127,7 +129,8 @@ def fast_source(fd: int, size: int) -> bool:
 
 def in_ranges(size: int, copy: Callable[[int, int], None], unit: int = 1,
               streams: int = FILL_STREAMS, fast: bool | None = None,
-              progress: Callable[[int], None] | None = None) -> None:
+              progress: Callable[[int], None] | None = None, src: int = -1,
+              drop: Callable[[], bool] | None = None) -> None:
     """Call ``copy(off, n)`` over [0, ``size``) in chunks of FILL_CHUNK (a multiple of
     ``unit``): first PROBE bytes alone and timed, the rest by one thread when they came
     fast (FILL_FAST; ``fast``: known already), else by ``streams`` at once: a backing that
@@ -135,7 +138,42 @@ def in_ranges(size: int, copy: Callable[[int, int], None], unit: int = 1,
     time of one. (The probe is small: over a backing answering each 128 KiB 2 ms late, a
     whole first chunk alone took 0.25 s of a 256 MiB file's 0.9 s.) The first error stops
     the others and is raised. ``progress(n)`` after each chunk of ``n`` bytes copied (any
-    of the threads)."""
+    of the threads).
+
+    ``drop``: after each chunk, and over the whole file at the end, the page cache of
+    ``src`` (what ``copy`` reads) is dropped where ``drop()`` says nobody reads it there: the
+    cache then holds the only copy in RAM, not a second one beside the backing's. (A copy
+    into fresh memory is also slower while the backing's pages take the rest: on a VM that
+    returns free pages to its host, a 256 MiB preload over a slow backing fell from 2.5x to
+    1.5x of one stream once the cache held 1.5 GiB; docs/benchmarks.md.) Mapped and dirty
+    pages stay: the kernel drops only clean pages nobody maps; the end drops the large
+    folios that straddle two chunks."""
+    _in_ranges(size, _dropping(copy, src, drop), unit, streams, fast, progress)
+    if drop is not None and drop():
+        _drop(src, 0, 0)
+
+
+def _drop(src: int, off: int, n: int) -> None:
+    try:
+        os.posix_fadvise(src, off, n, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass   # a filesystem without a page cache: nothing to drop
+
+
+def _dropping(copy: Callable[[int, int], None], src: int,
+              drop: Callable[[], bool] | None) -> Callable[[int, int], None]:
+    if drop is None:
+        return copy
+
+    def copied(off: int, n: int) -> None:
+        copy(off, n)
+        if drop():
+            _drop(src, off, n)
+    return copied
+
+
+def _in_ranges(size: int, copy: Callable[[int, int], None], unit: int, streams: int,
+               fast: bool | None, progress: Callable[[int], None] | None) -> None:
     if progress is not None:
         inner = copy
 

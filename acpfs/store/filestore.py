@@ -203,10 +203,12 @@ class MemFiles:
         self._charge(mf, _pages(size))
         return mf
 
-    def fill(self, mf: MemFile, src_fd: int, size: int, backing, fast=None, progress=None) -> None:
+    def fill(self, mf: MemFile, src_fd: int, size: int, backing, fast=None, progress=None,
+             drop=None) -> None:
         with self._opened(mf) as fd:
             os.ftruncate(fd, size)
-            in_ranges(size, lambda off, n: copy_range(src_fd, fd, off, n), fast=fast, progress=progress)
+            in_ranges(size, lambda off, n: copy_range(src_fd, fd, off, n), fast=fast,
+                      progress=progress, src=src_fd, drop=drop)
 
     def need(self, mf: MemFile, off: int, end: int) -> int:
         size = os.fstat(self._fd(mf)).st_size

@@ -188,7 +188,8 @@ class Pool:
             raise CacheFull()
         return [self.alloc_block() for _ in range(n)]
 
-    def fill(self, blocks: list[int], src_fd: int, size: int, backing, fast=None, progress=None) -> None:
+    def fill(self, blocks: list[int], src_fd: int, size: int, backing, fast=None, progress=None,
+             drop=None) -> None:
         bs = self.block_size
         view = self.view
 
@@ -199,7 +200,8 @@ class Pool:
                 got = backing.read_into(src_fd, view[b * bs:b * bs + want], i * bs)
                 if got < bs:
                     self.mem[b * bs + got:(b + 1) * bs] = 0
-        in_ranges(min(size, len(blocks) * bs), blocks_of, unit=bs, fast=fast, progress=progress)
+        in_ranges(min(size, len(blocks) * bs), blocks_of, unit=bs, fast=fast, progress=progress,
+                  src=src_fd, drop=drop)
 
     def need(self, blocks: list[int], off: int, end: int) -> int:
         bs = self.block_size

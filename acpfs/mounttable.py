@@ -24,6 +24,8 @@ class Mount:
     mountpoint: str    # unescaped
     fstype: str        # "fuse.acpfs" for an acpfs mount (live or stale)
     dev: str = ""      # "major:minor" of its filesystem: the same in every mount namespace
+    source: str = ""   # what was mounted ("acpfs-cache" for a cache directory's own tmpfs)
+    options: str = ""  # the filesystem's options ("rw,size=...,huge=within_size")
 
 
 _ESCAPE = re.compile(r"\\(040|011|012|134)")   # what the kernel escapes: space, tab, newline, \
@@ -45,7 +47,8 @@ def parse_mountinfo(text: str) -> list[Mount]:
         except ValueError:
             continue
         if len(parts) > sep + 1:
-            out.append(Mount(parts[0], unescape(parts[4]), parts[sep + 1], parts[2]))
+            extra = [unescape(p) for p in parts[sep + 2:sep + 4]]
+            out.append(Mount(parts[0], unescape(parts[4]), parts[sep + 1], parts[2], *extra))
     return out
 
 
@@ -99,13 +102,19 @@ def acpfs_mount_ids(text: str | None = None) -> dict[str, str]:
     return {m.mountpoint: m.id for m in table(text) if m.fstype == FSTYPE}
 
 
-def mount_type(path: str, text: str | None = None) -> str | None:
-    """The file system type of the mount whose mount point is ``path``; None if none is."""
+def mount_at(path: str, text: str | None = None) -> Mount | None:
+    """The mount on mount point ``path`` itself (the last, which covers the others), or None."""
     found = None
     for m in table(text):
         if m.mountpoint == path:
-            found = m.fstype
+            found = m
     return found
+
+
+def mount_type(path: str, text: str | None = None) -> str | None:
+    """The file system type of the mount whose mount point is ``path``; None if none is."""
+    m = mount_at(path, text)
+    return None if m is None else m.fstype
 
 
 def mount_of(path: str, text: str | None = None) -> str:
@@ -122,16 +131,22 @@ def mount_of(path: str, text: str | None = None) -> str:
     return best
 
 
-def fstype_of(path: str, text: str | None = None) -> str:
-    """The file system type of the mount holding ``path`` (symlinks resolved; the last of the
-    longest mount points that hold it, as the kernel resolves it); "" when none is found."""
+def mount_holding(path: str, text: str | None = None) -> Mount | None:
+    """The mount holding ``path`` (symlinks resolved; the last of the longest mount points
+    that hold it, as the kernel resolves it); None when none is found."""
     real = os.path.realpath(path)
-    best, kind = None, ""
+    best = None
     for m in table(text):
         if real == m.mountpoint or real.startswith(m.mountpoint.rstrip("/") + "/"):
-            if best is None or len(m.mountpoint) >= len(best):
-                best, kind = m.mountpoint, m.fstype
-    return kind
+            if best is None or len(m.mountpoint) >= len(best.mountpoint):
+                best = m
+    return best
+
+
+def fstype_of(path: str, text: str | None = None) -> str:
+    """The file system type of the mount holding ``path``; "" when none is found."""
+    m = mount_holding(path, text)
+    return "" if m is None else m.fstype
 
 
 # Filesystems on a device of this machine: a metadata call on one (lstat, open) costs

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from acpfs import mounttable
 from faultfs import Shim
 
 ACPFS = [sys.executable, "-m", "acpfs"]
@@ -53,6 +54,14 @@ def read_only(path: Path):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def drop_cache_tmpfs(cache_dir: Path) -> None:
+    """A daemon that did not persist everything leaves its cache directory's own tmpfs
+    mounted, for the next daemon (acpfs/daemon/hugecache.py): gone with the test."""
+    while mounttable.mount_at(str(cache_dir)) is not None:
+        if subprocess.run(["umount", "-l", str(cache_dir)], capture_output=True).returncode:
+            break
 
 
 class Mount:
@@ -123,6 +132,7 @@ class Mount:
                     os.kill(self.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        drop_cache_tmpfs(self.cache_dir)
         shutil.rmtree(self.cache_dir.parent, ignore_errors=True)
 
     def print_log_problems(self, limit: int = 60) -> None:

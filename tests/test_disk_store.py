@@ -6,7 +6,9 @@ the next mount recovers from the files on the disk."""
 
 from __future__ import annotations
 
+import mmap
 import os
+import resource
 import signal
 import threading
 import time
@@ -16,7 +18,7 @@ import pytest
 from acpfs import mounttable
 from acpfs.config import ram_filesystem
 
-from conftest import acpfs, read_only
+from conftest import acpfs, read_only, wait_for
 
 
 @pytest.fixture
@@ -86,3 +88,51 @@ def test_a_daemon_killed_with_a_disk_store_is_recovered_from_it(make_mount, disk
     for name, data in files.items():
         assert (m.back / name).read_bytes() == data
     assert (m.back / "latest").read_text() == "f11"
+
+
+def test_a_tmpfs_cache_directory_gets_huge_pages_of_its_own_until_everything_is_persisted(
+        make_mount):
+    """acpfs/daemon/hugecache.py: an empty cache directory on tmpfs without huge pages gets a
+    tmpfs of its own with huge=within_size (a mapped 64 MiB cached file then faults a few
+    dozen times, not once per 64 KiB); a daemon killed leaves it, files and all, for the
+    next daemon; a clean unmount takes it away; ACPFS_NO_HUGE_PAGES=1 and a directory that
+    holds files leave the directory as it is."""
+    m = make_mount(cache_size="256M")
+    cache = m.status()["cache"]
+    assert cache["huge_pages"] == "on", cache
+    own = mounttable.mount_at(str(m.cache_dir))
+    assert own is not None and own.fstype == "tmpfs" and own.source == "acpfs-cache", own
+    assert "huge=within_size" in own.options.split(","), own
+    assert "huge pages on" in acpfs("status", str(m.mnt)).stdout
+    data = os.urandom(1 << 20) * 64
+    (m.mnt / "model.bin").write_bytes(data)
+    if m.status()["passthrough"]["on"]:   # the mapping is the memory file's own
+        with open(m.mnt / "model.bin", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            assert sum(mm[i] for i in range(0, len(data), 4096)) == \
+                sum(data[i] for i in range(0, len(data), 4096))
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        assert faults <= 64, f"{faults} page faults for a 64 MiB mapping: no huge pages"
+    os.kill(m.pid, signal.SIGKILL)
+    wait_for(lambda: not os.path.exists(f"/proc/{m.pid}"), 30, "the daemon gone")
+    assert mounttable.mount_at(str(m.cache_dir)) == own, "a killed daemon's tmpfs stays"
+    acpfs("umount", str(m.mnt), "--lazy", check=False)
+    m.mount()
+    assert m.status()["cache"]["huge_pages"] == "on"
+    assert (m.mnt / "model.bin").read_bytes() == data
+    assert [x.id for x in mounttable.table() if x.mountpoint == str(m.cache_dir)] == [own.id], \
+        "the next daemon used the tmpfs it found, and stacked none"
+    acpfs("umount", str(m.mnt))
+    assert mounttable.mount_at(str(m.cache_dir)) is None and not m.cache_dir.exists()
+    assert (m.back / "model.bin").read_bytes() == data
+
+    off = make_mount("off", env={"ACPFS_NO_HUGE_PAGES": "1"})
+    assert off.status()["cache"]["huge_pages"] == "off: ACPFS_NO_HUGE_PAGES"
+    assert mounttable.mount_at(str(off.cache_dir)) is None
+    held = make_mount("held", mount=False)
+    held.cache_dir.mkdir(mode=0o700)
+    (held.cache_dir / "left-by-someone").write_bytes(b"x")
+    held.mount()
+    assert held.status()["cache"]["huge_pages"].startswith("off: the cache directory holds files")
+    assert mounttable.mount_at(str(held.cache_dir)) is None
+    assert (held.cache_dir / "left-by-someone").read_bytes() == b"x"

@@ -128,7 +128,9 @@ def render_status(d: dict[str, Any]) -> str:
         + (f"; OVER ITS SIZE by {format_size(c['over_limit_bytes'])} ({c['writers_passed_through']} "
            f"writers passed through)" if c.get("over_limit_bytes") else ""),
         *([f"  store      {c['store']} on {c['filesystem']}: RAM bounded by the "
-            f"{c['ram_bounded_by']}"] if c.get("filesystem") else []),
+            f"{c['ram_bounded_by']}"
+            + (f"; huge pages {c['huge_pages']}" if c.get("ram_bounded_by") == "cache size" else "")]
+          if c.get("filesystem") else []),
         f"  data path  {data_path(d)}",
         *([f"  uncached   {cr['files']} files read from the backing "
            f"{'file by the kernel' if (d.get('passthrough') or {}).get('on') else 'by the daemon'} "

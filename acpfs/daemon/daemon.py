@@ -23,6 +23,7 @@ from ..backing.retry import describe
 from .process import (drain, lock_backing, lock_cache_dir, remove_leftover, set_read_ahead,
                       setup_logging, store_place, watch_detached)
 from .sdnotify import STATUS_EVERY, Notifier
+from . import hugecache
 
 if TYPE_CHECKING:
     from ..cluster.peers import Peers
@@ -79,6 +80,7 @@ class Daemon:
                                              "cache_dir": opts.cache_dir, "log_file": opts.log_file,
                                              "pid": os.getpid(), "started": time.time()})
         secure_dir(opts.cache_dir, "cache directory")
+        self.huge_pages = hugecache.prepare(opts.cache_dir)   # before the lock file is made
         self.cache_lock_fd = lock_cache_dir(opts.cache_dir)
         log.info("starting: mount %s, backing %s, cache %s in %s", opts.mountpoint, opts.backing,
                  format_size(opts.cache_size), opts.cache_dir)
@@ -150,7 +152,8 @@ class Daemon:
             self.store = Pool(os.path.join(opts.cache_dir, "pool"), plan.cache_size, plan.block_size,
                               progress=self._allocating, mlock=opts.mlock)
         self.store.claim_refs(recovery.claimed_content(self.replay))
-        self.place, said = store_place(opts.cache_dir, self.store.kind, self.store.limit)
+        self.place, said = store_place(opts.cache_dir, self.store.kind, self.store.limit,
+                                       self.huge_pages)
         log.info("content store: %s", said)
         self.notify(f"store {said}")
 
@@ -395,6 +398,7 @@ class Daemon:
         self.backing.close()
         if drained:
             shutil.rmtree(opts.cache_dir, ignore_errors=True)
+            hugecache.release(opts.cache_dir)
             log.info("all changes persisted to %s; exiting", opts.backing)
         else:
             log.error("exiting with changes NOT persisted; the cache is kept in %s", opts.cache_dir)

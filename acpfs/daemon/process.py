@@ -194,10 +194,11 @@ def dirty_limit() -> str:
             else "the kernel's dirty-page limits")
 
 
-def store_place(cache_dir: str, kind: str, cache_size: int) -> tuple[dict, str]:
+def store_place(cache_dir: str, kind: str, cache_size: int, huge_pages: str) -> tuple[dict, str]:
     """Where the content store lives and what bounds its RAM: the facts for the status
     document (``filesystem``, ``ram_bounded_by``: "cache size" on a RAM filesystem, "page
-    cache" on a disk one) and the line ``acpfs mount`` prints and the log keeps."""
+    cache" on a disk one; ``huge_pages``: ``hugecache.prepare``'s answer) and the line
+    ``acpfs mount`` prints and the log keeps."""
     fs = ram_filesystem(cache_dir) or mounttable.fstype_of(cache_dir) or "an unknown filesystem"
     size = format_size(cache_size)
     if ram_filesystem(cache_dir):
@@ -205,9 +206,9 @@ def store_place(cache_dir: str, kind: str, cache_size: int) -> tuple[dict, str]:
         if kind == "memory files":
             why += ("; a writer is passed through only when its size is known from its name "
                     "or its file (docs/semantics.md, section 6)")
-        return ({"filesystem": fs, "ram_bounded_by": "cache size"},
-                f"{kind} on {fs} in {cache_dir}: {why}")
-    return ({"filesystem": fs, "ram_bounded_by": "page cache"},
+        return ({"filesystem": fs, "ram_bounded_by": "cache size", "huge_pages": huge_pages},
+                f"{kind} on {fs} in {cache_dir}: {why}; huge pages {huge_pages}")
+    return ({"filesystem": fs, "ram_bounded_by": "page cache", "huge_pages": huge_pages},
             f"{kind} on {fs} in {cache_dir}: disk bounded by --cache-size ({size}); RAM bounded "
             f"by the kernel's page cache ({dirty_limit()}; clean pages are reclaimed as needed)")
 

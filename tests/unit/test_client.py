@@ -53,14 +53,15 @@ def test_parse_mountinfo_keeps_every_mount_with_its_id_and_type():
         "",
     ])
     got = mounttable.parse_mountinfo(text)
+    fuse = "rw,user_id=1000,group_id=1000"
     assert got == [
-        mounttable.Mount("22", "/proc", "proc", "0:21"),
-        mounttable.Mount("40", "/mnt/ckpt", "fuse.acpfs", "0:40"),
-        mounttable.Mount("41", "/mnt/with space", "fuse.acpfs", "0:41"),
-        mounttable.Mount("42", "/mnt/tab\there", "fuse.acpfs", "0:42"),
-        mounttable.Mount("43", "/mnt/new\nline", "fuse.acpfs", "0:43"),
-        mounttable.Mount("44", "/mnt/back\\slash", "fuse.acpfs", "0:44"),
-        mounttable.Mount("45", "/mnt/other", "fuse.sshfs", "0:45"),
+        mounttable.Mount("22", "/proc", "proc", "0:21", "proc", "rw"),
+        mounttable.Mount("40", "/mnt/ckpt", "fuse.acpfs", "0:40", "acpfs", fuse),
+        mounttable.Mount("41", "/mnt/with space", "fuse.acpfs", "0:41", "acpfs", fuse),
+        mounttable.Mount("42", "/mnt/tab\there", "fuse.acpfs", "0:42", "acpfs", fuse),
+        mounttable.Mount("43", "/mnt/new\nline", "fuse.acpfs", "0:43", "acpfs", fuse),
+        mounttable.Mount("44", "/mnt/back\\slash", "fuse.acpfs", "0:44", "acpfs", fuse),
+        mounttable.Mount("45", "/mnt/other", "fuse.sshfs", "0:45", "sshfs", fuse),
     ]
     assert mounttable.acpfs_mounts(text) == ["/mnt/ckpt", "/mnt/with space", "/mnt/tab\there",
                                          "/mnt/new\nline", "/mnt/back\\slash"]

@@ -120,23 +120,23 @@ def mount_type(path: str, text: str | None = None) -> str | None:
 def mount_of(path: str, text: str | None = None) -> str:
     """The acpfs mount point holding ``path`` (symlinks resolved; the longest one that holds
     it). Raises Failure when it is on no acpfs mount."""
-    real = os.path.realpath(path)
-    best = None
-    for m in acpfs_mounts(text):
-        if real == m or real.startswith(m.rstrip("/") + "/"):
-            if best is None or len(m) > len(best):
-                best = m
+    best = _holding(path, [m for m in table(text) if m.fstype == FSTYPE])
     if best is None:
         raise Failure(f"{path} is not on an acpfs mount")
-    return best
+    return best.mountpoint
 
 
 def mount_holding(path: str, text: str | None = None) -> Mount | None:
-    """The mount holding ``path`` (symlinks resolved; the last of the longest mount points
-    that hold it, as the kernel resolves it); None when none is found."""
+    """The mount holding ``path``; None when none is found."""
+    return _holding(path, table(text))
+
+
+def _holding(path: str, mounts: list[Mount]) -> Mount | None:
+    """Of ``mounts``, the one holding ``path`` (symlinks resolved; the last of the longest
+    mount points that hold it, as the kernel resolves it)."""
     real = os.path.realpath(path)
     best = None
-    for m in table(text):
+    for m in mounts:
         if real == m.mountpoint or real.startswith(m.mountpoint.rstrip("/") + "/"):
             if best is None or len(m.mountpoint) >= len(best.mountpoint):
                 best = m

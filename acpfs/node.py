@@ -356,6 +356,10 @@ class KernelNotices:
         """The kernel asks again for the attributes of ``node`` before it next uses them
         (under each node id it may hold for it: ``Inodes.kernel_ids``)."""
 
+    def appeared(self, parent_ino: int, name: bytes) -> None:
+        """``name`` joined the view of directory ``parent_ino`` from the backing (another
+        node made it): an answer "missing" the kernel may keep for it is dropped."""
+
 
 class FsError(OSError):
     """The core's one error type: an errno for the caller (the FUSE reply, a CLI exit) and a

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 from conftest import content, digest
 
@@ -113,6 +114,44 @@ def test_names_another_node_synced_are_seen_at_once(make_nodes, workers):
     a.sync()
     assert not (a.backing / "s").exists(), f"left in the backing: {os.listdir(a.backing / 's')}"
     assert sorted(os.listdir(b.backing)) == [".acpfs-nodes", "d"]
+
+
+def test_a_name_found_missing_is_kept_until_the_timeout_or_a_listing(make_nodes, workers):
+    """A probes a missing name 500 times (as SQLite its -journal at every transaction): one
+    LOOKUP reaches A's daemon, A's kernel answers the rest. B makes the name and syncs: A's
+    kernel may still answer "missing" for up to the kernel's timeout (5 s here;
+    docs/semantics.md, section 10), but A's listing of the directory shows it and drops that
+    answer, and A then reads B's version at once. A second probed name that B makes shows on
+    A by itself once the timeout ran out, not before (a poll for a file sees it late, never
+    wrong). A name A never probed is found at once."""
+    a, b = nodes(make_nodes)
+    wa, wb = workers(a, b)
+    wa.do("write", "d/db", "a", 10)
+    a.sync()
+    lookups = a.status()["requests"].get("lookup", 0)
+    assert wa.do("probe", "d/db-journal", 500) == "0"
+    probed = time.monotonic()
+    assert a.status()["requests"].get("lookup", 0) - lookups <= 2, "each probe reached the daemon"
+    wb.do("write", "d/db-journal", "b", 20)
+    wb.do("write", "d/never-probed", "b", 40)
+    b.sync()
+    if time.monotonic() - probed < 4:   # (a slow machine may take the kernel's whole timeout)
+        assert wa.do("probe", "d/db-journal", 1) == "0", "the kernel's answer was not kept"
+    assert wa.do("stat", "d/never-probed") == str(40 * 32)
+    assert wa.do("ls", "d") == "db,db-journal,never-probed"
+    assert wa.do("probe", "d/db-journal", 1) == "1", "the listing did not drop the answer"
+    assert wa.do("sha", "d/db-journal") == digest(content("b", 20))
+    # without a listing: seen once the kernel's timeout ran out
+    assert wa.do("probe", "d/polled", 1) == "0"
+    probed = time.monotonic()
+    wb.do("write", "d/polled", "b", 50)
+    b.sync()
+    if time.monotonic() - probed < 4:
+        assert wa.do("probe", "d/polled", 1) == "0", "the kernel's answer was not kept"
+    while wa.do("probe", "d/polled", 1) == "0":
+        assert time.monotonic() - probed < 5 + 3, "a probed name never showed"
+        time.sleep(0.05)
+    assert wa.do("sha", "d/polled") == digest(content("b", 50))
 
 
 def test_a_removed_name_is_gone_at_the_next_open(make_nodes, workers):

@@ -85,6 +85,10 @@ METRICS = {
     "small_create": ("small", "files/s", True, "small files: create+write+close"),
     "small_stat": ("small", "files/s", True, "small files: stat"),
     "small_unlink": ("small", "files/s", True, "small files: unlink"),
+    "sqlite_query": ("small", "queries/s", True, "SQLite point queries, DELETE journal mode "
+                     "(each probes the missing -journal name)"),
+    "sqlite_insert": ("small", "inserts/s", True, "SQLite single-row transactions, DELETE "
+                      "journal mode"),
     "write_1m": ("close_flush", "GB/s", True, "python os.write 1 MiB chunks (before close)"),
     "close_ms": ("close_flush", "ms", False, "close() of the file just written, alone"),
     "durable_s": ("close_flush", "s", False, "close() returned -> file complete in the backing"),
@@ -780,6 +784,11 @@ class Bench:
         self.record("small_create", t.name, rep, n / r["create_s"])
         self.record("small_stat", t.name, rep, n / r["stat_s"])
         self.record("small_unlink", t.name, rep, n / r["unlink_s"])
+        d = self.fresh(t, "sqlite", rep)
+        with self.profiled(t, f"sqlite-r{rep}"):
+            r = self.w.call("sqlite", path=d)
+        self.record("sqlite_query", t.name, rep, r["queries"] / r["query_s"])
+        self.record("sqlite_insert", t.name, rep, r["inserts"] / r["insert_s"])
         self.sample_rss(t, "small")
         t.remove(d)
 

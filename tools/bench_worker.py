@@ -114,6 +114,32 @@ def small_files(path: str, n: int, data: bytes, fsync: bool = False, unlink: boo
     return out
 
 
+def sqlite_work(path: str, rows: int = 20000, queries: int = 2000, inserts: int = 300) -> dict:
+    """SQLite in its default journal mode (DELETE) on ``path``: a table of ``rows`` rows made
+    in one transaction, then ``queries`` point queries (each probes the missing -journal
+    name: a hot-journal check), then ``inserts`` single-row transactions (each makes,
+    syncs and removes the journal): seconds of each phase."""
+    import random
+    import sqlite3
+
+    db = os.path.join(path, "bench.db")
+    con = sqlite3.connect(db, isolation_level=None)
+    con.execute("CREATE TABLE t (k INTEGER PRIMARY KEY, v BLOB)")
+    con.execute("BEGIN")
+    con.executemany("INSERT INTO t VALUES (?, ?)", ((i, b"v" * 100) for i in range(rows)))
+    con.execute("COMMIT")
+    rnd = random.Random(0)
+    t0 = time.perf_counter()
+    for _ in range(queries):
+        con.execute("SELECT v FROM t WHERE k = ?", (rnd.randrange(rows),)).fetchone()
+    t1 = time.perf_counter()
+    for i in range(inserts):
+        con.execute("INSERT INTO t VALUES (?, ?)", (rows + i, b"w" * 100))
+    t2 = time.perf_counter()
+    con.close()
+    return {"query_s": t1 - t0, "insert_s": t2 - t1, "queries": queries, "inserts": inserts}
+
+
 class Worker:
     def __init__(self, size: int) -> None:
         import torch  # noqa: F401  (import cost paid once, before any measurement)
@@ -286,6 +312,9 @@ class Worker:
     def small(self, path: str, n: int, size: int, fsync: bool, unlink: bool = True,
               per_dir: int = 0) -> dict:
         return small_files(path, n, self.buf[:size], fsync, unlink, per_dir)
+
+    def sqlite(self, path: str) -> dict:
+        return sqlite_work(path)
 
     def ping(self) -> dict:
         return {"pid": os.getpid(), "size": self.size}

@@ -88,6 +88,7 @@ class Coherence:
                 same.nlink = max(same.nlink, st.st_nlink, len(same.names()))
                 node.entries()[name] = same
                 self.kernel.forget_attrs(same)
+                self.kernel.appeared(node.ino, name)
                 return same
         child = self.inodes.new_node(st.st_mode, st.st_uid, st.st_gid, node, name)
         child.size = st.st_size
@@ -104,6 +105,7 @@ class Coherence:
         if statmod.S_ISDIR(st.st_mode):
             child.nlink = 2
         node.entries()[name] = child
+        self.kernel.appeared(node.ino, name)
         return child
 
     # -- other writers of the backing (other nodes) ---------------------------------------

@@ -137,25 +137,30 @@ class Loader:
         self._list_locks.pop(node.ino, None)
         return node
 
-    async def found_elsewhere(self, parent: Node, name: bytes) -> Node:
+    async def found_elsewhere(self, parent: Node, name: bytes) -> Node | None:
         """A name this mount's view of ``parent`` lacks: looked up in the backing (one lstat,
         as NFS looks up a name it has no entry for), so that a file another node made is
-        seen at once, not at the next listing. ENOENT if it is not there, or if this mount
-        has a change of its own pending on the name (its removal wins in its own view)."""
+        seen at once, not at the next listing. None when it is missing, known for sure:
+        not in the backing, or this mount has a change of its own pending on the name (its
+        removal wins in its own view), or an internal name; ENOENT (raised) when that is
+        not known: the backing failed or did not answer in time, or a check of the name is
+        in flight already."""
         coherence = self.coherence
         key = (parent.ino, name)
-        if is_internal_name(name) or not self.inodes.present(parent) or key in self._checking:
+        if is_internal_name(name):
+            return None
+        if not self.inodes.present(parent) or key in self._checking:
             raise err(errno.ENOENT)
-        got = None
+        got: tuple | None | bool = False   # False: no answer
         try:
             with trio.move_on_after(COHERENCE_WAIT):
                 got = await self._check(key, functools.partial(coherence.stat_name, parent, name))
         except OSError as e:
             log.debug("looking up %s in the backing: %s", name_path(parent, name), e)
         node = parent.children.get(name) if parent.children is not None else None
-        if node is None and got is not None and parent.children is not None:
+        if node is None and got and parent.children is not None:
             node = coherence.attach_found(parent, name, got)
-        if node is None:
+        if node is None and (got is False or parent.children is None):
             raise err(errno.ENOENT)
         return node
 

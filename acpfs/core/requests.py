@@ -110,11 +110,22 @@ class Core:
 
     # -- the namespace ---------------------------------------------------------------------
     async def lookup(self, parent_ino: int, name: bytes) -> Node:
-        node = await self._lookup(parent_ino, name)
-        self.files.sync_content(node)   # the reply's size must not undo a write passed through
+        node = await self.find(parent_ino, name)
+        if node is None:
+            raise err(errno.ENOENT)
         return node
 
-    async def _lookup(self, parent_ino: int, name: bytes) -> Node:
+    async def find(self, parent_ino: int, name: bytes) -> Node | None:
+        """The node of ``name`` in directory ``parent_ino``, or None when the name is missing
+        for sure, from this mount's view and from the backing (an answer the kernel may keep
+        for the coherence timeout: docs/semantics.md, section 10). ENOENT (raised) where
+        that is not known: the backing failed or did not answer in time."""
+        node = await self._lookup(parent_ino, name)
+        if node is not None:
+            self.files.sync_content(node)   # the reply's size must not undo a write passed through
+        return node
+
+    async def _lookup(self, parent_ino: int, name: bytes) -> Node | None:
         if len(name) > NAME_MAX:
             raise err(errno.ENAMETOOLONG, "name longer than 255 bytes")
         # Another node may have made, removed or replaced the name since this directory was
@@ -128,7 +139,7 @@ class Core:
         node = parent.entries().get(name)
         if node is None:
             if listed:
-                raise err(errno.ENOENT)
+                return None
             return await self.loader.found_elsewhere(parent, name)
         if listed and node.is_reg and not node.links and self.loader.coherence.quiescent(node) \
                 and node.position_at(parent, name) is not None:

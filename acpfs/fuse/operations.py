@@ -18,7 +18,10 @@ import logging
 import os
 import queue
 import threading
+import time
 from typing import Any, Callable
+
+import trio
 
 from . import fastwrite  # (before pyfuse3: it interposes fuse_session_new and _mount)
 
@@ -35,6 +38,9 @@ ATTR_TIMEOUT = 5.0
 # or less where coherence checks look more often (make_operations). A stat or lookup that the
 # kernel answers itself never reaches Loader.revalidated/refreshed.
 kernel_timeout = ATTR_TIMEOUT
+# names the kernel was told are missing, kept to drop its answer when another node makes one
+MISSING_PRUNE_AT = 100_000
+SETTLE_WAIT = 0.5   # an opendir waits at most this long for the kernel to drop such answers
 BLKSIZE = 1 << 20  # what stat reports: programs size their buffers by it
 STATVFS_FIELDS = ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree",
                   "f_favail", "f_namemax")
@@ -108,6 +114,17 @@ def attrs(node: Node) -> pyfuse3.EntryAttributes:
     return a
 
 
+def missing() -> pyfuse3.EntryAttributes:
+    """A LOOKUP's answer for a name that is missing for sure (``Core.find``): a negative
+    entry, which the kernel keeps for the coherence timeout and answers ENOENT from itself
+    meanwhile (as NFS's lookupcache=all: a program that probes a missing name over and over,
+    as SQLite its journal, costs no request)."""
+    a = pyfuse3.EntryAttributes()
+    a.st_ino = 0
+    a.entry_timeout = kernel_timeout
+    return a
+
+
 def entry(inodes: Inodes, node: Node) -> pyfuse3.EntryAttributes:
     """Attributes of a node the kernel will hold a reference to (one lookup more), under
     the node id new lookups of it get (``Inodes.looked_up``): pyfuse3 sends st_ino as the
@@ -138,7 +155,15 @@ class Operations(pyfuse3.Operations):
     # -- namespace -------------------------------------------------------------------------
     @replies
     async def lookup(self, parent_inode, name, ctx=None):
-        return entry(self.core.inodes, await self.core.lookup(parent_inode, name))
+        notices = self.core.cache.kernel
+        if isinstance(notices, KernelCacheNotices):
+            notices.looking(parent_inode, name)
+        node = await self.core.find(parent_inode, name)
+        if node is None:
+            if isinstance(notices, KernelCacheNotices):
+                notices.missing(parent_inode, name)
+            return missing()
+        return entry(self.core.inodes, node)
 
     async def forget(self, inode_list):
         for ino, n in inode_list:
@@ -206,7 +231,11 @@ class Operations(pyfuse3.Operations):
     # -- directories -----------------------------------------------------------------------
     @replies
     async def opendir(self, inode, ctx):
-        return await self.handles.opendir(inode)
+        fh = await self.handles.opendir(inode)
+        notices = self.core.cache.kernel
+        if isinstance(notices, KernelCacheNotices):
+            await notices.settled()
+        return fh
 
     @replies
     async def readdir(self, fh, start_id, token):
@@ -320,16 +349,55 @@ class Operations(pyfuse3.Operations):
 
 class KernelCacheNotices(KernelNotices):
     """What the cache tells the kernel of changes another node made (``Cache.kernel``):
-    pyfuse3's notifications."""
+    pyfuse3's notifications. Owns the names the kernel was told are missing
+    (``_missing``: (directory node id, name) -> until when the kernel may keep that answer),
+    so that one another node makes is dropped from the kernel's cache as soon as this node
+    sees it (``appeared``), and the invalidations in flight (``_queued``, ``_sent``)."""
 
     def __init__(self) -> None:
-        self._forgets: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._forgets: queue.SimpleQueue[int | tuple[int, bytes]] = queue.SimpleQueue()
+        self._missing: dict[tuple[int, bytes], float] = {}
+        self._queued = 0   # entry invalidations queued (trio thread)
+        self._sent = 0     # of those, sent (the notification thread)
         threading.Thread(target=self._send_forgets, name="acpfs-forget", daemon=True).start()
 
     def forget_entry(self, parent_ino: int, name: bytes) -> None:
         """A name another node removed leaves the kernel's dentry cache at once, not after
         ATTR_TIMEOUT (Coherence.merge_listing)."""
         pyfuse3.invalidate_entry_async(parent_ino, name, ignore_enoent=True)
+
+    def looking(self, parent_ino: int, name: bytes) -> None:
+        """A LOOKUP of the name came: the kernel holds no answer for it to drop."""
+        self._missing.pop((parent_ino, name), None)
+
+    def missing(self, parent_ino: int, name: bytes) -> None:
+        """The kernel was told the name is missing (a negative entry, ``missing()``)."""
+        now = time.monotonic()
+        if len(self._missing) >= MISSING_PRUNE_AT:
+            self._missing = {k: t for k, t in self._missing.items() if t > now}
+            if len(self._missing) >= MISSING_PRUNE_AT:   # all live: drop the oldest half
+                keep = sorted(self._missing.items(), key=lambda kv: kv[1])[len(self._missing) // 2:]
+                self._missing = dict(keep)
+        self._missing[(parent_ino, name)] = now + kernel_timeout
+
+    def appeared(self, parent_ino: int, name: bytes) -> None:
+        """Another node's name joined the view: a negative entry of it the kernel may still
+        keep is invalidated (in the notification thread: the kernel may wait there for
+        the directory's lock, which a request this thread answers can hold). A name whose
+        record was dropped to keep the table bounded is seen once its entry runs out."""
+        until = self._missing.pop((parent_ino, name), None)
+        if until is not None and until > time.monotonic():
+            self._queued += 1
+            self._forgets.put((parent_ino, name))
+
+    async def settled(self) -> None:
+        """Returns once the invalidations queued so far were sent (at most
+        ``SETTLE_WAIT`` seconds): an opendir answers after them, so that a name its
+        listing shows is not answered missing by the kernel right after."""
+        target = self._queued
+        deadline = time.monotonic() + SETTLE_WAIT
+        while self._sent < target and time.monotonic() < deadline:
+            await trio.sleep(0.0005)
 
     def forget_attrs(self, node: Node) -> None:
         """Another node's version of a file: the kernel asks for its size again before it
@@ -342,13 +410,19 @@ class KernelCacheNotices(KernelNotices):
 
     def _send_forgets(self) -> None:
         while True:
-            ino = self._forgets.get()
+            what = self._forgets.get()
             try:
-                pyfuse3.invalidate_inode(ino, attr_only=True)
-            except OSError:   # ENOENT: the kernel does not hold the inode (known from a listing only)
+                if isinstance(what, tuple):
+                    pyfuse3.invalidate_entry(what[0], what[1])
+                else:
+                    pyfuse3.invalidate_inode(what, attr_only=True)
+            except OSError:   # ENOENT: the kernel does not hold the inode or name
                 pass
             except Exception:
-                log.exception("telling the kernel to forget the attributes of inode %d", ino)
+                log.exception("telling the kernel to forget %r", what)
+            finally:
+                if isinstance(what, tuple):
+                    self._sent += 1
 
 
 def invalidate_attrs_now(ino: int) -> None:

@@ -481,6 +481,53 @@ def test_a_name_the_view_lacks_is_looked_up_and_opendir_relists_a_changed_direct
     run(h, test, coherence_timeout=3600.0)
 
 
+def test_a_name_is_answered_missing_for_sure_only_where_the_daemon_knows_it(seeded):
+    """``Core.find`` answers None (missing for sure: the FUSE adapter lets the kernel keep
+    that, docs/semantics.md section 10) for a name that is neither in the view nor in the
+    backing, for this mount's own removal and for an internal name; a lookup the backing
+    failed or did not answer in time raises ENOENT instead (never kept). Every name another
+    writer made that joins the view, by a lookup or by a listing, is told to the kernel
+    notices (``KernelNotices.appeared``: the adapter drops a kept "missing" for it)."""
+    from acpfs.node import KernelNotices
+    h = seeded({"d/mine": b"m"})
+    appeared: list[bytes] = []
+
+    class Notices(KernelNotices):
+        def appeared(self, parent_ino: int, name: bytes) -> None:
+            appeared.append(name)
+
+    h.cache.coherence.kernel = Notices()
+
+    async def test(core):
+        d = await core.lookup(ROOT, b"d")
+        core.handles.releasedir(await core.handles.opendir(d.ino))   # loaded: "mine" joined
+        assert appeared == [b"mine"]
+        appeared.clear()
+        await trio.sleep(0.01)                               # past the coherence timeout
+        assert await core.find(d.ino, b"nothing") is None
+        assert await core.find(ROOT, b".acpfs-nodes") is None
+        (h.back / "d" / "later").write_bytes(b"l")
+        assert (await core.find(d.ino, b"later")).size == 1
+        assert appeared == [b"later"]
+        await core.unlink(d.ino, b"later")
+        assert await core.find(d.ino, b"later") is None      # its removal, pending or done
+        fault = h.backing.inject("stat_entry", errno=errno.EIO)
+        await trio.sleep(0.01)
+        await raises(errno.ENOENT, core.find, d.ino, b"nothing")
+        h.backing.faults.remove(fault)
+        core.loader.calls.fstype = None    # as over NFS: checks in threads, which a hang holds
+        hang = h.backing.inject("stat_entry", hang=True)
+        await trio.sleep(0.01)
+        await raises(errno.ENOENT, core.find, d.ino, b"nothing")   # after COHERENCE_WAIT
+        hang.release()
+        await trio.sleep(0.01)
+        assert await core.find(d.ino, b"nothing") is None
+        (h.back / "d" / "listed").write_bytes(b"x")
+        core.handles.releasedir(await core.handles.opendir(d.ino))
+        assert appeared == [b"later", b"listed"]
+    run(h, test, coherence_timeout=0.005)
+
+
 def test_a_lookup_compares_the_name_alone_never_lists_the_directory(seeded):
     """After the coherence timeout a lookup looks at its one name in the backing (an lstat, as
     NFS's LOOKUP): a name another writer made, removed or turned into a directory shows

@@ -360,6 +360,15 @@ class KernelNotices:
         """``name`` joined the view of directory ``parent_ino`` from the backing (another
         node made it): an answer "missing" the kernel may keep for it is dropped."""
 
+    def looking(self, parent_ino: int, name: bytes) -> None:
+        """A LOOKUP of the name came: the kernel keeps no answer for it now."""
+
+    def missing(self, parent_ino: int, name: bytes) -> None:
+        """The kernel was told the name is missing, an answer it keeps a while."""
+
+    async def settled(self) -> None:
+        """Returns once what ``appeared`` queued for the kernel was sent."""
+
 
 class FsError(OSError):
     """The core's one error type: an errno for the caller (the FUSE reply, a CLI exit) and a

@@ -156,12 +156,10 @@ class Operations(pyfuse3.Operations):
     @replies
     async def lookup(self, parent_inode, name, ctx=None):
         notices = self.core.cache.kernel
-        if isinstance(notices, KernelCacheNotices):
-            notices.looking(parent_inode, name)
+        notices.looking(parent_inode, name)
         node = await self.core.find(parent_inode, name)
         if node is None:
-            if isinstance(notices, KernelCacheNotices):
-                notices.missing(parent_inode, name)
+            notices.missing(parent_inode, name)
             return missing()
         return entry(self.core.inodes, node)
 
@@ -232,9 +230,7 @@ class Operations(pyfuse3.Operations):
     @replies
     async def opendir(self, inode, ctx):
         fh = await self.handles.opendir(inode)
-        notices = self.core.cache.kernel
-        if isinstance(notices, KernelCacheNotices):
-            await notices.settled()
+        await self.core.cache.kernel.settled()
         return fh
 
     @replies

@@ -1,4 +1,4 @@
-"""Builds acpfs.fuse._fastwrite (acpfs/fuse/_fastwrite.c); everything else is declared in setup.cfg.
+"""Builds acpfs.fuse._fastwrite (acpfs/fuse/_fastwrite.c and _attrs.c); everything else is declared in setup.cfg.
 
 The extension is optional: where it cannot be built (no compiler, no libfuse3 headers)
 acpfs installs without it and WRITE requests take pyfuse3's path (acpfs/fuse/fastwrite.py).
@@ -22,7 +22,8 @@ cflags = pkg_config("--cflags") or ["-I/usr/include/fuse3"]
 libs = pkg_config("--libs") or ["-lfuse3"]
 
 setup(ext_modules=[Extension(
-    "acpfs.fuse._fastwrite", ["acpfs/fuse/_fastwrite.c"],
+    "acpfs.fuse._fastwrite", ["acpfs/fuse/_fastwrite.c", "acpfs/fuse/_attrs.c"],
+    depends=["acpfs/fuse/_attrs.h"],
     extra_compile_args=[*cflags, "-Wall", "-Wextra", "-Wno-unused-parameter"],
     extra_link_args=[*libs, "-ldl"],
     optional=True,

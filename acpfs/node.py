@@ -347,7 +347,7 @@ class Snapshot:
 
 class KernelNotices:
     """What the cache tells the kernel when another node changed the backing under it
-    (``fuse.operations.KernelCacheNotices`` on a mount; this one, which tells nobody, in process)."""
+    (``fuse.notices.KernelCacheNotices`` on a mount; this one, which tells nobody, in process)."""
 
     def forget_entry(self, parent_ino: int, name: bytes) -> None:
         """The kernel drops its entry of ``name`` in directory ``parent_ino``, at once."""

@@ -3,7 +3,8 @@
 A hypothesis ``RuleBasedStateMachine`` applies the same operations to a subdirectory of an
 acpfs mount and to a subdirectory of a plain reference directory, and requires the same
 outcome of each (same value, or the same errno). After every step the mount's tree must
-equal the reference tree (names, kinds, modes, bytes, symlink targets). At the end of each
+equal the reference tree (names, kinds, modes, bytes, symlink targets; each file's stat size
+its bytes). At the end of each
 example, after ``acpfs sync``, the backing subdirectory must equal both.
 
 The mount is made once per test function; each example works in a fresh subdirectory
@@ -60,11 +61,12 @@ names = st.sampled_from(NAMES)
 NODES = ".acpfs-nodes"   # global order's node records: acpfs's own, hidden from the mount
 
 
-def tree(root: Path) -> dict[str, tuple]:
+def tree(root: Path, contents=trees.read_bytes) -> dict[str, tuple]:
     """Names, kinds, modes, bytes and link targets under root (acpfs temp names and node
     records excluded); a file with several names also has its link count and its first name
     (hard links)."""
-    return trees.tree(root, skip=lambda n: n.startswith(TEMP_PREFIX) or n == NODES, links=True)
+    return trees.tree(root, skip=lambda n: n.startswith(TEMP_PREFIX) or n == NODES, links=True,
+                      contents=contents)
 
 
 def diff(a: dict, b: dict) -> str:
@@ -442,7 +444,7 @@ def make_machine(m: Mount, ref_root: Path):
         def sync_point(self):
             """Wait for the flusher; with nothing open, the backing must equal the reference."""
             note(f"sync ({len(self.held)} handles open)")
-            tm, tr = tree(self.roots[0]), tree(self.roots[1])
+            tm, tr = tree(self.roots[0], contents=sized), tree(self.roots[1])
             assert tm == tr, f"mount != reference:\n{diff(tm, tr)}"
             self.sync_in_process()
             if not self.held:
@@ -454,7 +456,7 @@ def make_machine(m: Mount, ref_root: Path):
         def same_tree(self):
             if not self.strict:
                 return
-            tm, tr = tree(self.roots[0]), tree(self.roots[1])
+            tm, tr = tree(self.roots[0], contents=sized), tree(self.roots[1])
             assert tm == tr, f"mount != reference:\n{diff(tm, tr)}"
 
         def teardown(self):
@@ -463,7 +465,7 @@ def make_machine(m: Mount, ref_root: Path):
                 return
             note("close all; acpfs sync")
             acpfs("sync", str(m.mnt), "--timeout", "60", timeout=120)
-            tm, tr, tb = tree(self.roots[0]), tree(self.roots[1]), tree(self.back)
+            tm, tr, tb = tree(self.roots[0], contents=sized), tree(self.roots[1]), tree(self.back)
             assert tm == tr, f"after sync, mount != reference:\n{diff(tm, tr)}"
             assert tb == tr, f"after sync, backing != reference:\n{diff(tb, tr)}"
             # nothing open, everything durable: no temporary file may be left behind
@@ -478,6 +480,14 @@ def make_machine(m: Mount, ref_root: Path):
             assert not left, f"temporary files left in the backing after sync: {left}"
 
     return AcpfsModel
+
+
+def sized(path: Path, st: os.stat_result) -> bytes:
+    """A file's bytes, which must be as many as its stat said (the kernel's GETATTRs after
+    each change are answered below Python: acpfs/fuse/attrtable.py)."""
+    data = path.read_bytes()
+    assert len(data) == st.st_size, f"{path}: stat says {st.st_size} bytes, read {len(data)}"
+    return data
 
 
 def run_model(make_mount, tmp_path, max_examples: int, steps: int, **mount_kw) -> None:

@@ -67,6 +67,8 @@ class MountInfo:
     store_place: dict = dataclasses.field(default_factory=dict)
     # whether WRITEs reach the store by the C hook (fastwrite.state), None where not asked for
     fast_write: Callable[[], dict] | None = None
+    # GETATTR and GETXATTR answered below Python (fuse/attrtable.py)
+    attr_table: Callable[[], dict] | None = None
     # FUSE requests the daemon handled, by kind (fuse/operations.py): what passthrough leaves to it
     requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     # uncached files the kernel reads from the backing file (coldreads.ColdReads.status)
@@ -228,6 +230,8 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         "passthrough": info.passthrough() if info.passthrough is not None else
         {"on": False, "why_not": "not asked for"},
         "requests": dict(sorted(info.requests.items())),
+        "answered_in_c": info.attr_table() if info.attr_table is not None else
+        {"on": False, "why_not": "not asked for"},
         "cold_reads": info.cold_reads() if info.cold_reads is not None else
         {"files": 0, "opens": 0, "opened": 0, "refused": 0, "kept": 0, "keeping": 0, "fetched_bytes": 0},
         "backing_calls": info.backing_calls() if info.backing_calls is not None else

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import math
 import os
 import stat as statmod
 import time
@@ -163,6 +164,18 @@ class Loader:
         if node is None and (got is False or parent.children is None):
             raise err(errno.ENOENT)
         return node
+
+    def answer_holds_for(self, node: Node) -> float:
+        """For how many seconds a GETATTR answer of ``node`` given now stays the one this
+        mount would give, unless a request or another node changes it (which remove it:
+        fuse/attrtable.py): 0 for a file the kernel writes without asking (a writer passed
+        through: ``Files.sync_content``) or one being compared with the backing; for a clean
+        file in the backing, until its next comparison is due (``revalidated``)."""
+        if (node.passthrough_opens and node.writers) or node.ino in self._checking:
+            return 0.0
+        if not node.is_reg or node.backing_parent is None or not self.coherence.quiescent(node):
+            return math.inf
+        return node.checked_at + self.opts.coherence_timeout - time.monotonic()
 
     async def revalidated(self, node: Node, at_open: bool = False, forget: bool = True) -> Node:
         """A clean file whose backing copy was compared with this mount's at most

@@ -160,14 +160,14 @@ class Daemon:
     def _build_parts(self, why_not: str) -> None:
         """In order, each built whole: the backing, the journal, the op log, global order,
         the cache, the flusher, the mount's information and the core."""
-        from ..fuse import fastwrite
+        from ..fuse import attrtable, fastwrite
         from ..oplog import journal
         from ..backing.backing import Backing, new_instance
         from ..cache.cache import Cache
         from ..core.control import MountInfo
         from ..core.requests import Core
         from ..flusher.flusher import Flusher
-        from ..fuse.operations import KernelCacheNotices, invalidate_attrs_now
+        from ..fuse.notices import KernelCacheNotices, invalidate_attrs_now
         from ..oplog.log import OpLog
         from ..cluster.globalorder import GlobalOrder
         from ..cluster.peers import Peers
@@ -197,6 +197,7 @@ class Daemon:
         passthrough = self.kernel.state if self.kernel is not None else \
             (lambda: {"on": False, "why_not": why_not})
         self.info = MountInfo(opts, store_place=self.place, fast_write=fastwrite.state,
+                              attr_table=attrtable.state,
                               passthrough=passthrough,
                               metrics=self.endpoint.address if self.endpoint else None)
         self.core = Core(self.flusher, self.info, order=order, kernel=self.kernel,
@@ -283,7 +284,8 @@ class Daemon:
         import pyfuse3
         import trio
 
-        from ..fuse.operations import make_operations
+        from ..fuse import attrtable
+        from ..fuse.operations import BLKSIZE, make_operations
 
         opts = self.opts
         if self.join_wait:
@@ -298,6 +300,7 @@ class Daemon:
             fuse_opts.add("noexec")
         pyfuse3.init(ops, opts.mountpoint, fuse_opts)
         fastwrite.install(ops.write_now, ops.fallocate_now)
+        attrtable.enable(BLKSIZE)
         log.info("mounted %s over %s", opts.mountpoint, opts.backing)
         self.notify("ready")
         self.systemd.ready(f"serving {opts.mountpoint}; {self.summary()}")

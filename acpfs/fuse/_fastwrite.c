@@ -41,6 +41,10 @@
  * acpfs/core/coldreads.py); the entry replies (fuse_reply_entry, fuse_reply_create,
  * fuse_add_direntry_plus) show the file's own inode number in st_ino, not the node id.
  *
+ * Fourth job (acpfs/fuse/_attrs.c): GETATTR and security GETXATTRs answered from a table
+ * that Python keeps current (fuse/attrtable.py); the WRITE and FALLOCATE handlers here drop
+ * the inode's entry on arrival.
+ *
  * Only on Linux 6.9 and later: 6.6 to 6.8 shipped the flag with writable shared mappings
  * of direct_io files broken (no page_mkwrite; fixed in stable updates of March 2024 that
  * cannot be told apart by version here), and acpfs's writers have direct_io. There, and
@@ -70,6 +74,8 @@
 #include <unistd.h>
 
 #include <sys/ioctl.h>
+
+#include "_attrs.h"
 
 #ifndef FUSE_DIRECT_IO_ALLOW_MMAP
 #define FUSE_DIRECT_IO_ALLOW_MMAP (1ULL << 36)   /* Linux 6.6 (as FUSE_DIRECT_IO_RELAX) */
@@ -172,6 +178,7 @@ static PyObject *offer(PyObject *fn, struct fuse_file_info *fi, off_t off, char 
 static void fast_write_buf(fuse_req_t req, fuse_ino_t ino, struct fuse_bufvec *bufv, off_t off,
                            struct fuse_file_info *fi)
 {
+    attrs_drop_key(ino);   /* its size and times change */
     if (handler == NULL) {
         next_write_buf(req, ino, bufv, off, fi);
         return;
@@ -250,7 +257,7 @@ static PyObject *fallocate_handler;
 static void fast_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset, off_t length,
                            struct fuse_file_info *fi)
 {
-    (void)ino;
+    attrs_drop_key(ino);
     PyObject *fn = fallocate_handler;
     if (fn == NULL) {
         fuse_reply_err(req, EOPNOTSUPP);
@@ -410,6 +417,7 @@ int fuse_session_mount(struct fuse_session *se, const char *mountpoint)
     direct_io_mmap = custom_io = passthrough = killpriv_v2 = 0;
     next_backing = patching = next_noflush = 0;
     session = NULL;
+    attrs_reset();
     int res = real(se, mountpoint);
     if (res != 0 || !kernel_maps_direct_io_safely()
         || (!want_direct_io_mmap() && !want_passthrough))
@@ -445,6 +453,7 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
     if (op_size >= offsetof(struct fuse_lowlevel_ops, fallocate) + sizeof(op->fallocate)
         && ours->fallocate == NULL)
         ours->fallocate = fast_fallocate;
+    attrs_hook(ours);
     struct fuse_session *se = real(args, ours, op_size, userdata);
     free(ours);
     if (se != NULL)
@@ -682,5 +691,10 @@ PyMODINIT_FUNC PyInit__fastwrite(void)
 {
     if (PyType_Ready(&SlotType) < 0)
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddFunctions(m, attrs_methods) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -16,31 +16,19 @@ import errno
 import functools
 import logging
 import os
-import queue
-import threading
-import time
 from typing import Any, Callable
 
-import trio
-
 from . import fastwrite  # (before pyfuse3: it interposes fuse_session_new and _mount)
+from . import attrtable, notices  # noqa: E402
 
 import pyfuse3  # noqa: E402
 
 from ..core.requests import Core  # noqa: E402
 from ..cache.inodes import Inodes  # noqa: E402
-from ..node import KernelNotices, Node  # noqa: E402
+from ..node import Node  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-ATTR_TIMEOUT = 5.0
-# How long the kernel may answer from its own caches of names and attributes: ATTR_TIMEOUT,
-# or less where coherence checks look more often (make_operations). A stat or lookup that the
-# kernel answers itself never reaches Loader.revalidated/refreshed.
-kernel_timeout = ATTR_TIMEOUT
-# names the kernel was told are missing, kept to drop its answer when another node makes one
-MISSING_PRUNE_AT = 100_000
-SETTLE_WAIT = 0.5   # an opendir waits at most this long for the kernel to drop such answers
 BLKSIZE = 1 << 20  # what stat reports: programs size their buffers by it
 STATVFS_FIELDS = ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree",
                   "f_favail", "f_namemax")
@@ -72,6 +60,33 @@ def replies(fn: Callable) -> Callable:
     return wrapper
 
 
+def changes(fn: Callable) -> Callable:
+    """A handler that changes inodes: where it fails, any of them may have changed halfway,
+    so every answer kept below Python is removed (fuse/attrtable.py) before the reply. Where
+    it succeeds, the handler itself says what changed (``offer``, ``attrtable.drop``)."""
+    @functools.wraps(fn)
+    async def wrapper(*args: Any) -> Any:
+        try:
+            return await fn(*args)
+        except BaseException:
+            attrtable.clear()
+            raise
+    return wrapper
+
+
+def offer(core: Core, *nodes: Node) -> None:
+    """The attributes of ``nodes`` were just answered (or changed by this request, which
+    answers next): the kernel's next GETATTRs of them may be answered below Python while
+    that answer holds (``Loader.answer_holds_for``, at most the kernel timeout)."""
+    if not attrtable.active():
+        return
+    for node in nodes:
+        holds = min(notices.kernel_timeout, core.loader.answer_holds_for(node))
+        attrtable.put(node.ino, node.mode, node.nlink if not node.is_dir else dir_links(node),
+                      node.uid, node.gid, node.rdev, node.size, node.atime, node.mtime,
+                      node.ctime, holds)
+
+
 def acknowledges(fn: Callable) -> Callable:
     """A handler whose request may acknowledge a change (one stamped meanwhile: OpLog.next_stamp):
     answered after the commit wait of global order (GlobalOrder.acknowledged)."""
@@ -98,8 +113,8 @@ def attrs(node: Node) -> pyfuse3.EntryAttributes:
     """A node's attributes, its inode number as st_ino (a GETATTR reply)."""
     a = pyfuse3.EntryAttributes()
     a.st_ino = node.ino
-    a.entry_timeout = kernel_timeout
-    a.attr_timeout = kernel_timeout
+    a.entry_timeout = notices.kernel_timeout
+    a.attr_timeout = notices.kernel_timeout
     a.st_mode = node.mode
     a.st_nlink = node.nlink if not node.is_dir else dir_links(node)
     a.st_uid = node.uid
@@ -121,7 +136,7 @@ def missing() -> pyfuse3.EntryAttributes:
     as SQLite its journal, costs no request)."""
     a = pyfuse3.EntryAttributes()
     a.st_ino = 0
-    a.entry_timeout = kernel_timeout
+    a.entry_timeout = notices.kernel_timeout
     return a
 
 
@@ -155,26 +170,31 @@ class Operations(pyfuse3.Operations):
     # -- namespace -------------------------------------------------------------------------
     @replies
     async def lookup(self, parent_inode, name, ctx=None):
-        notices = self.core.cache.kernel
-        notices.looking(parent_inode, name)
+        kernel = self.core.cache.kernel
+        kernel.looking(parent_inode, name)
         node = await self.core.find(parent_inode, name)
         if node is None:
-            notices.missing(parent_inode, name)
+            kernel.missing(parent_inode, name)
             return missing()
+        offer(self.core, node)
         return entry(self.core.inodes, node)
 
     async def forget(self, inode_list):
         for ino, n in inode_list:
+            attrtable.drop(ino)
             self.core.forget(ino, n)
 
     @replies
     async def getattr(self, inode, ctx=None):
-        return attrs(await self.core.getattr(inode))
+        node = await self.core.getattr(inode)
+        offer(self.core, node)
+        return attrs(node)
 
     @replies
     @acknowledges
+    @changes
     async def setattr(self, inode, attr, fields, fh, ctx):
-        return attrs(await self.core.setattr(
+        node = await self.core.setattr(
             inode,
             size=attr.st_size if fields.update_size else None,
             mode=attr.st_mode if fields.update_mode else None,
@@ -182,7 +202,9 @@ class Operations(pyfuse3.Operations):
             gid=attr.st_gid if fields.update_gid else None,
             atime=attr.st_atime_ns if fields.update_atime else None,
             mtime=attr.st_mtime_ns if fields.update_mtime else None,
-            caller_uid=ctx.uid))
+            caller_uid=ctx.uid)
+        offer(self.core, node)
+        return attrs(node)
 
     @replies
     async def readlink(self, inode, ctx):
@@ -190,41 +212,69 @@ class Operations(pyfuse3.Operations):
 
     @replies
     @acknowledges
+    @changes
     async def mkdir(self, parent_inode, name, mode, ctx):
-        return entry(self.core.inodes, await self.core.mkdir(parent_inode, name, mode, ctx))
+        return self._made(parent_inode, await self.core.mkdir(parent_inode, name, mode, ctx))
+
+    def _made(self, parent_inode: int, node: Node) -> pyfuse3.EntryAttributes:
+        """The reply to a request that made ``node`` in directory ``parent_inode``."""
+        attrtable.drop(parent_inode)
+        offer(self.core, node, *self._known(parent_inode))
+        return entry(self.core.inodes, node)
+
+    def _unlinked(self, *parents: int) -> None:
+        """A name left (or moved between) ``parents``: the file it named changed too."""
+        attrtable.clear()
+        offer(self.core, *self._known(*parents))
+
+    def _known(self, *inos: int) -> list[Node]:
+        """The nodes of ``inos`` the kernel holds (it holds a request's directories)."""
+        return [n for n in map(self.core.inodes.nodes.get, inos) if n is not None]
 
     @replies
     @acknowledges
+    @changes
     async def unlink(self, parent_inode, name, ctx):
         await self.core.unlink(parent_inode, name)
+        self._unlinked(parent_inode)
 
     @replies
     @acknowledges
+    @changes
     async def rmdir(self, parent_inode, name, ctx):
         await self.core.rmdir(parent_inode, name)
+        self._unlinked(parent_inode)
 
     @replies
     @acknowledges
+    @changes
     async def symlink(self, parent_inode, name, target, ctx):
-        return entry(self.core.inodes, await self.core.symlink(parent_inode, name, target, ctx))
+        return self._made(parent_inode, await self.core.symlink(parent_inode, name, target, ctx))
 
     @replies
     @acknowledges
+    @changes
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         if flags & pyfuse3.RENAME_EXCHANGE:
             raise OSError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
         await self.core.rename(parent_inode_old, name_old, parent_inode_new, name_new,
                                noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE))
+        self._unlinked(parent_inode_old, parent_inode_new)
 
     @replies
     @acknowledges
+    @changes
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        return entry(self.core.inodes, await self.core.link(inode, new_parent_inode, new_name))
+        node = await self.core.link(inode, new_parent_inode, new_name)
+        self._unlinked(new_parent_inode)
+        offer(self.core, node)
+        return entry(self.core.inodes, node)
 
     @replies
     @acknowledges
+    @changes
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        return entry(self.core.inodes, await self.core.mknod(parent_inode, name, mode, rdev, ctx))
+        return self._made(parent_inode, await self.core.mknod(parent_inode, name, mode, rdev, ctx))
 
     # -- directories -----------------------------------------------------------------------
     @replies
@@ -254,8 +304,10 @@ class Operations(pyfuse3.Operations):
 
     # -- files -----------------------------------------------------------------------------
     @replies
+    @changes
     async def open(self, inode, flags, ctx):
         fh, direct, backing_id = await self.handles.open(inode, flags, ctx.uid)
+        offer(self.core, self.handles.handle(fh).node)   # (O_TRUNC changed it)
         info = pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False)
         if flags & os.O_ACCMODE == os.O_RDONLY:
             # a reader's close has nothing to stamp (Handles.flush) and no lock of the
@@ -265,8 +317,11 @@ class Operations(pyfuse3.Operations):
         return info
 
     @replies
+    @changes
     async def create(self, parent_inode, name, mode, flags, ctx):
         fh, node, backing_id = await self.core.create(parent_inode, name, mode, flags, ctx)
+        attrtable.drop(parent_inode)
+        offer(self.core, node, *self._known(parent_inode))
         info = pyfuse3.FileInfo(fh=fh, direct_io=self.handles.direct_io_mmap() and not backing_id,
                                 keep_cache=False)
         reply = info, entry(self.core.inodes, node)
@@ -301,15 +356,24 @@ class Operations(pyfuse3.Operations):
             return await self.handles.write(fh, off, buf)
         except Exception as e:
             raise pyfuse3.FUSEError(errno_of(e, "write")) from None
+        finally:
+            h = self.handles.handles.get(fh)
+            if h is not None:
+                attrtable.drop(h.node.ino)   # (the extension dropped it on arrival too)
 
     @replies
     @acknowledges
     async def flush(self, fh):
+        attrtable.drop(self.handles.handle(fh).node.ino)
         self.handles.flush(fh)   # close(): stamps what it acknowledges (Handles.flush)
 
     @replies
+    @changes
     async def release(self, fh):
+        node = self.handles.handle(fh).node
+        attrtable.drop(node.ino)
         await self.handles.release(fh)
+        offer(self.core, node)   # the last writer's close: its final size and times
 
     @replies
     async def fsync(self, fh, datasync):
@@ -330,8 +394,10 @@ class Operations(pyfuse3.Operations):
 
     @replies
     @acknowledges
+    @changes
     async def setxattr(self, inode, name, value, ctx):
         await self.core.setxattr(inode, name, value)
+        attrtable.drop(inode)   # its ctime
 
     @replies
     async def listxattr(self, inode, ctx):
@@ -339,101 +405,13 @@ class Operations(pyfuse3.Operations):
 
     @replies
     @acknowledges
+    @changes
     async def removexattr(self, inode, name, ctx):
         await self.core.removexattr(inode, name)
-
-
-class KernelCacheNotices(KernelNotices):
-    """What the cache tells the kernel of changes another node made (``Cache.kernel``):
-    pyfuse3's notifications. Owns the names the kernel was told are missing
-    (``_missing``: (directory node id, name) -> until when the kernel may keep that answer),
-    so that one another node makes is dropped from the kernel's cache as soon as this node
-    sees it (``appeared``), and the invalidations in flight (``_queued``, ``_sent``)."""
-
-    def __init__(self) -> None:
-        self._forgets: queue.SimpleQueue[int | tuple[int, bytes]] = queue.SimpleQueue()
-        self._missing: dict[tuple[int, bytes], float] = {}
-        self._queued = 0   # entry invalidations queued (trio thread)
-        self._sent = 0     # of those, sent (the notification thread)
-        threading.Thread(target=self._send_forgets, name="acpfs-forget", daemon=True).start()
-
-    def forget_entry(self, parent_ino: int, name: bytes) -> None:
-        """A name another node removed leaves the kernel's dentry cache at once, not after
-        ATTR_TIMEOUT (Coherence.merge_listing)."""
-        pyfuse3.invalidate_entry_async(parent_ino, name, ignore_enoent=True)
-
-    def looking(self, parent_ino: int, name: bytes) -> None:
-        """A LOOKUP of the name came: the kernel holds no answer for it to drop."""
-        self._missing.pop((parent_ino, name), None)
-
-    def missing(self, parent_ino: int, name: bytes) -> None:
-        """The kernel was told the name is missing (a negative entry, ``missing()``)."""
-        now = time.monotonic()
-        if len(self._missing) >= MISSING_PRUNE_AT:
-            self._missing = {k: t for k, t in self._missing.items() if t > now}
-            if len(self._missing) >= MISSING_PRUNE_AT:   # all live: drop the oldest half
-                keep = sorted(self._missing.items(), key=lambda kv: kv[1])[len(self._missing) // 2:]
-                self._missing = dict(keep)
-        self._missing[(parent_ino, name)] = now + kernel_timeout
-
-    def appeared(self, parent_ino: int, name: bytes) -> None:
-        """Another node's name joined the view: a negative entry of it the kernel may still
-        keep is invalidated (in the notification thread: the kernel may wait there for
-        the directory's lock, which a request this thread answers can hold). A name whose
-        record was dropped to keep the table bounded is seen once its entry runs out."""
-        until = self._missing.pop((parent_ino, name), None)
-        if until is not None and until > time.monotonic():
-            self._queued += 1
-            self._forgets.put((parent_ino, name))
-
-    async def settled(self) -> None:
-        """Returns once the invalidations queued so far were sent (at most
-        ``SETTLE_WAIT`` seconds): an opendir answers after them, so that a name its
-        listing shows is not answered missing by the kernel right after."""
-        target = self._queued
-        deadline = time.monotonic() + SETTLE_WAIT
-        while self._sent < target and time.monotonic() < deadline:
-            await trio.sleep(0.0005)
-
-    def forget_attrs(self, node: Node) -> None:
-        """Another node's version of a file: the kernel asks for its size again before it
-        reads (Coherence.replaced_elsewhere); attributes only, which takes no lock a request may
-        hold. Sent from a thread of its own, never from a request handler (a notification
-        may wait on an inode the kernel is evicting, and the eviction on a request only this
-        thread would answer)."""
-        for nodeid in [node.ino, *(node.kernel_ids or ())]:   # Inodes.kernel_ids
-            self._forgets.put(nodeid)
-
-    def _send_forgets(self) -> None:
-        while True:
-            what = self._forgets.get()
-            try:
-                if isinstance(what, tuple):
-                    pyfuse3.invalidate_entry(what[0], what[1])
-                else:
-                    pyfuse3.invalidate_inode(what, attr_only=True)
-            except OSError:   # ENOENT: the kernel does not hold the inode or name
-                pass
-            except Exception:
-                log.exception("telling the kernel to forget %r", what)
-            finally:
-                if isinstance(what, tuple):
-                    self._sent += 1
-
-
-def invalidate_attrs_now(ino: int) -> None:
-    """The kernel forgets the attributes of the inode a request is about, before the reply
-    (Loader.revalidated at open: the reader's first read must see the new size). Safe from a
-    handler only for that inode: the kernel holds it for the request, so it is not being
-    evicted."""
-    try:
-        pyfuse3.invalidate_inode(ino, attr_only=True)
-    except OSError:
-        pass
+        attrtable.drop(inode)
 
 
 def make_operations(core: Core) -> Operations:
     """The adapter over ``core``."""
-    global kernel_timeout
-    kernel_timeout = min(ATTR_TIMEOUT, core.opts.coherence_timeout)
+    notices.kernel_timeout = min(notices.ATTR_TIMEOUT, core.opts.coherence_timeout)
     return Operations(core)

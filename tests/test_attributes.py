@@ -187,3 +187,36 @@ def test_another_nodes_version_shows_once_the_coherence_timeout_ran_out(make_nod
     while os.stat(a.path("f")).st_size != 1000:
         assert time.monotonic() - synced < 1 + 5 + 2, "A's stat kept the old size"
         time.sleep(0.05)
+
+
+def test_a_writer_passed_through_is_answered_from_its_memory_file(make_mount):
+    """The kernel writes a passed-through writer's memory file without telling the daemon;
+    its fstat after each write is answered in C from that memory file: the size of every
+    write, a time set by utimens kept until the next write, and no GETATTR for Python."""
+    m = make_mount(extra=TIMEOUT)
+    if not m.status()["passthrough"]["on"]:
+        pytest.skip("the daemon's path: every write reaches the daemon")
+    p = m.mnt / "w.bin"
+    p.write_bytes(b"x" * 4096)   # a known size: the next writer is passed through
+    before, c0 = counts(m)
+    opens = m.status()["passthrough"]["opens"]
+    fd = os.open(p, os.O_RDWR)
+    try:
+        assert m.status()["passthrough"]["opens"] == opens + 1, "the writer was not passed through"
+        for i in range(100):
+            os.pwrite(fd, b"y" * 10, 4096 + i * 1000)
+            assert os.fstat(fd).st_size == 4096 + i * 1000 + 10
+        os.utime(fd, ns=(10**18, 10**18))
+        assert os.fstat(fd).st_mtime_ns == 10**18
+        assert os.fstat(fd).st_mtime_ns == 10**18
+        os.pwrite(fd, b"z", 0)
+        assert os.fstat(fd).st_mtime_ns != 10**18
+        os.ftruncate(fd, 50)
+        assert os.fstat(fd).st_size == 50
+    finally:
+        os.close(fd)
+    assert os.stat(p).st_size == 50
+    after, c1 = counts(m)
+    python_getattrs = after.get("getattr", 0) - before.get("getattr", 0)
+    assert python_getattrs <= 10, f"{python_getattrs} of 100 fstats reached Python"
+    assert c1["getattr_answered"] - c0["getattr_answered"] >= 100

@@ -114,16 +114,22 @@ def small_files(path: str, n: int, data: bytes, fsync: bool = False, unlink: boo
     return out
 
 
-def sqlite_work(path: str, rows: int = 20000, queries: int = 2000, inserts: int = 300) -> dict:
-    """SQLite in its default journal mode (DELETE) on ``path``: a table of ``rows`` rows made
-    in one transaction, then ``queries`` point queries (each probes the missing -journal
-    name: a hot-journal check), then ``inserts`` single-row transactions (each makes,
-    syncs and removes the journal): seconds of each phase."""
+def sqlite_work(path: str, mode: str = "delete", rows: int = 20000, queries: int = 2000,
+                inserts: int = 300) -> dict:
+    """SQLite in journal mode ``mode`` on ``path``: a table of ``rows`` rows made in one
+    transaction, then ``queries`` point queries, then ``inserts`` single-row transactions:
+    seconds of each phase. DELETE (the default mode): each query probes the missing
+    -journal name (a hot-journal check) and reads the header; each insert makes, syncs and
+    removes the journal. WAL: queries read the mapped -shm index; inserts append to and
+    sync the -wal file."""
     import random
     import sqlite3
 
-    db = os.path.join(path, "bench.db")
+    db = os.path.join(path, f"bench-{mode}.db")
     con = sqlite3.connect(db, isolation_level=None)
+    got = con.execute(f"PRAGMA journal_mode={mode}").fetchone()[0]
+    if got.lower() != mode:
+        raise RuntimeError(f"SQLite refused journal_mode={mode} on {path} (got {got})")
     con.execute("CREATE TABLE t (k INTEGER PRIMARY KEY, v BLOB)")
     con.execute("BEGIN")
     con.executemany("INSERT INTO t VALUES (?, ?)", ((i, b"v" * 100) for i in range(rows)))
@@ -313,8 +319,8 @@ class Worker:
               per_dir: int = 0) -> dict:
         return small_files(path, n, self.buf[:size], fsync, unlink, per_dir)
 
-    def sqlite(self, path: str) -> dict:
-        return sqlite_work(path)
+    def sqlite(self, path: str, mode: str = "delete") -> dict:
+        return sqlite_work(path, mode)
 
     def ping(self) -> dict:
         return {"pid": os.getpid(), "size": self.size}

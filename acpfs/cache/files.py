@@ -137,6 +137,14 @@ class Files:
             node.mtime = st.st_mtime_ns
             node.ctime = max(node.ctime, st.st_ctime_ns)
 
+    def written_unseen(self, node: Node) -> tuple[int, tuple[int, int, int] | None] | None:
+        """A file open for writing with passthrough (``sync_content``): a descriptor of its
+        memory file (valid until the next call into the store; -1: none) and what was last
+        seen of it; None for any other file."""
+        if not (node.passthrough_opens and node.writers) or node.content is None:
+            return None
+        return self.store.descriptor(node.content), node.content.seen
+
     def unchanged_since_snapshot(self, node: Node) -> bool:
         """A file open for writing with passthrough whose memory file has not changed since
         its last snapshot (it stays dirty after one: ``snapshot``)."""

@@ -54,13 +54,14 @@ UNSHARED_POLL = 0.005   # s between looks at a memory file an upload still holds
 class Handle:
     """An open file."""
     __slots__ = ("node", "nodeid", "writable", "append", "backing_fd", "generation", "kill_priv",
-                 "passthrough", "opened_seq", "cold")
+                 "passthrough", "opened_seq", "cold", "page_cache")
 
     def __init__(self, node: Node, writable: bool, append: bool = False,
                  kill_priv: bool = False, passthrough: bool = False, nodeid: int = 0) -> None:
         self.node = node
         self.nodeid = nodeid or node.ino   # the kernel inode it was opened on
         self.cold = False                  # the kernel passes it through to the backing file
+        self.page_cache = False            # the kernel reads it through its page cache
         self.writable = writable
         self.passthrough = passthrough   # the kernel reads and writes its memory file itself
         self.opened_seq = 0              # OpLog.seq at the open
@@ -95,6 +96,8 @@ class Handles:
         # opens of each kernel inode (node id), counted from the start of the open: the kernel
         # allows only one kind of open per kernel inode (passthrough or not, one backing file)
         self.kernel_opens: dict[int, int] = {}
+        # inode -> its opens in the kernel's page-cache mode (``_page_cache``)
+        self.page_cached: dict[int, int] = {}
         self.dirs: dict[int, list[tuple[bytes, Node]]] = {}
         self._next_fh = 1
 
@@ -210,16 +213,19 @@ class Handles:
         # direct_io file fails with ENODEV, which breaks SQLite's WAL and np.memmap).
         # There, writers get it (1 MiB requests straight into the cache, no page cache cap),
         # and readers of a cached file (one copy from the cache into the reader's buffer,
-        # where the page cache copies twice and allocates a page per 4 KiB). Files read
-        # from the backing keep the page cache and its read-ahead, except beside
-        # passthrough, where a file must not enter the page cache's mode.
+        # where the page cache copies twice and allocates a page per 4 KiB), except a file
+        # opened for reading and writing at once (``_page_cache``). Files read from the
+        # backing keep the page cache and its read-ahead, except beside passthrough, where
+        # a file must not enter the page cache's mode.
         if not node.writers and (node.content is not None or node.backing_parent is not None):
             self.admission.learn(node)   # a closed version: the size its name has
         backing_id = self._passthrough(node, writable, trunc, append)
-        direct = self.direct_io_mmap() and (writable or node.content is not None
-                                            or self.kernel is not None)
+        cached = self._page_cache(node, flags, backing_id)
+        direct = not cached and self.direct_io_mmap() and (writable or node.content is not None
+                                                           or self.kernel is not None)
         h = Handle(node, writable, append, kill_priv=writable and uid != 0,
                    passthrough=bool(backing_id), nodeid=ino)
+        h.page_cache = cached
         h.opened_seq = self.oplog.seq
         if not writable and node.content is None and node.staged is None and node.is_reg:
             # Open the backing copy now, so that the reader keeps the version it opened
@@ -235,7 +241,24 @@ class Handles:
             self.files.note_change(node)   # its first write never comes here: dirty from the open
         fh = self._new_fh()
         self.handles[fh] = h
+        if cached:
+            self.page_cached[node.ino] = self.page_cached.get(node.ino, 0) + 1
         return fh, direct and not backing_id, backing_id
+
+    def _page_cache(self, node: Node, flags: int, backing_id: int) -> bool:
+        """Whether an open the daemon serves gets the kernel's page cache (no direct_io):
+        a file opened for reading and writing at once (a database: SQLite reads its header
+        at every transaction) when nothing else has it open, and every open of it after that
+        until its last close, so that all opens of a file share one page cache. Its writes
+        still reach the daemon at once (no writeback cache); each open without keep_cache
+        drops what the page cache held, so another node's version is read at the next open
+        (docs/semantics.md, section 10)."""
+        if backing_id or not node.is_reg:
+            return False
+        if self.page_cached.get(node.ino):
+            return True
+        return (flags & os.O_ACCMODE) == os.O_RDWR and node.opens == 0 \
+            and not self.cold.opens_of.get(node.ino, 0)
 
     def _passthrough(self, node: Node, writable: bool, trunc: bool = False,
                      append: bool = False) -> int:
@@ -293,15 +316,19 @@ class Handles:
 
     def open_created(self, node: Node, flags: int) -> tuple[int, int]:
         """The open of a file ``Core.create`` just made: (file handle, the backing id as
-        ``open``)."""
+        ``open``); its handle says whether it has the page cache (``Handle.page_cache``)."""
         append = bool(flags & os.O_APPEND)
         # The creating handle always counts as a writer, so that the new file is
         # published at its last close even when it was opened read-only.
         backing_id = self._passthrough(node, True, append=append)
+        cached = self._page_cache(node, flags, backing_id)
         self.files.open(node, True, False, append, passthrough=bool(backing_id))
         fh = self._new_fh()
-        self.handles[fh] = Handle(node, True, append, passthrough=bool(backing_id),
-                                  nodeid=node.nodeid)
+        h = self.handles[fh] = Handle(node, True, append, passthrough=bool(backing_id),
+                                      nodeid=node.nodeid)
+        h.page_cache = cached
+        if cached:
+            self.page_cached[node.ino] = self.page_cached.get(node.ino, 0) + 1
         self.kernel_opens[node.nodeid] = self.kernel_opens.get(node.nodeid, 0) + 1
         return fh, backing_id
 
@@ -420,6 +447,12 @@ class Handles:
             raise err(errno.EBADF, f"file handle {fh} is not open")
         self._closed_on(h.nodeid)
         node = h.node
+        if h.page_cache:
+            left = self.page_cached[node.ino] - 1
+            if left:
+                self.page_cached[node.ino] = left
+            else:
+                del self.page_cached[node.ino]
         if h.cold:
             self.cold.release(h.nodeid, node)
             self.files.release(node, False)

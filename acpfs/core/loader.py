@@ -168,10 +168,11 @@ class Loader:
     def answer_holds_for(self, node: Node) -> float:
         """For how many seconds a GETATTR answer of ``node`` given now stays the one this
         mount would give, unless a request or another node changes it (which remove it:
-        fuse/attrtable.py): 0 for a file the kernel writes without asking (a writer passed
-        through: ``Files.sync_content``) or one being compared with the backing; for a clean
-        file in the backing, until its next comparison is due (``revalidated``)."""
-        if (node.passthrough_opens and node.writers) or node.ino in self._checking:
+        fuse/attrtable.py), or the kernel writes it (a writer passed through: its size and
+        times are its memory file's, ``Files.sync_content``): 0 for a file being compared
+        with the backing; for a clean file in the backing, until its next comparison is due
+        (``revalidated``)."""
+        if node.ino in self._checking:
             return 0.0
         if not node.is_reg or node.backing_parent is None or not self.coherence.quiescent(node):
             return math.inf

@@ -12,6 +12,11 @@
  *     attrs_drop(ino)     the inode changed: the next GETATTR goes to Python
  *     attrs_clear()       every inode may have changed (a rename, an unlink, a removal elsewhere)
  *
+ * A file the kernel writes itself (a writer passed through to its memory file) comes with
+ * a descriptor of that memory file, which the table duplicates and keeps while the answer
+ * does: its size and times are taken from an fstat of it once they differ from what Python
+ * last saw (as Files.sync_content would), the rest from the answer.
+ *
  * Who keeps it right: Python (acpfs/fuse/attrtable.py), which puts an answer only where it
  * would give the same one until ``valid_for`` seconds have passed unless a request or
  * another node changes the inode, and drops it when that happens. Here only WRITE and
@@ -44,7 +49,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "_attrs.h"
 
@@ -59,6 +67,12 @@ struct entry {
     uint64_t size, rdev;
     int64_t atime_ns, mtime_ns, ctime_ns;
     uint32_t mode, nlink, uid, gid;
+    /* A file the kernel writes itself (passed through): our descriptor of its memory file,
+     * or -1, and the memory file's (size, mtime, ctime) when Python last looked: where it
+     * changed since, its size and times are the memory file's (Files.sync_content). */
+    int fd;
+    uint64_t seen_size;
+    int64_t seen_mtime, seen_ctime;
 };
 
 static struct entry *slots;
@@ -67,6 +81,7 @@ static uint64_t seq, cleared_seq;
 static int enabled;
 static long blksize = 1 << 20;
 static unsigned long long hits, misses, xattr_answered, drops, clears;
+static size_t with_fd;             /* entries holding a descriptor */
 
 typedef void (*getattr_fn)(fuse_req_t, fuse_ino_t, struct fuse_file_info *);
 typedef void (*getxattr_fn)(fuse_req_t, fuse_ino_t, const char *, size_t);
@@ -98,9 +113,19 @@ static long find(uint64_t ino)
     }
 }
 
+static void close_fd(struct entry *e)
+{
+    if (e->fd >= 0) {
+        close(e->fd);
+        e->fd = -1;
+        with_fd--;
+    }
+}
+
 static void remove_slot(size_t i)
 {
     size_t mask = nslots - 1;
+    close_fd(&slots[i]);
     for (size_t j = (i + 1) & mask; slots[j].ino != 0; j = (j + 1) & mask) {
         size_t k = home(slots[j].ino);
         /* move j back into i unless its home lies cyclically in (i, j] */
@@ -116,6 +141,9 @@ static void remove_slot(size_t i)
 
 static void empty_table(void)
 {
+    for (size_t i = 0; i < nslots; i++)
+        if (slots[i].ino != 0)
+            close_fd(&slots[i]);
     free(slots);
     slots = NULL;
     nslots = used = 0;
@@ -147,8 +175,12 @@ static int make_room(void)
     nslots = want;
     used = 0;
     for (size_t i = 0; i < oldn; i++) {
-        if (old[i].ino == 0 || old[i].seq <= cleared_seq || old[i].until_ns <= now)
+        if (old[i].ino == 0)
             continue;
+        if (old[i].seq <= cleared_seq || old[i].until_ns <= now) {
+            close_fd(&old[i]);
+            continue;
+        }
         size_t j = home(old[i].ino);
         while (slots[j].ino != 0)
             j = (j + 1) & (nslots - 1);
@@ -175,7 +207,22 @@ static void answer_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info
         if (i >= 0) {
             struct entry *e = &slots[i];
             uint64_t now = now_ns();
-            if (e->seq > cleared_seq && e->until_ns > now) {
+            struct stat mem;
+            int usable = e->seq > cleared_seq && e->until_ns > now
+                         && (e->fd < 0 || fstat(e->fd, &mem) == 0);
+            if (usable) {
+                uint64_t size = e->size;
+                int64_t mtime = e->mtime_ns, ctime = e->ctime_ns;
+                if (e->fd >= 0) {
+                    int64_t mm = (int64_t)mem.st_mtim.tv_sec * 1000000000LL + mem.st_mtim.tv_nsec;
+                    int64_t mc = (int64_t)mem.st_ctim.tv_sec * 1000000000LL + mem.st_ctim.tv_nsec;
+                    if ((uint64_t)mem.st_size != e->seen_size || mm != e->seen_mtime
+                        || mc != e->seen_ctime) {   /* the kernel wrote it since */
+                        size = (uint64_t)mem.st_size;
+                        mtime = mm;
+                        ctime = mc > ctime ? mc : ctime;
+                    }
+                }
                 struct stat st;
                 memset(&st, 0, sizeof(st));
                 st.st_ino = e->ino;
@@ -184,15 +231,15 @@ static void answer_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info
                 st.st_uid = e->uid;
                 st.st_gid = e->gid;
                 st.st_rdev = e->rdev;
-                st.st_size = (off_t)e->size;
+                st.st_size = (off_t)size;
                 st.st_blksize = blksize;
-                st.st_blocks = (blkcnt_t)((e->size + 511) / 512);
+                st.st_blocks = (blkcnt_t)((size + 511) / 512);
                 st.st_atim.tv_sec = e->atime_ns / 1000000000LL;
                 st.st_atim.tv_nsec = e->atime_ns % 1000000000LL;
-                st.st_mtim.tv_sec = e->mtime_ns / 1000000000LL;
-                st.st_mtim.tv_nsec = e->mtime_ns % 1000000000LL;
-                st.st_ctim.tv_sec = e->ctime_ns / 1000000000LL;
-                st.st_ctim.tv_nsec = e->ctime_ns % 1000000000LL;
+                st.st_mtim.tv_sec = mtime / 1000000000LL;
+                st.st_mtim.tv_nsec = mtime % 1000000000LL;
+                st.st_ctim.tv_sec = ctime / 1000000000LL;
+                st.st_ctim.tv_nsec = ctime % 1000000000LL;
                 hits++;
                 fuse_reply_attr(req, &st, (double)(e->until_ns - now) / 1e9);
                 return;
@@ -254,12 +301,14 @@ static PyObject *attrs_enable(PyObject *self, PyObject *args)
 
 static PyObject *attrs_put(PyObject *self, PyObject *args)
 {
-    unsigned long long ino, rdev, size;
+    unsigned long long ino, rdev, size, seen_size = 0;
     unsigned int mode, nlink, uid, gid;
-    long long atime, mtime, ctime;
+    long long atime, mtime, ctime, seen_mtime = 0, seen_ctime = 0;
     double valid_for;
-    if (!PyArg_ParseTuple(args, "KIIIIKKLLLd", &ino, &mode, &nlink, &uid, &gid, &rdev, &size,
-                          &atime, &mtime, &ctime, &valid_for))
+    int fd = -1;
+    if (!PyArg_ParseTuple(args, "KIIIIKKLLLd|iKLL", &ino, &mode, &nlink, &uid, &gid, &rdev,
+                          &size, &atime, &mtime, &ctime, &valid_for, &fd, &seen_size,
+                          &seen_mtime, &seen_ctime))
         return NULL;
     ino &= ALIAS_MASK;
     if (!enabled || ino == 0)
@@ -280,6 +329,23 @@ static PyObject *attrs_put(PyObject *self, PyObject *args)
         used++;
     }
     struct entry *e = &slots[i];
+    if (e->ino == ino)
+        close_fd(e);   /* an answer replaced */
+    else
+        e->fd = -1;
+    if (fd >= 0) {
+        int own = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+        if (own < 0) {   /* no answer without its memory file */
+            e->ino = ino;
+            remove_slot((size_t)i);
+            Py_RETURN_NONE;
+        }
+        e->fd = own;
+        with_fd++;
+    }
+    e->seen_size = seen_size;
+    e->seen_mtime = seen_mtime;
+    e->seen_ctime = seen_ctime;
     e->ino = ino;
     e->seq = ++seq;
     e->until_ns = now_ns() + (uint64_t)(valid_for * 1e9);
@@ -306,6 +372,10 @@ static PyObject *attrs_drop(PyObject *self, PyObject *arg)
 
 static PyObject *attrs_clear(PyObject *self, PyObject *unused)
 {
+    /* entries put before no longer count; those holding a memory file let it go now */
+    for (size_t i = 0; with_fd > 0 && i < nslots; i++)
+        if (slots[i].ino != 0)
+            close_fd(&slots[i]);
     cleared_seq = seq;
     clears++;
     Py_RETURN_NONE;
@@ -324,7 +394,9 @@ PyMethodDef attrs_methods[] = {
      "attrs_enable(on, blksize): answer GETATTR from the table and security GETXATTRs in C."},
     {"attrs_put", attrs_put, METH_VARARGS,
      "attrs_put(ino, mode, nlink, uid, gid, rdev, size, atime_ns, mtime_ns, ctime_ns, "
-     "valid_for): GETATTR of ino is answered with these for valid_for seconds (<= 0: drop)."},
+     "valid_for[, fd, seen_size, seen_mtime_ns, seen_ctime_ns]): GETATTR of ino is answered "
+     "with these for valid_for seconds (<= 0: drop); with fd (a memory file the kernel "
+     "writes, duplicated and kept), size and times are the file's once they differ from seen."},
     {"attrs_drop", attrs_drop, METH_O, "attrs_drop(ino): the next GETATTR of ino goes to Python."},
     {"attrs_clear", attrs_clear, METH_NOARGS, "Every entry is dropped (O(1))."},
     {"attrs_stats", attrs_stats, METH_NOARGS,

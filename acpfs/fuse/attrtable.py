@@ -56,11 +56,14 @@ def active() -> bool:
 
 
 def put(ino: int, mode: int, nlink: int, uid: int, gid: int, rdev: int, size: int,
-        atime_ns: int, mtime_ns: int, ctime_ns: int, holds_for: float) -> None:
-    """GETATTR of ``ino`` is answered with these for ``holds_for`` seconds (<= 0: removed)."""
+        atime_ns: int, mtime_ns: int, ctime_ns: int, holds_for: float, fd: int = -1,
+        seen: tuple[int, int, int] = (-1, -1, -1)) -> None:
+    """GETATTR of ``ino`` is answered with these for ``holds_for`` seconds (<= 0: removed).
+    ``fd``: the memory file of a writer passed through (the table keeps a duplicate until
+    the answer goes), whose size and times are answered once they differ from ``seen``."""
     if _on:
         _ext.attrs_put(ino, mode, nlink, uid, gid, rdev, size, atime_ns, mtime_ns, ctime_ns,
-                       holds_for)
+                       holds_for, fd, *seen)
 
 
 def drop(ino: int) -> None:

@@ -82,9 +82,13 @@ def offer(core: Core, *nodes: Node) -> None:
         return
     for node in nodes:
         holds = min(notices.kernel_timeout, core.loader.answer_holds_for(node))
+        unseen = core.files.written_unseen(node)   # the kernel writes it: its memory file
+        fd, seen = unseen if unseen is not None else (-1, None)
+        if unseen is not None and fd < 0:
+            holds = 0.0
         attrtable.put(node.ino, node.mode, node.nlink if not node.is_dir else dir_links(node),
                       node.uid, node.gid, node.rdev, node.size, node.atime, node.mtime,
-                      node.ctime, holds)
+                      node.ctime, holds, fd, seen or (-1, -1, -1))
 
 
 def acknowledges(fn: Callable) -> Callable:
@@ -322,8 +326,9 @@ class Operations(pyfuse3.Operations):
         fh, node, backing_id = await self.core.create(parent_inode, name, mode, flags, ctx)
         attrtable.drop(parent_inode)
         offer(self.core, node, *self._known(parent_inode))
-        info = pyfuse3.FileInfo(fh=fh, direct_io=self.handles.direct_io_mmap() and not backing_id,
-                                keep_cache=False)
+        direct = self.handles.direct_io_mmap() and not backing_id \
+            and not self.handles.handle(fh).page_cache
+        info = pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False)
         reply = info, entry(self.core.inodes, node)
         pass_through(self.core, backing_id)
         return reply

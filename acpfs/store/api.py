@@ -69,6 +69,9 @@ class Store(Protocol):
         """Whether an open the kernel writes itself must get a copy first (``private``)."""
     def private(self, c: Content, size: int) -> Content:
         """A handle with the first ``size`` bytes of ``c`` that nobody else holds."""
+    def descriptor(self, c: Content) -> int:
+        """A descriptor of the file that holds ``c`` alone, valid until the next call into
+        the store; -1 where there is none."""
     def backing(self, c: Content, register: Any) -> int:
         """The kernel's id for ``c`` (passthrough), registered with ``register(fd)`` once."""
     def share(self, c: Content) -> Content:

@@ -168,6 +168,11 @@ class MemFiles:
         self._charge(mf, st.st_blocks * 512)
         return st
 
+    def descriptor(self, mf: MemFile) -> int:
+        """FUSE thread: a descriptor of the memory file, valid until the next call into the
+        store (the attribute table duplicates it: fuse/attrtable.py)."""
+        return self._fd(mf)
+
     def shared(self, mf: MemFile) -> bool:
         return mf.refs > 1
 

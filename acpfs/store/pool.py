@@ -299,6 +299,10 @@ class Pool:
                 self.mem[b * bs + tail:(b + 1) * bs] = 0
         return blocks
 
+    def descriptor(self, blocks: list[int]) -> int:
+        """No file of its own (the kernel never passes a pool file through): -1."""
+        return -1
+
     def shared(self, blocks: list[int]) -> bool:
         """Never in the sense of ``private``: a write copies each shared block it touches."""
         return False

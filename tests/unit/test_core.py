@@ -159,13 +159,16 @@ def test_opening_for_writing_copies_the_backing_version_in(seeded):
         # writers get direct_io only where the kernel keeps shared mmap of such files
         assert not direct and node.content is not None and h.store.used == 3 * BS
         core.handles.direct_io_mmap = lambda: True
-        fh2, direct, _ = await core.handles.open(node.ino, os.O_RDWR)
-        assert direct
+        # a read-write open has the page cache, and every open beside it shares it
+        fh2, direct, _ = await core.handles.open(node.ino, os.O_WRONLY)
+        assert not direct and core.handles.handle(fh2).page_cache
         await close(core, fh2)
         await write(core, fh, b"NEW", off=BS)
         await close(core, fh)
         await drain(h)
-        ft, _, _ = await core.handles.open(node.ino, os.O_WRONLY | os.O_TRUNC)
+        assert not core.handles.page_cached
+        ft, direct, _ = await core.handles.open(node.ino, os.O_WRONLY | os.O_TRUNC)
+        assert direct   # write-only, with nothing else open: direct_io
         assert node.size == 0
         await write(core, ft, b"short")
         await close(core, ft)

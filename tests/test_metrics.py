@@ -170,7 +170,7 @@ def test_status_prometheus_agrees_with_the_endpoint(make_mount):
     (m.mnt / "ckpt").mkdir()
     (m.mnt / "ckpt" / "a").write_bytes(b"a" * 100_000)
     m.sync()
-    moving = {"acpfs_uptime_seconds", "acpfs_requests_total"}
+    moving = {"acpfs_uptime_seconds", "acpfs_requests_total", "acpfs_requests_answered_in_c_total"}
     named = parse(acpfs("status", "--prometheus", str(m.mnt)).stdout)
     _, scraped = scrape(m.status()["metrics"])
     everyone = of_mount(parse(every_mount()), m)

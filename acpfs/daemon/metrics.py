@@ -66,6 +66,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "acpfs_backing_reopened_total": ("counter", "times the backing went away and was opened "
                                      "again"),
     "acpfs_requests_total": ("counter", "FUSE requests handled by the daemon, by kind"),
+    "acpfs_requests_answered_in_c_total": ("counter", "FUSE requests the C extension answered "
+                                           "from the attribute table, by kind"),
     "acpfs_writer_opens_total": ("counter", "opens for writing that could have been passed "
                                  "through, by decision (passed_through, unknown_size, no_room, "
                                  "over_size)"),
@@ -161,6 +163,10 @@ def samples(doc: dict[str, Any]) -> Iterator[tuple[str, Sample]]:
         yield from one("acpfs_conflicts_total", n, kind=kind)
     for kind, n in doc.get("requests", {}).items():
         yield from one("acpfs_requests_total", n, kind=kind)
+    in_c = doc.get("answered_in_c") or {}
+    for kind in ("getattr", "getxattr"):
+        yield from one("acpfs_requests_answered_in_c_total", in_c.get(f"{kind}_answered", 0),
+                       kind=kind)
     for decision, n in field(doc, "cache.writer_opens", {}).items():
         yield from one("acpfs_writer_opens_total", n, decision=decision)
     recovery = doc.get("recovery") or {}

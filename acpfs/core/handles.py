@@ -48,6 +48,10 @@ PRIV_BITS = statmod.S_ISUID | statmod.S_ISGID
 
 
 PASSTHROUGH_LOOK = 0.5   # s between looks at the files writers passed through have written
+# the largest file a read-write open keeps in the kernel's page cache (``_page_cache``): a
+# second copy that small costs little; a larger one (an array mapped read-write) is passed
+# through, where the kernel maps the memory file itself
+PAGE_CACHE_MAX = 16 << 20
 UNSHARED_POLL = 0.005   # s between looks at a memory file an upload still holds (Handles.unshared)
 
 
@@ -219,8 +223,8 @@ class Handles:
         # a file must not enter the page cache's mode.
         if not node.writers and (node.content is not None or node.backing_parent is not None):
             self.admission.learn(node)   # a closed version: the size its name has
-        backing_id = self._passthrough(node, writable, trunc, append)
-        cached = self._page_cache(node, flags, backing_id)
+        cached = self._page_cache(node, flags)
+        backing_id = 0 if cached else self._passthrough(node, writable, trunc, append)
         direct = not cached and self.direct_io_mmap() and (writable or node.content is not None
                                                            or self.kernel is not None)
         h = Handle(node, writable, append, kill_priv=writable and uid != 0,
@@ -245,20 +249,22 @@ class Handles:
             self.page_cached[node.ino] = self.page_cached.get(node.ino, 0) + 1
         return fh, direct and not backing_id, backing_id
 
-    def _page_cache(self, node: Node, flags: int, backing_id: int) -> bool:
-        """Whether an open the daemon serves gets the kernel's page cache (no direct_io):
-        a file opened for reading and writing at once (a database: SQLite reads its header
-        at every transaction) when nothing else has it open, and every open of it after that
-        until its last close, so that all opens of a file share one page cache. Its writes
-        still reach the daemon at once (no writeback cache); each open without keep_cache
-        drops what the page cache held, so another node's version is read at the next open
-        (docs/semantics.md, section 10)."""
-        if backing_id or not node.is_reg:
-            return False
+    def _page_cache(self, node: Node, flags: int) -> bool:
+        """Whether an open gets the kernel's page cache, served by the daemon (neither
+        direct_io nor passed through): a file of at most PAGE_CACHE_MAX bytes opened for
+        reading and writing at once (a database: SQLite reads its header and fstats its file
+        at every transaction, and the kernel asks for the attributes again after every read
+        it does not serve from its page cache) when nothing else has it open, and every open
+        of it after that until its last close, so that all opens of a file share one page
+        cache. Its writes still reach the daemon at once (no writeback cache); each open
+        without keep_cache drops what the page cache held, so another node's version is
+        read at the next open (docs/semantics.md, section 10)."""
+        if not node.is_reg or node.passthrough_opens:
+            return False   # (the kernel refuses an inode opens of both kinds)
         if self.page_cached.get(node.ino):
             return True
-        return (flags & os.O_ACCMODE) == os.O_RDWR and node.opens == 0 \
-            and not self.cold.opens_of.get(node.ino, 0)
+        return (flags & os.O_ACCMODE) == os.O_RDWR and node.size <= PAGE_CACHE_MAX \
+            and node.opens == self.cold.opens_of.get(node.ino, 0)
 
     def _passthrough(self, node: Node, writable: bool, trunc: bool = False,
                      append: bool = False) -> int:
@@ -320,8 +326,8 @@ class Handles:
         append = bool(flags & os.O_APPEND)
         # The creating handle always counts as a writer, so that the new file is
         # published at its last close even when it was opened read-only.
-        backing_id = self._passthrough(node, True, append=append)
-        cached = self._page_cache(node, flags, backing_id)
+        cached = self._page_cache(node, flags)
+        backing_id = 0 if cached else self._passthrough(node, True, append=append)
         self.files.open(node, True, False, append, passthrough=bool(backing_id))
         fh = self._new_fh()
         h = self.handles[fh] = Handle(node, True, append, passthrough=bool(backing_id),

@@ -328,7 +328,8 @@ def test_a_daemon_killed_during_a_fetch_leaves_nothing_wrong(make_mount, faults,
     m, src, shim = over_faultfs(make_mount, faults, tmp_path)
     data = random.Random(11).randbytes(64 << 20)
     (src / "big.bin").write_bytes(data)
-    shim.set("slow 0.01 read")
+    # slow enough that the fetch is still under way when it is killed, on a loaded machine too
+    shim.set("slow 0.05 read")
     cmd = [*ACPFS, "preload", str(m.mnt / "big.bin")] if how == "preload" else \
         ["dd", f"if={m.mnt / 'big.bin'}", "of=/dev/null", "bs=1M", "status=none"]
     client = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -245,9 +245,13 @@ class Handles:
             self.files.note_change(node)   # its first write never comes here: dirty from the open
         fh = self._new_fh()
         self.handles[fh] = h
-        if cached:
-            self.page_cached[node.ino] = self.page_cached.get(node.ino, 0) + 1
+        self._entered(h)
         return fh, direct and not backing_id, backing_id
+
+    def _entered(self, h: Handle) -> None:
+        """Count ``h`` among its file's opens in page-cache mode (``page_cached``)."""
+        if h.page_cache:
+            self.page_cached[h.node.ino] = self.page_cached.get(h.node.ino, 0) + 1
 
     def _page_cache(self, node: Node, flags: int) -> bool:
         """Whether an open gets the kernel's page cache, served by the daemon (neither
@@ -333,8 +337,7 @@ class Handles:
         h = self.handles[fh] = Handle(node, True, append, passthrough=bool(backing_id),
                                       nodeid=node.nodeid)
         h.page_cache = cached
-        if cached:
-            self.page_cached[node.ino] = self.page_cached.get(node.ino, 0) + 1
+        self._entered(h)
         self.kernel_opens[node.nodeid] = self.kernel_opens.get(node.nodeid, 0) + 1
         return fh, backing_id
 

@@ -222,9 +222,13 @@ class Operations(pyfuse3.Operations):
 
     def _made(self, parent_inode: int, node: Node) -> pyfuse3.EntryAttributes:
         """The reply to a request that made ``node`` in directory ``parent_inode``."""
+        self._fresh_in(parent_inode, node)
+        return entry(self.core.inodes, node)
+
+    def _fresh_in(self, parent_inode: int, node: Node) -> None:
+        """``node`` was made in directory ``parent_inode``: both answered anew below Python."""
         attrtable.drop(parent_inode)
         offer(self.core, node, *self._known(parent_inode))
-        return entry(self.core.inodes, node)
 
     def _unlinked(self, *parents: int) -> None:
         """A name left (or moved between) ``parents``: the file it named changed too."""
@@ -324,8 +328,7 @@ class Operations(pyfuse3.Operations):
     @changes
     async def create(self, parent_inode, name, mode, flags, ctx):
         fh, node, backing_id = await self.core.create(parent_inode, name, mode, flags, ctx)
-        attrtable.drop(parent_inode)
-        offer(self.core, node, *self._known(parent_inode))
+        self._fresh_in(parent_inode, node)
         direct = self.handles.direct_io_mmap() and not backing_id \
             and not self.handles.handle(fh).page_cache
         info = pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False)

@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 from ..errors import Aborted
 from .attempts import Attempts
+from .giveway import GiveWay
 from ..backing.backing import Backing, MissingDir
 from ..cache.cache import Cache
 from ..config import DEFAULT_FLUSH_WORKERS
@@ -74,10 +75,11 @@ class Flusher:
         self.lock = oplog.lock
         self.abort = threading.Event()
         self._stopping = False
+        self.give_way = GiveWay(self._short_of_room, lambda: self._stopping or self.abort.is_set())
         self.attempts = Attempts(backing, self.lock, self.abort, self._launch)
         self.repairs = Repairs(cache, backing)
         self.uploads = Uploads(cache, backing, self.lock, self.abort, self.attempts,
-                               self.repairs, self.workers)
+                               self.repairs, self.workers, self.give_way)
         self.publisher = Publisher(cache, backing, self.lock, self.attempts, self.repairs,
                                    self.uploads, self._launch)
         self.thread = threading.Thread(target=self._run, name="acpfs-sequencer", daemon=True)
@@ -111,6 +113,7 @@ class Flusher:
         what was persisted and how long it took, failures, the failing ops at the head of
         the queue, conflicts, global order, and whether the sequencer lives."""
         now = time.time()
+        gave_way = self.give_way.status()   # its lock nests with nothing (docs/concurrency.md)
         with self.lock:
             errors = [{"path": op.path, "op": op.kind, "reason": op.error,
                        "attempts": op.attempts, "since": round(op.since, 3),
@@ -125,6 +128,7 @@ class Flusher:
                     "errors": errors,
                     "conflicts": self.repairs.conflicts.status(),
                     "peers": self.order.status() if self.order is not None else None,
+                    "gave_way_to_requests": gave_way,
                     "flusher_alive": self.thread.is_alive()}
 
     def rate(self) -> float:
@@ -151,6 +155,7 @@ class Flusher:
                     op = queue[0]
                     if self.order is not None and op.state != OpState.VOID:
                         self.order.hold(op, self.abort, self._launch)
+                self.give_way.wait()
                 self._apply(op)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("%s %s: %s (seq %d)", op.kind, op.path, op.state, op.seq)
@@ -163,6 +168,12 @@ class Flusher:
         except BaseException:
             log.exception("flusher crashed; changes are no longer persisted")
             raise
+
+    def _short_of_room(self) -> bool:
+        """Less than a quarter of the cache is free: writers may be waiting for persisted
+        files to evict (GiveWay never waits then)."""
+        store = self.cache.store
+        return store.free_bytes() < store.limit // 4
 
     def _launch(self) -> None:
         """Start uploads of queued snapshots whose directory exists in the backing, and the

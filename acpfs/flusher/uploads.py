@@ -19,6 +19,7 @@ import threading
 
 from ..errors import Aborted
 from .attempts import Attempts
+from .giveway import GiveWay
 from ..backing.backing import STALE, Backing
 from ..cache.cache import Cache
 from ..oplog.ops import Publish
@@ -30,13 +31,15 @@ log = logging.getLogger(__name__)
 
 class Uploads:
     def __init__(self, cache: Cache, backing: Backing, lock: threading.Condition,
-                 abort: threading.Event, attempts: Attempts, repairs: Repairs, workers: int) -> None:
+                 abort: threading.Event, attempts: Attempts, repairs: Repairs, workers: int,
+                 give_way: GiveWay) -> None:
         self.cache = cache
         self.backing = backing
         self.lock = lock
         self.abort = abort
         self.attempts = attempts
         self.repairs = repairs
+        self.give_way = give_way   # waited for before each upload
         self.threads = cf.ThreadPoolExecutor(workers, thread_name_prefix="acpfs-upload")
         self.running = 0   # (lock) uploads handed to a thread and not finished
 
@@ -61,6 +64,7 @@ class Uploads:
             else:
                 self.repairs.restore_dirs(op.parent, exc)
         try:
+            self.give_way.wait()
             return self.attempts.until_done(lambda: self.write(op), op, "upload of", repair)
         finally:
             with self.lock:

@@ -53,6 +53,7 @@ def replies(fn: Callable) -> Callable:
     async def wrapper(*args: Any) -> Any:
         if args and isinstance(args[0], Operations):   # a handler (tests wrap functions too)
             args[0].core.info.requests[name] += 1
+            args[0].give_way.request()
         try:
             return await fn(*args)
         except Exception as e:
@@ -170,6 +171,7 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.core = core
         self.handles = core.handles   # open files and directories
+        self.give_way = core.flusher.give_way   # told of every request (flusher/giveway.py)
 
     # -- namespace -------------------------------------------------------------------------
     @replies

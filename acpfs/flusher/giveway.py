@@ -1,0 +1,96 @@
+"""The flusher gives way to requests: ``GiveWay``.
+
+Owns: when the last request answered in Python arrived (``arrived``: written by the trio
+thread, read by the flusher's threads), and the time given way in the current second
+(under its own lock, which nests inside nothing).
+
+Why: the flusher's threads and the event loop that answers requests share one interpreter.
+On a small machine a burst of created files (a checkpoint of many shards, an unpacked
+dataset, a git checkout) ran at a quarter of what the requests alone allow, because every
+file's upload and publish (about 1.4 ms of Python and system calls, docs/benchmarks.md,
+"What a created file costs while the flusher works") took the interpreter from the request
+that came next. So before each upload and each op it applies, a flusher thread waits while
+requests are arriving (one arrived within QUIET_S), as Linux's writeback waits before it
+writes dirty pages back, and persists in the gaps.
+
+Bounds, so that persisting never stalls: the flusher gives way for at most SHARE of each
+WINDOW_S second (counted while any of its threads waits), and never while the
+cache is short of room (writers would wait for the flusher: less than a quarter of the cache
+free), while it is stopping, or where nothing arrives (a program blocked in fsync or in
+``acpfs sync`` sends nothing for QUIET_S, and the flusher goes on at once).
+docs/design.md, "The flusher gives way to requests".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+QUIET_S = 0.002     # a request arrived this recently: programs are at work
+WINDOW_S = 1.0      # of each second, at most SHARE is given way
+SHARE = 0.5
+STEP_S = 0.001      # a waiting thread looks again this often
+
+
+class GiveWay:
+    def __init__(self, pressed: Callable[[], bool], stopping: Callable[[], bool]) -> None:
+        self.pressed = pressed     # the cache is short of room: never give way
+        self.stopping = stopping   # the flusher stops: never give way
+        self.arrived = 0.0         # time.monotonic() of the last request (the trio thread)
+        self._lock = threading.Lock()
+        self._window = 0.0         # (_lock) when the current second began
+        self._spent = 0.0          # (_lock) seconds of it given way, up to _since
+        self._waiting = 0          # (_lock) threads waiting now
+        self._since = 0.0          # (_lock) since then at least one has waited
+        self.waits = 0             # (_lock) for status: threads that waited
+        self.given_s = 0.0         # (_lock) seconds during which at least one waited
+
+    def request(self) -> None:
+        """The trio thread, as a request arrives."""
+        self.arrived = time.monotonic()
+
+    def _busy(self, now: float) -> bool:
+        return now - self.arrived <= QUIET_S and not self.pressed() and not self.stopping()
+
+    def _roll(self, now: float) -> float:
+        """(hold _lock) Count the time given way up to ``now``; a new second starts afresh.
+        Returns the seconds given way in this second."""
+        if self._waiting:
+            self._spent += now - self._since
+            self.given_s += now - self._since
+            self._since = now
+        if now - self._window >= WINDOW_S:
+            self._window, self._spent = now, 0.0
+        return self._spent
+
+    def _used_up(self, now: float) -> bool:
+        with self._lock:
+            return self._roll(now) >= SHARE * WINDOW_S
+
+    def wait(self) -> None:
+        """A flusher thread, before an upload or an op: wait while requests arrive, within
+        the bounds above."""
+        now = time.monotonic()
+        if not self._busy(now) or self._used_up(now):
+            return
+        with self._lock:
+            self._waiting += 1
+            if self._waiting == 1:
+                self._since = now
+            self.waits += 1
+        try:
+            while True:
+                time.sleep(STEP_S)   # the GIL is free meanwhile
+                now = time.monotonic()
+                if not self._busy(now) or self._used_up(now):
+                    return
+        finally:
+            with self._lock:
+                self._roll(time.monotonic())
+                self._waiting -= 1
+
+    def status(self) -> dict:
+        with self._lock:
+            self._roll(time.monotonic())
+            return {"waits": self.waits, "given_s": round(self.given_s, 3)}

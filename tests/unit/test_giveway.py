@@ -1,0 +1,82 @@
+"""The flusher gives way to requests (acpfs/flusher/giveway.py): it waits while requests
+arrive, never past its share of each second, never when the cache is short of room or the
+flusher stops, and not at all when programs are quiet."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from acpfs.flusher import giveway
+from acpfs.flusher.giveway import GiveWay
+
+
+def arriving(gw: GiveWay, seconds: float) -> threading.Thread:
+    """A thread that tells ``gw`` of a request every 0.5 ms for ``seconds``."""
+    def run() -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            gw.request()
+            time.sleep(0.0005)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_quiet_programs_are_not_waited_for():
+    gw = GiveWay(lambda: False, lambda: False)
+    for _ in range(100):
+        gw.wait()
+    assert gw.status() == {"waits": 0, "given_s": 0.0}
+    gw.request()
+    time.sleep(giveway.QUIET_S * 2)   # the last request is older than QUIET_S
+    gw.wait()
+    assert gw.status()["waits"] == 0
+
+
+def test_requests_arriving_are_given_way_within_the_share_of_each_second():
+    """A flusher thread that waits before each 1 ms piece of work, while requests arrive
+    without a pause for 1.5 s: it waits, and still works in the rest of each second."""
+    gw = GiveWay(lambda: False, lambda: False)
+    t = arriving(gw, 1.6)
+    start = time.monotonic()
+    waited = worked = 0.0
+    while time.monotonic() - start < 1.5:
+        before = time.monotonic()
+        gw.wait()
+        after = time.monotonic()
+        time.sleep(0.001)   # a piece of the flusher's work
+        waited += after - before
+        worked += time.monotonic() - after
+    t.join()
+    st = gw.status()
+    assert st["waits"] > 0 and waited > 0.3, (waited, st)
+    # two seconds at most began in 1.5 s: never more than SHARE of each (and a step over)
+    assert st["given_s"] <= 2 * (giveway.SHARE * giveway.WINDOW_S + 0.01), st
+    assert worked > 0.3, (worked, waited, st)
+
+
+def test_no_give_way_when_the_cache_is_short_of_room_or_the_flusher_stops():
+    for pressed, stopping in ((True, False), (False, True)):
+        gw = GiveWay(lambda: pressed, lambda: stopping)
+        t = arriving(gw, 0.3)
+        for _ in range(50):
+            gw.wait()
+        t.join()
+        assert gw.status()["waits"] == 0, (pressed, stopping)
+
+
+def test_threads_waiting_at_once_spend_the_share_once():
+    """Five threads waiting at once spend the second's share once between them, not five
+    times: they wait as long as one thread alone would."""
+    gw = GiveWay(lambda: False, lambda: False)
+    t = arriving(gw, 0.2)
+    time.sleep(0.01)
+    waiters = [threading.Thread(target=gw.wait) for _ in range(5)]
+    for w in waiters:
+        w.start()
+    for w in waiters:
+        w.join()
+    t.join()
+    st = gw.status()
+    assert 0 < st["waits"] and st["given_s"] <= giveway.SHARE * giveway.WINDOW_S + 1e-6, st

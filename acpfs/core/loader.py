@@ -143,14 +143,19 @@ class Loader:
         as NFS looks up a name it has no entry for), so that a file another node made is
         seen at once, not at the next listing. None when it is missing, known for sure:
         not in the backing, or this mount has a change of its own pending on the name (its
-        removal wins in its own view), or an internal name; ENOENT (raised) when that is
+        removal wins in its own view) or on the directory (not in the backing yet), or an
+        internal name; ENOENT (raised) when that is
         not known: the backing failed or did not answer in time, or a check of the name is
         in flight already."""
         coherence = self.coherence
         key = (parent.ino, name)
         if is_internal_name(name):
             return None
-        if not self.inodes.present(parent) or key in self._checking:
+        if not self.inodes.present(parent):
+            # not in the backing yet (this mount's mkdir of it is pending) or gone from it:
+            # nothing there can hold the name, and this mount's view wins until it lands
+            return None
+        if key in self._checking:
             raise err(errno.ENOENT)
         got: tuple | None | bool = False   # False: no answer
         try:

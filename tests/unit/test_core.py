@@ -528,6 +528,17 @@ def test_a_name_is_answered_missing_for_sure_only_where_the_daemon_knows_it(seed
         (h.back / "d" / "listed").write_bytes(b"x")
         core.handles.releasedir(await core.handles.opendir(d.ino))
         assert appeared == [b"later", b"listed"]
+        # a directory whose mkdir is not in the backing yet (the flusher held): nothing can
+        # be in it there, so a name missing from it is missing for sure, not ENOENT for want
+        # of a place to look (it was: every probe of a database's journal in a fresh
+        # directory reached the daemon while the flusher was behind)
+        held = h.backing.inject("mkdir", hang=True)
+        new = await core.mkdir(d.ino, b"new", 0o755, CALLER)
+        sub = await core.mkdir(new.ino, b"sub", 0o755, CALLER)
+        await trio.sleep(0.01)
+        assert await core.find(new.ino, b"nothing") is None
+        assert await core.find(sub.ino, b"nothing") is None
+        held.release()
     run(h, test, coherence_timeout=0.005)
 
 

@@ -207,8 +207,9 @@ def run_model(make_nodes, workers, seed: int, links: bool) -> None:
 
 
 # Seeds of the converge test (MODEL_SEED runs one of your choice). Seeds 2 and 635963647 failed
-# before a file renamed after another node removed it left the view (Coherence.merge_listing).
-CONVERGE_SEEDS = [1, 2, 3, 411547727, 635963647]
+# before a file renamed after another node removed it left the view (Coherence.merge_listing);
+# seeds 1 and 3 (never failed) left the default set to keep the suite under 45 minutes.
+CONVERGE_SEEDS = [2, 411547727, 635963647]
 
 
 @pytest.mark.parametrize("seed", [int(os.environ["MODEL_SEED"])] if "MODEL_SEED" in os.environ

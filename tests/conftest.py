@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from acpfs import mounttable
+from acpfs.commands.mount import pid_alive
 from faultfs import Shim
 
 ACPFS = [sys.executable, "-m", "acpfs"]
@@ -29,6 +30,23 @@ def acpfs(*args: str, check: bool = True, timeout: float = 300, **kw) -> subproc
     if check and r.returncode != 0:
         raise AssertionError(f"acpfs {' '.join(args)} failed ({r.returncode}): {r.stderr}")
     return r
+
+
+def gone(pid: int) -> bool:
+    """Whether the process ``pid`` has exited. A daemon's parent exits at once, so its exit
+    leaves a zombie until the machine's init reaps it (up to 2 s in this sandbox): counted
+    as gone, as ``acpfs umount`` counts it."""
+    return not pid_alive(pid)
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Whether ``pid`` exits within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def is_mounted(path: Path) -> bool:
@@ -119,19 +137,11 @@ class Mount:
             r = acpfs("umount", str(self.mnt), "--timeout", "60", "--lazy", check=False, timeout=120)
             if r.returncode != 0 and is_mounted(self.mnt):
                 subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
-        if self.pid:
-            deadline = time.time() + 30
-            while time.time() < deadline:
-                try:
-                    os.kill(self.pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.1)
-            else:
-                try:
-                    os.kill(self.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        if self.pid and not wait_gone(self.pid, 30):
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         drop_cache_tmpfs(self.cache_dir)
         shutil.rmtree(self.cache_dir.parent, ignore_errors=True)
 
@@ -340,10 +350,7 @@ class Node:
                          timeout=120)
             if r.returncode != 0 and self.mounted():
                 self.run("fusermount3", "-u", "-z", str(self.mnt), check=False)
-        if self.pid:
-            deadline = time.time() + 30
-            while time.time() < deadline and os.path.exists(f"/proc/{self.pid}"):
-                time.sleep(0.1)
+        if self.pid and not wait_gone(self.pid, 30):
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:

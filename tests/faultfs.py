@@ -420,8 +420,8 @@ class Shim:
                 r = subprocess.run(["fusermount3", "-u", str(self.mnt)], capture_output=True)
                 if r.returncode != 0:
                     subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
-            try:
-                self.proc.wait(timeout=10)
+            try:   # a mount namespace made while it was mounted holds a copy: it never exits
+                self.proc.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)

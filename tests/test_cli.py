@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ACPFS, acpfs, is_mounted, mounted_soon
+from conftest import ACPFS, acpfs, gone, is_mounted, mounted_soon, wait_gone
 
 
 def one_line_error(r: subprocess.CompletedProcess) -> str:
@@ -304,7 +304,7 @@ def test_idle_unmount_is_quick(make_mount):
             assert m.umount().returncode == 0
         else:
             subprocess.run(["fusermount3", "-u", str(m.mnt)], check=True)
-        while os.path.exists(f"/proc/{m.pid}"):
+        while not gone(m.pid):
             assert time.monotonic() - start < 5, f"idle unmount ({how}) took more than 5 s"
             time.sleep(0.02)
         if how == "acpfs":
@@ -328,7 +328,7 @@ def test_unmount_names_another_mount_namespace_that_holds_the_mount(make_mount):
             time.sleep(0.1)
         assert "other mount namespace(s) still hold it" in m.log.read_text()
         time.sleep(1.5)                       # 'acpfs umount' looks after a second of waiting
-        assert um.poll() is None and os.path.exists(f"/proc/{m.pid}")   # still serving it
+        assert um.poll() is None and not gone(m.pid)   # still serving it
     finally:
         holder.kill()
         holder.wait()
@@ -350,10 +350,7 @@ def test_plain_unmount_or_sigterm_still_drains(make_mount, how):
         subprocess.run(["fusermount3", "-u", str(m.mnt)], check=True)
     else:
         os.kill(m.pid, signal.SIGTERM)
-    deadline = time.time() + 120
-    while time.time() < deadline and os.path.exists(f"/proc/{m.pid}"):
-        time.sleep(0.1)
-    assert not os.path.exists(f"/proc/{m.pid}")
+    assert wait_gone(m.pid, 120)
     assert not is_mounted(m.mnt)
     for i in range(6):
         assert (m.back / f"f{i}").read_bytes() == data
@@ -433,8 +430,7 @@ def test_every_command_on_a_stale_mount_says_so(make_mount):
     os.stat(m.mnt)
     os.stat(m.mnt / "d")                 # their attributes are in the kernel's caches now
     os.kill(m.pid, signal.SIGKILL)
-    while os.path.exists(f"/proc/{m.pid}"):
-        time.sleep(0.01)
+    assert wait_gone(m.pid, 30)
     for args in (("preload", str(m.mnt)), ("preload", str(m.mnt / "d")), ("sync", str(m.mnt)),
                  ("sync", str(m.mnt / "d")), ("status", str(m.mnt)), ("temps", str(m.mnt))):
         r = acpfs(*args, check=False)

@@ -18,7 +18,7 @@ import pytest
 from acpfs import mounttable
 from acpfs.config import ram_filesystem
 
-from conftest import acpfs, read_only, wait_for
+from conftest import acpfs, gone, read_only, wait_for
 
 
 @pytest.fixture
@@ -114,7 +114,7 @@ def test_a_tmpfs_cache_directory_gets_huge_pages_of_its_own_until_everything_is_
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
         assert faults <= 64, f"{faults} page faults for a 64 MiB mapping: no huge pages"
     os.kill(m.pid, signal.SIGKILL)
-    wait_for(lambda: not os.path.exists(f"/proc/{m.pid}"), 30, "the daemon gone")
+    wait_for(lambda: gone(m.pid), 30, "the daemon gone")
     assert mounttable.mount_at(str(m.cache_dir)) == own, "a killed daemon's tmpfs stays"
     acpfs("umount", str(m.mnt), "--lazy", check=False)
     m.mount()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import is_mounted
+from conftest import is_mounted, wait_gone
 
 
 def test_path_truncate_of_a_file_larger_than_the_cache_is_persisted(make_mount):
@@ -100,9 +100,7 @@ def test_sigterm_persists_files_still_open_for_writing(make_mount):
     f.write(b"line 1\n" * 10000)
     f.flush()
     os.kill(m.pid, signal.SIGTERM)
-    deadline = time.time() + 60
-    while os.path.exists(f"/proc/{m.pid}") and time.time() < deadline:
-        time.sleep(0.1)
+    wait_gone(m.pid, 60)
     try:
         f.close()
     except OSError:

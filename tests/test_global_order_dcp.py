@@ -1,7 +1,7 @@
 """Global order with real torch.distributed.checkpoint across 2 nodes x 2 ranks (contract 11).
 
-Node B reaches the shared directory through a faultfs view that answers every rename 2 s
-late, so each of its shards lands in the backing about 2 s after its rank's close()
+Node B reaches the shared directory through a faultfs view that answers every rename 1 s
+late, so each of its shards lands in the backing about 1 s after its rank's close()
 returned: a slow node. The ranks do nothing but ``dcp.save`` and, on rank 0, rewrite
 ``latest`` afterwards (no ``acpfs sync``, no call into acpfs): DCP gathers every rank's write
 results before rank 0 writes ``.metadata``, so both pointers are written after every shard
@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 STEPS = 3
-SLOW = 2.0
+SLOW = 1.0
 
 WORKER = "import torch\n" + inspect.getsource(make_state) + textwrap.dedent("""
     import datetime, os, sys

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import is_mounted, wait_for
+from conftest import gone, is_mounted, wait_for
 
 from acpfs.commands import mounthelper
 
@@ -125,7 +125,7 @@ def test_fstab_line_mounts_with_mount_all_and_plain_umount_drains(make_mount, mo
     (m.mnt / "ckpt.bin").write_bytes(data)
     r = subprocess.run(["umount", str(m.mnt)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    wait_for(lambda: not os.path.exists(f"/proc/{m.pid}"), 60, "the daemon to drain and exit")
+    wait_for(lambda: gone(m.pid), 60, "the daemon to drain and exit")
     assert (m.back / "ckpt.bin").read_bytes() == data
     assert "all changes persisted" in m.log.read_text()
     r = mount_t("-T", str(fstab), str(m.mnt))     # by its mount point, as 'mount /ckpt' does
@@ -190,9 +190,9 @@ def test_plain_umount_returns_before_the_data_is_in_the_backing(make_mount, faul
     assert r.returncode == 0, r.stderr
     assert time.monotonic() - start < 10
     assert not is_mounted(m.mnt)
-    assert os.path.exists(f"/proc/{m.pid}") and not (src / "unsaved").exists()
+    assert not gone(m.pid) and not (src / "unsaved").exists()
     shim.cont()
-    wait_for(lambda: not os.path.exists(f"/proc/{m.pid}"), 60, "the daemon to drain and exit")
+    wait_for(lambda: gone(m.pid), 60, "the daemon to drain and exit")
     assert (src / "unsaved").read_bytes() == b"not yet in the backing"
 
 

@@ -17,7 +17,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ACPFS, acpfs, is_mounted, wait_for
+from conftest import ACPFS, acpfs, gone, is_mounted, wait_for
 
 MiB = 1 << 20
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -282,14 +282,7 @@ def test_endpoint_answers_during_the_drain_and_closes_after(make_mount, faults):
     faults.remount(m.back, "rw")
     wait_for(lambda: (m.back / "last").exists(), 60, "the drain to land the file")
     pid = m.pid
-
-    def exited() -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-    wait_for(exited, 30, "the daemon to exit")
+    wait_for(lambda: gone(pid), 30, "the daemon to exit")
     try:
         urllib.request.urlopen(f"http://{address}/metrics", timeout=5)
     except urllib.error.URLError as e:

@@ -217,7 +217,9 @@ def test_a_shard_landing_in_a_step_being_removed_is_a_conflict_not_a_wedge(make_
     shared = tmp_path / "shared"
     (tmp_path / "b-view").mkdir()
     shim = faults.shim(shared, tmp_path / "b-view")       # B's way to the shared directory
-    a, b = make_nodes(2, mount=False)
+    # B's held backing holds its node record too: each node waits for the other until its
+    # lease ran out (global order), 5 s here rather than the default 30
+    a, b = make_nodes(2, mount=False, extra=("--peer-lease", "5"))
     b.backing = tmp_path / "b-view"
     a.mount()
     faults.mount(b)                                       # torn down before the shim

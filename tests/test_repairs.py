@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from conftest import acpfs, listing, wait_for
+from conftest import acpfs, gone, listing, wait_for
 
 
 @pytest.mark.parametrize("how", ["moved away", "swapped for a symlink"])
@@ -36,8 +36,7 @@ def test_recovery_keeps_aside_content_whose_directory_is_gone(make_mount, faults
     shim.set("hang")                                   # nothing lands from here on
     (m.mnt / "d" / "f").write_bytes(b"acknowledged")   # close() returned
     os.kill(m.pid, signal.SIGKILL)
-    wait_for(lambda: not os.path.exists(f"/proc/{m.pid}") or
-             open(f"/proc/{m.pid}/stat").read().split(") ")[1][0] == "Z", what="the daemon to die")
+    wait_for(lambda: gone(m.pid), what="the daemon to die")
     os.rename(src / "d", src / "d.away")               # behind acpfs's back
     if how == "swapped for a symlink":
         os.symlink("d.away", src / "d")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import acpfs, is_mounted
+from conftest import acpfs, is_mounted, wait_gone
 
 torch = pytest.importorskip("torch")
 import acpfs.torch as at  # noqa: E402
@@ -201,14 +201,7 @@ def test_remount_after_a_kill_does_not_roll_back_a_fallback_save(make_mount, fau
     os.kill(m.pid, signal.SIGKILL)
     shim.set("ok")                                  # the backing answers again
     assert at.save({"step": 2}, m.mnt / "latest.pt").route == "backing"
-    deadline = time.time() + 30
-    while True:                                     # the dead daemon may take a moment to exit
-        try:
-            os.kill(m.pid, 0)
-        except ProcessLookupError:
-            break
-        assert time.time() < deadline
-        time.sleep(0.05)
+    assert wait_gone(m.pid, 30)                     # the dead daemon may take a moment to exit
     m.mount()
     m.sync(timeout=60)
     assert torch.load(m.back / "latest.pt") == {"step": 2}

@@ -42,6 +42,7 @@ def cmd_sync(a: argparse.Namespace) -> int:
             stale.append(mount)
             print(f"acpfs: sync: skipping {mount}: its daemon is gone (stale mount)", file=sys.stderr)
             continue
+        client.read_seq(mount)   # tells the daemon a sync waits (its flusher stops giving way)
         targets.append((mount, client.read_status(mount)["queue"]["last_seq"]))
     for mount, seq in targets:
         syncing.wait_durable(mount, seq, a.timeout, f"sync {mount}")
@@ -95,6 +96,7 @@ def cmd_umount(a: argparse.Namespace) -> int:
     if client.is_stale(mountpoint):
         clean_stale(mountpoint)
         return 0
+    client.read_seq(mountpoint)   # tells the daemon a drain waits (its flusher stops giving way)
     st = client.read_status(mountpoint)
     pid = st["pid"]
     dev = next((m.dev for m in mounttable.table() if m.mountpoint == mountpoint and m.fstype == FSTYPE), "")

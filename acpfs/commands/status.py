@@ -89,7 +89,9 @@ def watch_status(a: argparse.Namespace) -> int:
 def render_peers(pe: dict[str, Any]) -> list[str]:
     live = [p for p in pe["peers"] if p["state"] in ("up", "idle")]
     lines = [f"  nodes      this one and {len(live)} other live nodes share the backing "
-             f"(skew {pe['skew']:g}s, lease {pe['lease']:g}s)"]
+             f"(skew {pe['skew']:g}s, lease {pe['lease']:g}s)" if "peers_total" not in pe else
+             f"  nodes      this one and {pe['peers_total']} other nodes share the backing, "
+             f"{len(pe['peers'])} listed (skew {pe['skew']:g}s, lease {pe['lease']:g}s)"]
     if pe.get("error"):
         lines.append(f"  ERROR      node records: {pe['error']}")
     for p in pe["peers"][:20]:

@@ -121,6 +121,10 @@ def all_nodes(mountpoint: str, deadline: float | None,
     if doc.get("peers") is None:
         raise UsageError(f"sync --all-nodes: {mountpoint} is mounted with --global-order off: "
                          "this node keeps no record of the other nodes")
+    if "peers_total" in doc["peers"]:
+        raise Failure(f"sync --all-nodes: {doc['peers']['peers_total']} other nodes share the "
+                      f"backing of {mountpoint}, more than its status document can list; wait "
+                      "with 'acpfs sync' on each node instead")
     wait_durable(mountpoint, doc["queue"]["last_seq"], left(deadline), f"{label}: this node")
     prog = Progress()
     subject = None   # what the progress line is about: a listing, or the node waited for

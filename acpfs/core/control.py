@@ -51,6 +51,7 @@ FILES = b"user.acpfs.files"
 PRELOAD = b"user.acpfs.preload"   # a file: read it into the cache; {"size": N, "cached": true}
 STATUS_VERSION = 1
 PAGE_BYTES = 60000     # a page of the files listing: an xattr value is at most 64 KiB
+LISTED = 20            # paths in each of the recovery's lists in the status (the log has all)
 
 
 @dataclasses.dataclass
@@ -88,6 +89,8 @@ def get(flusher: Flusher, info: MountInfo, node: Node, name: bytes, trusted: boo
     document has its paths left out: ``hide_names``). ``wt``: the mount's write-through, for
     its counters."""
     cache = flusher.cache
+    if name == SEQ:   # ``acpfs sync`` and ``umount`` are about to wait: no giving way till then
+        flusher.give_way.waited_for(flusher.oplog.seq)
     if name == STATE:
         return cache.files.state_of(node).encode()
     if name == SEQ:
@@ -96,7 +99,7 @@ def get(flusher: Flusher, info: MountInfo, node: Node, name: bytes, trusted: boo
     if node is cache.inodes.root:
         if name == STATUS:
             doc = status(flusher, info, wt)
-            return json.dumps(doc if trusted else hide_names(doc), separators=(",", ":")).encode()
+            return fitted(doc if trusted else hide_names(doc))
         if name == FILES or name.startswith(FILES + b"."):
             if not trusted:
                 raise OSError(errno.EACCES, "the pending files are listed to root and the "
@@ -168,6 +171,39 @@ listings = Listings()
 HIDDEN = "(hidden: readable by root and the mount's owner)"
 
 
+def fitted(doc: dict[str, Any]) -> bytes:
+    """The status document as an xattr value, at most PAGE_BYTES: where the other nodes'
+    records do not fit (hundreds of nodes), the first of them that do, with ``peers_total``
+    saying how many there are (``acpfs sync --all-nodes`` then refuses to judge)."""
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    pe = doc.get("peers")
+    if len(data) <= PAGE_BYTES or not pe or not pe["peers"]:
+        return data
+    listed, pe = pe["peers"], dict(pe)
+    doc = {**doc, "peers": pe}
+    pe["peers_total"], keep = len(listed), len(listed)
+    while len(data) > PAGE_BYTES and keep:
+        keep //= 2
+        pe["peers"] = listed[:keep]
+        data = json.dumps(doc, separators=(",", ":")).encode()
+    return data
+
+
+def recovery_status(info: MountInfo, applied: int) -> dict[str, Any] | None:
+    """What this daemon recovered: its counts, and the first LISTED paths of each list with
+    ``<list>_total`` (thousands of files can be kept aside; the log names every one)."""
+    rec = info.recovery
+    if rec is None:
+        return None
+    # content kept aside by the recovery lands like any change: pending until applied
+    lists = {"lost_open_files": rec["lost_open_files"], "kept_aside": rec["kept_aside"],
+             "aside_pending": [p for p, seq in info.recovery_aside.items() if seq > applied]}
+    out = dict(rec)
+    for key, paths in lists.items():
+        out[key], out[f"{key}_total"] = paths[:LISTED], len(paths)
+    return out
+
+
 def hide_names(doc: dict[str, Any]) -> dict[str, Any]:
     """The status document without the names of files, for other users (docs/status.md)."""
     for e in doc["errors"]:
@@ -197,12 +233,7 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
     head_since = log_part.pop("head_since")
     oldest = min([t for t in (files.pop("dirty_since"), head_since) if t is not None],
                  default=None)
-    recovery = info.recovery
-    if recovery is not None:
-        # content kept aside by the recovery lands like any change: pending until applied
-        applied = log_part["queue"]["applied_seq"]
-        recovery = {**recovery, "aside_pending": [p for p, seq in info.recovery_aside.items()
-                                                  if seq > applied]}
+    recovery = recovery_status(info, log_part["queue"]["applied_seq"])
     flushing = {**log_part.pop("flushing"), "in_flight": fl_part.pop("in_flight")}
     return {
         "version": STATUS_VERSION,

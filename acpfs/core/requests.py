@@ -77,7 +77,8 @@ class Core:
         opts = self.opts = info.opts
         self.loader = Loader(cache.inodes, cache.coherence, cache.backing, opts, cache.kernel,
                              invalidate_attrs)
-        self.wt = WriteThrough(cache.files, self.background, opts.cache_full_timeout)
+        self.wt = WriteThrough(cache.files, self.background, opts.cache_full_timeout,
+                               flusher.give_way.waited_for)
         self.longopen = LongOpen(cache.files, self.wt, self.background, opts.persist_open_after)
         self.handles = Handles(cache.inodes, cache.files, cache.names, self.loader, self.wt,
                                self.longopen, opts, kernel=kernel, direct_io_mmap=direct_io_mmap,

@@ -20,8 +20,7 @@ with no await since it last found it free. Calls on a staged file's descriptor g
 closes the descriptor only afterwards. docs/concurrency.md has the races this prevents.
 
 Owns the counters of what went to the backing this way (``written_files``, ``written_bytes``:
-the content copied at write-through and the writes to staged files since; ``status`` shows
-them as ``write_through``).
+the content copied at write-through, writes to staged files since; status: ``write_through``).
 
 Runs on the trio thread (trio, no pyfuse3); backing I/O runs in worker threads through
 ``Backing``. ``tests/unit/test_writethrough.py`` drives it with a backing that hangs.
@@ -84,8 +83,10 @@ class Background:
 
 
 class WriteThrough:
-    def __init__(self, files: Files, background: Background, cache_full_timeout: float) -> None:
+    def __init__(self, files: Files, background: Background, cache_full_timeout: float,
+                 waited_for: Callable[[int], None] = lambda seq: None) -> None:
         self.files = files
+        self.waited_for = waited_for   # the flusher gives way to nobody then (giveway.py)
         self.background = background
         self.backing = files.backing
         self.cache_full_timeout = cache_full_timeout
@@ -362,6 +363,7 @@ class WriteThrough:
     async def wait_seq(self, seq: int) -> None:
         """Until the flusher has applied op ``seq``."""
         oplog = self.files.oplog
+        self.waited_for(seq)
         delay = 0.001
         while oplog.applied_seq < seq:
             await trio.sleep(delay)

@@ -75,7 +75,8 @@ class Flusher:
         self.lock = oplog.lock
         self.abort = threading.Event()
         self._stopping = False
-        self.give_way = GiveWay(self._short_of_room, lambda: self._stopping or self.abort.is_set())
+        self.give_way = GiveWay(self._short_of_room, lambda: self._stopping or self.abort.is_set(),
+                                lambda: oplog.applied_seq)
         self.attempts = Attempts(backing, self.lock, self.abort, self._launch)
         self.repairs = Repairs(cache, backing)
         self.uploads = Uploads(cache, backing, self.lock, self.abort, self.attempts,

@@ -1,8 +1,8 @@
 """The flusher gives way to requests: ``GiveWay``.
 
 Owns: when the last request answered in Python arrived (``arrived``: written by the trio
-thread, read by the flusher's threads), and the time given way in the current second
-(under its own lock, which nests inside nothing).
+thread, read by the flusher's threads), the highest op someone waits for (``wanted``), and
+the time given way in the current second (under its own lock, which nests inside nothing).
 
 Why: the flusher's threads and the event loop that answers requests share one interpreter.
 On a small machine a burst of created files (a checkpoint of many shards, an unpacked
@@ -14,10 +14,11 @@ requests are arriving (one arrived within QUIET_S), as Linux's writeback waits b
 writes dirty pages back, and persists in the gaps.
 
 Bounds, so that persisting never stalls: the flusher gives way for at most SHARE of each
-WINDOW_S second (counted while any of its threads waits), and never while the
-cache is short of room (writers would wait for the flusher: less than a quarter of the cache
-free), while it is stopping, or where nothing arrives (a program blocked in fsync or in
-``acpfs sync`` sends nothing for QUIET_S, and the flusher goes on at once).
+WINDOW_S second (counted while any of its threads waits), and never while someone waits for
+it (an fsync, ``acpfs sync`` or ``acpfs umount``, which read ``user.acpfs.seq`` first: until
+the ops queued when they asked are applied), while the cache is short of room (writers would wait
+for the flusher: less than a quarter of the cache free), while it is stopping, or where
+nothing arrives.
 docs/design.md, "The flusher gives way to requests".
 """
 
@@ -29,15 +30,18 @@ from typing import Callable
 
 QUIET_S = 0.002     # a request arrived this recently: programs are at work
 WINDOW_S = 1.0      # of each second, at most SHARE is given way
-SHARE = 0.5
+SHARE = 0.9         # docs/benchmarks.md, "The flusher gives way": 0.5 and 0.9 measured
 STEP_S = 0.001      # a waiting thread looks again this often
 
 
 class GiveWay:
-    def __init__(self, pressed: Callable[[], bool], stopping: Callable[[], bool]) -> None:
+    def __init__(self, pressed: Callable[[], bool], stopping: Callable[[], bool],
+                 applied: Callable[[], int]) -> None:
         self.pressed = pressed     # the cache is short of room: never give way
         self.stopping = stopping   # the flusher stops: never give way
+        self.applied = applied     # the op log's applied_seq
         self.arrived = 0.0         # time.monotonic() of the last request (the trio thread)
+        self.wanted = 0            # (_lock to write) the highest op seq someone waits for
         self._lock = threading.Lock()
         self._window = 0.0         # (_lock) when the current second began
         self._spent = 0.0          # (_lock) seconds of it given way, up to _since
@@ -50,8 +54,15 @@ class GiveWay:
         """The trio thread, as a request arrives."""
         self.arrived = time.monotonic()
 
+    def waited_for(self, seq: int) -> None:
+        """Someone waits until op ``seq`` is applied: no giving way until it is."""
+        if seq > self.wanted:
+            with self._lock:
+                self.wanted = max(self.wanted, seq)
+
     def _busy(self, now: float) -> bool:
-        return now - self.arrived <= QUIET_S and not self.pressed() and not self.stopping()
+        return (now - self.arrived <= QUIET_S and self.applied() >= self.wanted
+                and not self.pressed() and not self.stopping())
 
     def _roll(self, now: float) -> float:
         """(hold _lock) Count the time given way up to ``now``; a new second starts afresh.

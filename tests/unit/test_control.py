@@ -13,6 +13,7 @@ import pytest
 from acpfs.core import control
 from acpfs.core.control import FILES
 from acpfs.node import node_path
+from triocore import mount_info
 
 
 def read_all(core, trusted=True):
@@ -79,3 +80,32 @@ def test_a_gone_listing_says_so_and_other_users_get_no_page(core):
     for _ in range(control.Listings.MAX + 2):         # only the newest few are kept
         control.get(core.flusher, None, cache.inodes.root, FILES)
     assert len(control.listings._kept) <= control.Listings.MAX
+
+
+def test_the_status_document_fits_one_attribute_whatever_was_kept_aside_or_shares_the_backing(core):
+    """A recovery that kept 5,000 files aside, and 2,000 other nodes over the backing: the
+    status stays under 64 KiB (it failed with E2BIG, and with it ``acpfs status``, ``sync``
+    and ``umount``): the first 20 paths of each list with their totals; as many node
+    records as fit, with ``peers_total``."""
+    paths = [f".acpfs-recovered/20261128-aa/step_{i:05d}%2Fshard-{i:05d}.bin" for i in range(5000)]
+    info = mount_info(core)
+    info.recovery = {"started": 1.0, "replayed_ops": 5000, "files": 5000, "skipped": 0,
+                          "lost_open_files": paths[:3000], "kept_aside": paths}
+    info.recovery_aside = {p: 10 ** 9 for p in paths}      # none applied yet
+    raw = control.get(core.flusher, info, core.cache.inodes.root, control.STATUS)
+    rec = json.loads(raw)["recovery"]
+    assert len(raw) <= 65536
+    assert rec["kept_aside"] == paths[:20] and rec["kept_aside_total"] == 5000
+    assert rec["lost_open_files"] == paths[:20] and rec["lost_open_files_total"] == 3000
+    assert rec["aside_pending"] == paths[:20] and rec["aside_pending_total"] == 5000
+    doc = control.status(core.flusher, info)
+    peers = [{"node": f"node-{i:04d}.cluster.example:/ckpt", "instance": f"{i:012x}",
+              "state": "idle", "frontier_lag": 0.0, "last_heartbeat": 0.5,
+              "frontier": 1e9, "listed": 1e9} for i in range(2000)]
+    doc["peers"] = {"instance": "x", "node": "self", "peers": peers, "held": None}
+    raw = control.fitted(doc)
+    pe = json.loads(raw)["peers"]
+    assert len(raw) <= 65536 and pe["peers_total"] == 2000
+    assert 0 < len(pe["peers"]) < 2000 and pe["peers"] == peers[:len(pe["peers"])]
+    doc["peers"]["peers"] = peers[:10]                       # what fits stays whole
+    assert "peers_total" not in json.loads(control.fitted(doc))["peers"]

@@ -105,6 +105,24 @@ def read_files(mountpoint: str) -> dict[str, Any]:
     raise AssertionError("not reached")
 
 
+def read_peers(mountpoint: str) -> dict[str, Any]:
+    """The status's ``peers`` with every other node's record: one listing, read page by page
+    (``user.acpfs.peers``; the status holds only the records that fit in it)."""
+    what = f"cannot read the node records of {mountpoint}"
+    for attempt in range(3):
+        try:
+            page = json.loads(_getxattr(mountpoint, control.PEERS, what))
+            doc, records = page["doc"], page["peers"]
+            while page.get("next"):
+                page = json.loads(_getxattr(mountpoint, page["next"].encode(), what))
+                records.extend(page["peers"])
+            return {**doc, "peers": records}
+        except Failure as e:
+            if e.errno != errno.EAGAIN or attempt == 2:   # EAGAIN: the listing expired
+                raise
+    raise AssertionError("not reached")
+
+
 def preload_file(path: str) -> bool:
     """Read the file ``path`` into its mount's cache; False when the cache cannot hold it."""
     try:

@@ -110,7 +110,8 @@ class Others:
 
 
 def all_nodes(mountpoint: str, deadline: float | None,
-              read_status: Callable[[str], dict[str, Any]] = client.read_status) -> int:
+              read_status: Callable[[str], dict[str, Any]] = client.read_status,
+              read_peers: Callable[[str], dict[str, Any]] = client.read_peers) -> int:
     """``sync --all-nodes`` for one mount: wait until this node and every live node over its
     backing have persisted what they acknowledged before the call; ``deadline``: a
     ``time.monotonic()`` to give up at (Failure). Returns how many other nodes were waited
@@ -121,16 +122,12 @@ def all_nodes(mountpoint: str, deadline: float | None,
     if doc.get("peers") is None:
         raise UsageError(f"sync --all-nodes: {mountpoint} is mounted with --global-order off: "
                          "this node keeps no record of the other nodes")
-    if "peers_total" in doc["peers"]:
-        raise Failure(f"sync --all-nodes: {doc['peers']['peers_total']} other nodes share the "
-                      f"backing of {mountpoint}, more than its status document can list; wait "
-                      "with 'acpfs sync' on each node instead")
     wait_durable(mountpoint, doc["queue"]["last_seq"], left(deadline), f"{label}: this node")
     prog = Progress()
     subject = None   # what the progress line is about: a listing, or the node waited for
     try:
         while True:
-            others = Others(read_status(mountpoint)["peers"], called)
+            others = Others(read_peers(mountpoint), called)   # every record, paged
             if others.finished():
                 break
             if deadline is not None and time.monotonic() >= deadline:

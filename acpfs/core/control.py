@@ -13,6 +13,9 @@ socket and work with ordinary permissions (``getfattr`` works too):
                         names the attribute of the next page, ``user.acpfs.files.<listing>.
                         <offset>``, until "next" is null (``Listings``; an xattr value is at
                         most 64 KiB, a listing of 100,000 long paths is megabytes)
+    user.acpfs.peers    mount root: the status's ``peers`` (global order) with every other
+                        node's record, paged as the files listing (``user.acpfs.peers.<listing>.
+                        <offset>``): the status lists only the records that fit in it
     user.acpfs.preload  a regular file: reading it loads the file into the cache (``acpfs
                         preload``); ENOSPC when the cache cannot hold it
 
@@ -48,6 +51,7 @@ STATE = b"user.acpfs.state"
 SEQ = b"user.acpfs.seq"
 STATUS = b"user.acpfs.status"
 FILES = b"user.acpfs.files"
+PEERS = b"user.acpfs.peers"
 PRELOAD = b"user.acpfs.preload"   # a file: read it into the cache; {"size": N, "cached": true}
 STATUS_VERSION = 1
 PAGE_BYTES = 60000     # a page of the files listing: an xattr value is at most 64 KiB
@@ -107,22 +111,35 @@ def get(flusher: Flusher, info: MountInfo, node: Node, name: bytes, trusted: boo
             if name == FILES:
                 return listings.start(pending_files(cache))
             return listings.page(name[len(FILES) + 1:])
+        if name == PEERS or name.startswith(PEERS + b"."):
+            if name != PEERS:
+                return peer_listings.page(name[len(PEERS) + 1:])
+            if flusher.order is None:
+                raise OSError(errno.ENODATA, "global order is off: no node records")
+            doc = flusher.order.status()
+            records = doc.pop("peers")
+            if not trusted and doc.get("held"):
+                doc["held"] = {**doc["held"], "path": HIDDEN}
+            return peer_listings.start(records, {"doc": doc})
     raise OSError(errno.ENODATA, "no such attribute")
 
 
 class Listings:
-    """Listings of pending files read page by page. A listing is taken whole when its first
+    """Listings read page by page (``attr``.<listing>.<offset>), each page's entries under
+    ``key``: the pending files, the node records. A listing is taken whole when its first
     page is asked for, so its pages agree with each other however the mount changes in
     between; the newest few are kept, each for ``KEEP`` seconds after its last page was
     read."""
     KEEP = 60.0
     MAX = 4
 
-    def __init__(self) -> None:
+    def __init__(self, attr: bytes, key: str) -> None:
+        self.attr, self.key = attr, key
         self._lock = threading.Lock()
         self._kept: dict[str, tuple[float, list[dict[str, Any]]]] = {}
 
-    def start(self, files: list[dict[str, Any]]) -> bytes:
+    def start(self, files: list[dict[str, Any]], first: dict[str, Any] | None = None) -> bytes:
+        """The first page of a new listing of ``files``; ``first``: more keys of that page."""
         token = secrets.token_hex(4)
         now = time.monotonic()
         with self._lock:
@@ -132,7 +149,7 @@ class Listings:
             while len(self._kept) >= self.MAX:
                 del self._kept[min(self._kept, key=lambda t: self._kept[t][0])]
             self._kept[token] = (now, files)
-        return self._page(token, files, 0)
+        return self._page(token, files, 0, first or {})
 
     def page(self, rest: bytes) -> bytes:
         try:
@@ -143,15 +160,16 @@ class Listings:
         with self._lock:
             kept = self._kept.get(token)
             if kept is None:
-                raise OSError(errno.EAGAIN, "this listing of pending files is gone (older "
+                raise OSError(errno.EAGAIN, f"this listing of {self.key} is gone (older "
                                             f"than {self.KEEP:.0f} s): start again")
             self._kept[token] = (time.monotonic(), kept[1])
-        return self._page(token, kept[1], start)
+        return self._page(token, kept[1], start, {})
 
-    @staticmethod
-    def _page(token: str, files: list[dict[str, Any]], start: int) -> bytes:
+    def _page(self, token: str, files: list[dict[str, Any]], start: int,
+              first: dict[str, Any]) -> bytes:
         """The entries from ``start`` that fit in ``PAGE_BYTES`` (at least one)."""
-        out, size, i = [], 200, start
+        extra = json.dumps(first, separators=(",", ":"))[1:-1]
+        out, size, i = [], 200 + len(extra), start
         while i < len(files):
             one = json.dumps(files[i], separators=(",", ":"))
             if out and size + len(one) + 1 > PAGE_BYTES:
@@ -159,13 +177,15 @@ class Listings:
             out.append(one)
             size += len(one) + 1
             i += 1
-        nxt = (FILES + b".%s.%d" % (token.encode(), i)).decode() if i < len(files) else None
+        nxt = (self.attr + b".%s.%d" % (token.encode(), i)).decode() if i < len(files) else None
         head = json.dumps({"total": len(files), "offset": start, "next": nxt,
                            "truncated": False}, separators=(",", ":"))
-        return (head[:-1] + ',"files":[' + ",".join(out) + "]}").encode()
+        return (head[:-1] + (f",{extra}" if extra else "") + f',"{self.key}":['
+                + ",".join(out) + "]}").encode()
 
 
-listings = Listings()
+listings = Listings(FILES, "files")
+peer_listings = Listings(PEERS, "peers")
 
 
 HIDDEN = "(hidden: readable by root and the mount's owner)"
@@ -174,7 +194,7 @@ HIDDEN = "(hidden: readable by root and the mount's owner)"
 def fitted(doc: dict[str, Any]) -> bytes:
     """The status document as an xattr value, at most PAGE_BYTES: where the other nodes'
     records do not fit (hundreds of nodes), the first of them that do, with ``peers_total``
-    saying how many there are (``acpfs sync --all-nodes`` then refuses to judge)."""
+    saying how many there are (all of them: ``user.acpfs.peers``)."""
     data = json.dumps(doc, separators=(",", ":")).encode()
     pe = doc.get("peers")
     if len(data) <= PAGE_BYTES or not pe or not pe["peers"]:

@@ -316,13 +316,3 @@ def test_sync_all_nodes_believes_only_records_listed_after_the_call():
     listed["peers"][0] = peer("b", "up", 1000.1, 1000.6)
     assert syncing.Others(listed, called).finished()
 
-
-def test_sync_all_nodes_refuses_when_the_status_cannot_list_every_node():
-    """More node records than one status document holds: ``sync --all-nodes`` cannot tell
-    whether the nodes it does not see are done, so it says so and fails (it never answers
-    "all persisted" without having seen every node)."""
-    doc = {"queue": {"applied_seq": 1, "last_seq": 1},
-           "peers": {"peers": [], "peers_total": 900, "listed_at": 0.0, "error": None}}
-    with pytest.raises(Failure, match="900 other nodes share the backing of /m, more than its "
-                                      "status document can list"):
-        syncing.all_nodes("/m", None, read_status=lambda m: doc)

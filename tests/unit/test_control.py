@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import errno
 import json
+import time
 
 import pytest
 
+from acpfs.commands import client, syncing
 from acpfs.core import control
+from acpfs.errors import Failure
 from acpfs.core.control import FILES
 from acpfs.node import node_path
 from triocore import mount_info
@@ -109,3 +112,39 @@ def test_the_status_document_fits_one_attribute_whatever_was_kept_aside_or_share
     assert 0 < len(pe["peers"]) < 2000 and pe["peers"] == peers[:len(pe["peers"])]
     doc["peers"]["peers"] = peers[:10]                       # what fits stays whole
     assert "peers_total" not in json.loads(control.fitted(doc))["peers"]
+
+
+def test_every_node_record_is_read_page_by_page_and_sync_all_nodes_waits_for_all(core, monkeypatch):
+    """2,000 other nodes over the backing: the status lists the records that fit, and
+    ``user.acpfs.peers`` gives every one, page by page, each page under 64 KiB; ``acpfs sync
+    --all-nodes`` reads them all, so it waits for the last node too (it refused before)."""
+    called = time.time()
+    records = [{"node": f"node-{i:04d}.cluster.example:/ckpt", "instance": f"{i:012x}",
+                "state": "up", "frontier_lag": 0.0, "last_heartbeat": 0.5,
+                "frontier": called + 5, "listed": called + 5} for i in range(2000)]
+    records[1999]["frontier"] = called - 1                    # the last node is behind
+    pages = []
+
+    class Order:   # global order's status as the flusher shows it (the queue is empty)
+        def status(self):
+            return {"instance": "me", "node": "self", "skew": 0.5, "heartbeat": 1.0,
+                    "lease": 30.0, "ops": 0, "error": None, "held": None,
+                    "peers": [dict(r) for r in records], "listed_at": called + 5}
+    monkeypatch.setattr(core.flusher, "order", Order())
+    info = mount_info(core)
+
+    def getxattr(path, name, failed, stale=None):
+        raw = control.get(core.flusher, info, core.cache.inodes.root, name)
+        pages.append(len(raw))
+        return raw
+    monkeypatch.setattr(client, "_getxattr", getxattr)
+    status = client.read_status("/m")
+    assert status["peers"]["peers_total"] == 2000 and len(status["peers"]["peers"]) < 2000
+    pages.clear()
+    got = client.read_peers("/m")
+    assert got["peers"] == records and got["listed_at"] == called + 5 and got["lease"] == 30.0
+    assert len(pages) > 5 and max(pages) <= 65536
+    with pytest.raises(Failure, match="node-1999.cluster.example:/ckpt"):
+        syncing.all_nodes("/m", time.monotonic() + 0.5)       # waits for the last one
+    records[1999]["frontier"] = called + 5
+    assert syncing.all_nodes("/m", time.monotonic() + 5) == 2000

@@ -87,40 +87,36 @@ def read_seq(path: str) -> tuple[int, int]:
     return info["seq"], info["open_dirty"]
 
 
-def read_files(mountpoint: str) -> dict[str, Any]:
-    """The files of the mount not yet persisted, with their state, sorted by path: one
-    listing, read page by page (``control.Listings``)."""
-    what = f"cannot read the pending files of {mountpoint}"
+def _read_listing(mountpoint: str, attr: bytes, key: str, what: str) -> tuple[dict, list]:
+    """One listing read page by page (``control.Listings``): its first page, and every
+    entry of every page under ``key``. A listing that expired meanwhile is started again."""
     for attempt in range(3):
         try:
-            page = json.loads(_getxattr(mountpoint, control.FILES, what))
-            files = page["files"]
+            first = page = json.loads(_getxattr(mountpoint, attr, what))
+            entries = page[key]
             while page.get("next"):
                 page = json.loads(_getxattr(mountpoint, page["next"].encode(), what))
-                files.extend(page["files"])
-            return {"files": files, "total": len(files), "truncated": False}
+                entries.extend(page[key])
+            return first, entries
         except Failure as e:
             if e.errno != errno.EAGAIN or attempt == 2:   # EAGAIN: the listing expired
                 raise
     raise AssertionError("not reached")
+
+
+def read_files(mountpoint: str) -> dict[str, Any]:
+    """The files of the mount not yet persisted, with their state, sorted by path."""
+    _, files = _read_listing(mountpoint, control.FILES, "files",
+                             f"cannot read the pending files of {mountpoint}")
+    return {"files": files, "total": len(files), "truncated": False}
 
 
 def read_peers(mountpoint: str) -> dict[str, Any]:
-    """The status's ``peers`` with every other node's record: one listing, read page by page
-    (``user.acpfs.peers``; the status holds only the records that fit in it)."""
-    what = f"cannot read the node records of {mountpoint}"
-    for attempt in range(3):
-        try:
-            page = json.loads(_getxattr(mountpoint, control.PEERS, what))
-            doc, records = page["doc"], page["peers"]
-            while page.get("next"):
-                page = json.loads(_getxattr(mountpoint, page["next"].encode(), what))
-                records.extend(page["peers"])
-            return {**doc, "peers": records}
-        except Failure as e:
-            if e.errno != errno.EAGAIN or attempt == 2:   # EAGAIN: the listing expired
-                raise
-    raise AssertionError("not reached")
+    """The status's ``peers`` with every other node's record (``user.acpfs.peers``; the
+    status holds only the records that fit in it)."""
+    first, records = _read_listing(mountpoint, control.PEERS, "peers",
+                                   f"cannot read the node records of {mountpoint}")
+    return {**first["doc"], "peers": records}
 
 
 def preload_file(path: str) -> bool:

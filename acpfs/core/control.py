@@ -93,11 +93,10 @@ def get(flusher: Flusher, info: MountInfo, node: Node, name: bytes, trusted: boo
     document has its paths left out: ``hide_names``). ``wt``: the mount's write-through, for
     its counters."""
     cache = flusher.cache
-    if name == SEQ:   # ``acpfs sync`` and ``umount`` are about to wait: no giving way till then
-        flusher.give_way.waited_for(flusher.oplog.seq)
     if name == STATE:
         return cache.files.state_of(node).encode()
-    if name == SEQ:
+    if name == SEQ:   # ``acpfs sync`` and ``umount`` are about to wait: no giving way till then
+        flusher.give_way.waited_for(flusher.oplog.seq)
         seq, open_dirty = cache.files.subtree_seq(node)
         return json.dumps({"seq": seq, "open_dirty": open_dirty}).encode()
     if node is cache.inodes.root:

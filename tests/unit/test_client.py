@@ -315,4 +315,3 @@ def test_sync_all_nodes_believes_only_records_listed_after_the_call():
         "2 of 4 other nodes done")
     listed["peers"][0] = peer("b", "up", 1000.1, 1000.6)
     assert syncing.Others(listed, called).finished()
-

@@ -20,9 +20,17 @@ import pytest
 from acpfs import mounttable
 from acpfs.commands.mount import pid_alive
 from faultfs import Shim
+from hangguard import guard
 
 ACPFS = [sys.executable, "-m", "acpfs"]
 TESTS = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Every test, its fixtures included, under the hang guard (tests/hangguard.py)."""
+    with guard(item.nodeid, item.config._tmp_path_factory.getbasetemp()):
+        yield
 
 
 def acpfs(*args: str, check: bool = True, timeout: float = 300, **kw) -> subprocess.CompletedProcess:

@@ -9,6 +9,7 @@ rest check that path gives the same answers.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import random
@@ -177,11 +178,20 @@ def test_a_reopen_for_writing_while_the_last_close_uploads_keeps_that_version_wh
     finally:
         os.close(fd)
     shim.set("hang rename")                          # v1's temporary file completes, no more
-    temp = []
-    wait_for(lambda: temp.extend(p for p in src.glob(".acpfs-tmp-*") if p.is_file()
-                                 and p.stat().st_size == len(v1)) or temp,
-             what="v1's temporary file written")
-    assert temp[0].read_bytes() == v1
+
+    def whole_temporary_files() -> list[bytes]:
+        """The temporary files written to their full size: v1's upload's, and v2's, which
+        may run beside it (uploads run in parallel; only their publishes are in order)."""
+        found = []
+        for p in src.glob(".acpfs-tmp-*"):
+            with contextlib.suppress(FileNotFoundError):
+                if p.stat().st_size == len(v1):
+                    found.append(p.read_bytes())
+        return found
+
+    temps = wait_for(lambda: (t := whole_temporary_files()) and v1 in t and t,
+                     what="v1's temporary file written whole")
+    assert all(t in (v1, v2) for t in temps)
     shim.set("ok")
     m.sync(timeout=120)
     assert (src / "f").read_bytes() == v2

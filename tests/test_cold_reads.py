@@ -386,6 +386,41 @@ def test_files_kept_after_a_read_make_room_for_writers_least_recently_used_first
     assert (m.back / "w.bin").read_bytes() == new
 
 
+def test_many_small_files_read_from_a_local_backing_are_kept_and_a_held_one_delays_none(mnt):
+    """Files read from a local backing are copied in batches once their readers are gone
+    (``Fetch._keeper``): every one of 300 small files is kept and then read from memory,
+    right; one a reader holds open is kept only after its close, and holds up none of the
+    others; one replaced in the backing before its copy is not kept in the old version."""
+    files = {f"d/s{i:03}": random.Random(i).randbytes(random.Random(-i).randrange(1, 64 << 10))
+             for i in range(300)}
+    (mnt.back / "d").mkdir()
+    for rel, data in files.items():
+        put(mnt, rel, data)
+    put(mnt, "held.bin", b"held" * 1000)
+    put(mnt, "replaced.bin", b"old" * 1000)
+    held = open(mnt.mnt / "held.bin", "rb")
+    try:
+        assert held.read(4) == b"held"
+        assert (mnt.mnt / "replaced.bin").read_bytes() == b"old" * 1000
+        put(mnt, "replaced.bin", b"new" * 1000)    # before its copy (a second after the close)
+        for rel, data in files.items():
+            assert (mnt.mnt / rel).read_bytes() == data
+        wait_for(lambda: mnt.status()["cold_reads"]["keeping"] == 1, 60,
+                 "every file but the held one kept")
+        assert mnt.status()["cold_reads"]["kept"] == 300
+    finally:
+        held.close()
+    wait_for(lambda: mnt.status()["cold_reads"]["keeping"] == 0, 30, "the held file kept")
+    st = mnt.status()["cold_reads"]
+    assert st["kept"] == 301, st
+    opened = st["opened"]
+    for rel, data in files.items():
+        assert (mnt.mnt / rel).read_bytes() == data
+    assert (mnt.mnt / "held.bin").read_bytes() == b"held" * 1000
+    assert mnt.status()["cold_reads"]["opened"] == opened, "read again from the backing"
+    assert (mnt.mnt / "replaced.bin").read_bytes() == b"new" * 1000
+
+
 def test_a_readers_close_sends_no_flush_and_still_drops_its_locks(mnt):
     """Opens for reading are answered FOPEN_NOFLUSH (a load opens each file twice: two round
     trips less per file): cat, dd and a mapping loader close without a FLUSH reaching the

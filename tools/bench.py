@@ -76,6 +76,10 @@ METRICS = {
     "cold_torch_mmap": ("cold", "GB/s", True, "torch.load(mmap=True) + touch every page, "
                         "file not in the cache"),
     "cold_st_load": ("cold", "GB/s", True, "safetensors load_file + touch, file not in the cache"),
+    "cold_small": ("cold", "files/s", True, "small files not in the cache: stat, open, read, close "
+                   "(--small-files/5 of --small-size, a directory another node wrote)"),
+    "cold_small_again": ("cold", "files/s", True, "the same files read again (kept in the cache; "
+                         "backing: the warm direct read before)"),
     "slow_read": ("cold", "GB/s", True, "read() of a file not in the cache over a backing that "
                   "answers each read 2 ms late (faultfs); backing: one stream read directly"),
     "slow_preload": ("cold", "GB/s", True, "acpfs preload of such a file; backing: one stream "
@@ -690,10 +694,35 @@ class Bench:
         r = self.w.call("st_load", path=os.path.join(t.root, f"cold-r{rep}", os.path.basename(back)))
         self.record("cold_st_load", t.name, rep, gb / r["s"])
         self.kept(t)
+        self.cold_small(t, rep, d)
         self.extra.setdefault("cold_reads", {}).setdefault(t.name, []).append(t.status()["cold_reads"])
         t.remove(os.path.join(t.root, f"cold-r{rep}"))
         if t.name in ("acpfs", "acpfs-daemon"):
             self.cold_over_latency(t, rep)
+
+    def cold_small(self, t: Acpfs, rep: int, d: str) -> None:
+        """Many small files written into the backing (a directory of the cold one), read
+        there once untimed, then read directly and through the mount side by side; then
+        again through the mount once kept, against the backing read directly again."""
+        small = os.path.join(d, "small")
+        os.makedirs(small)
+        n = max(self.args.small_files // 5, 1)
+        for i in range(n):
+            with open(os.path.join(small, f"s{i:05}"), "wb") as f:
+                f.write(os.urandom(self.args.small_size))
+        through = os.path.join(t.root, f"cold-r{rep}", "small")
+        self.w.call("read_small", path=small)
+        r = self.w.call("read_small", path=small)
+        direct = r["files"] / r["s"]
+        self.record("cold_small", "backing", rep, direct)
+        r = self.w.call("read_small", path=through)
+        self.record("cold_small", t.name, rep, r["files"] / r["s"])
+        # the reference stays the warm read above: a copy into the cache drops the backing's
+        # pages (docs/design.md, "One copy in RAM"), and a read there now would meet the disk
+        self.record("cold_small_again", "backing", rep, direct)
+        self.kept(t)
+        r = self.w.call("read_small", path=through)
+        self.record("cold_small_again", t.name, rep, r["files"] / r["s"])
 
     def on_shm_copy(self, metric: str, op: str, back: str, rep: int, warm: bool) -> None:
         """``metric``'s /dev/shm reference: ``op`` on a copy of ``back`` there (``warm``: run
@@ -1004,6 +1033,9 @@ class Bench:
             r = ratio(metric, "acpfs", "backing")
             add(metric, ">=0.9x backing, direct", r, None if r is None else r >= 0.9,
                 f"{r:.2f}x" if r else "-")
+        for metric in ("cold_small", "cold_small_again"):   # no goal: the issue names none
+            r = ratio(metric, "acpfs", "backing")
+            add(metric, "(backing, direct)", r, None, f"{r:.2f}x" if r else "-")
         for metric in ("slow_read", "slow_preload"):
             r = ratio(metric, "acpfs", "backing")
             add(metric, ">=2x one stream direct", r, None if r is None else r >= 2,

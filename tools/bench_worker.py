@@ -213,6 +213,19 @@ class Worker:
                 n += got
         return {"s": time.perf_counter() - t, "bytes": n}
 
+    def read_small(self, path: str) -> dict:
+        """Every file of directory ``path`` (sorted): stat, open, read whole, close (a loader
+        of a checkpoint made of many small files: shards, configs, tokenizer files)."""
+        names = sorted(os.listdir(path))
+        n = 0
+        t = time.perf_counter()
+        for name in names:
+            p = os.path.join(path, name)
+            os.stat(p)
+            with open(p, "rb", buffering=0) as f:
+                n += len(f.read())
+        return {"s": time.perf_counter() - t, "files": len(names), "bytes": n}
+
     def np_memmap(self, path: str) -> dict:
         """A file mapped by np.memmap (as weight loaders of raw arrays do), every 4 KiB page
         read once: the mmap load path, without a framework's parsing."""

@@ -29,7 +29,8 @@ TESTS = Path(__file__).resolve().parent
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Every test, its fixtures included, under the hang guard (tests/hangguard.py)."""
-    with guard(item.nodeid, item.config._tmp_path_factory.getbasetemp()):
+    factory = getattr(item.config, "_tmp_path_factory", None)   # pytest's, since 3.9
+    with guard(item.nodeid, factory.getbasetemp() if factory else Path(tempfile.gettempdir())):
         yield
 
 

@@ -28,7 +28,7 @@ HANG_AFTER = float(os.environ.get("ACPFS_TEST_HANG_AFTER", "300"))
 
 def _processes_of(root: Path) -> list[int]:
     """Processes whose command line names a path under ``root``."""
-    key = os.fsencode(str(root))
+    key = os.fsencode(str(root).rstrip("/") + "/")   # pytest-1/ is not pytest-10/
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
@@ -51,7 +51,8 @@ def _fuse_connections(pid: int, root: Path) -> set[str]:
             for line in f:
                 fields = line.split()
                 sep = fields.index("-")
-                if fields[sep + 1].startswith("fuse") and fields[4].startswith(str(root)):
+                if fields[sep + 1].startswith("fuse") and \
+                        fields[4].startswith(str(root).rstrip("/") + "/"):
                     conns.add(fields[2].split(":")[1])
     except (OSError, ValueError, IndexError):
         pass

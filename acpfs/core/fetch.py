@@ -7,8 +7,8 @@ threads the copies take (``_fills``); one copy per file at a time is
 (``_resting``: readers still open or closed less than KEEP_QUIET ago), which one task
 (``_keeper``) drains in batches, each copied in one idle thread: a task, a timer and a
 thread per file cost more than the copy of a small file (2,000 cold 4 KiB files read and
-opened again: 2.4-2.7 ms each with them, 1.1 ms without keeping anything). A copy is several ranges at once where the backing is slow
-(``store.api.in_ranges``); a file is attached to its node only if the node still shows the
+opened again: 2.4-2.7 ms each with them, 1.1 ms without keeping anything). A copy is
+several ranges at once where the backing is slow (``store.api.in_ranges``); a file is attached to its node only if the node still shows the
 version copied (``Node.generation``), clean and evictable like any persisted file. What a
 copy read is dropped from the backing's page cache when no open of the node reads the
 backing file (``reading``; ``store.api.in_ranges``): RAM holds one copy of a file, not two.
@@ -32,7 +32,7 @@ import trio
 
 from ..cache.files import Files
 from ..node import Node, err, node_path
-from ..store.api import CacheFull, fast_source
+from ..store.api import CacheFull, Content, fast_source
 from .writethrough import WriteThrough
 
 log = logging.getLogger(__name__)
@@ -190,8 +190,7 @@ class Fetch:
                 for node, version in batch:
                     await self.wt.settle(node)
                     await held.enter_async_context(self.wt.copying(node))
-                    if node.content is not None or node.staged is not None or not node.nlink \
-                            or node.generation != version:
+                    if not self._wanted(node, version):
                         continue
                     try:
                         ready.append((node, version, files.copy_up(node)))
@@ -211,12 +210,10 @@ class Fetch:
                     async with self._keeps:
                         await trio.to_thread.run_sync(when_idle, fill_all, limiter=self._fills)
                 for (node, version, content), copied in zip(ready, copies):
-                    if copied is None or node.generation != version or node.staged is not None:
-                        files.release_content(content)   # failed, or another version came
-                        continue
-                    files.attach_content(node, content)
-                    files.maybe_evictable(node)
-                    self.kept += 1
+                    if copied is None:
+                        files.release_content(content)   # the backing failed it
+                    elif self._attach(node, version, content):
+                        self.kept += 1
         finally:
             for _, _, content in ready[len(copies):]:
                 files.release_content(content)       # never copied (cancelled)
@@ -243,8 +240,7 @@ class Fetch:
         async with self.wt.copying(node):
             if version is None:
                 version = node.generation
-            if node.content is not None or node.staged is not None or not node.nlink \
-                    or node.generation != version:
+            if not self._wanted(node, version):
                 return False
             content = files.copy_up(node)
             try:
@@ -256,9 +252,21 @@ class Fetch:
             except BaseException:
                 files.release_content(content)
                 raise
-            if node.generation != version or node.staged is not None:
-                files.release_content(content)   # another version came meanwhile
-                return False
-            files.attach_content(node, content)
-            files.maybe_evictable(node)
-            return True
+            return self._attach(node, version, content)
+
+    @staticmethod
+    def _wanted(node: Node, version: int) -> bool:
+        """Whether a copy of version ``version`` of ``node`` is still to be made: the node
+        shows it, and it is neither cached nor staged (nor removed)."""
+        return node.content is None and node.staged is None and node.nlink > 0 \
+            and node.generation == version
+
+    def _attach(self, node: Node, version: int, content: Content) -> bool:
+        """A copy of version ``version`` made: attached to ``node``, clean and evictable,
+        unless another version came meanwhile (then dropped). Whether it was attached."""
+        if node.generation != version or node.staged is not None:
+            self.files.release_content(content)
+            return False
+        self.files.attach_content(node, content)
+        self.files.maybe_evictable(node)
+        return True

@@ -102,7 +102,9 @@ def status_of(store: Store) -> dict[str, Any]:
             "store": store.kind}
 
 
-FILL_STREAMS = 4          # ranges of one file copied into the cache at once (``in_ranges``)
+FILL_STREAMS = 8          # ranges of one file copied into the cache at once (``in_ranges``);
+# over a backing answering 2 ms late, 4 gave a preload 1.8-2.0x of one stream, 8 gave 2.3-2.5x
+# and 16 no more (docs/benchmarks.md, "Eight streams")
 FILL_CHUNK = 16 << 20     # bytes each range takes at a time
 # a first chunk that came at least this fast came from memory (the backing's page cache, a
 # local disk): more streams would only take CPU from the programs; slower, it came over a

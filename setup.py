@@ -22,8 +22,9 @@ cflags = pkg_config("--cflags") or ["-I/usr/include/fuse3"]
 libs = pkg_config("--libs") or ["-lfuse3"]
 
 setup(ext_modules=[Extension(
-    "acpfs.fuse._fastwrite", ["acpfs/fuse/_fastwrite.c", "acpfs/fuse/_attrs.c"],
-    depends=["acpfs/fuse/_attrs.h"],
+    "acpfs.fuse._fastwrite",
+    ["acpfs/fuse/_fastwrite.c", "acpfs/fuse/_attrs.c", "acpfs/fuse/_opens.c"],
+    depends=["acpfs/fuse/_attrs.h", "acpfs/fuse/_opens.h"],
     extra_compile_args=[*cflags, "-Wall", "-Wextra", "-Wno-unused-parameter"],
     extra_link_args=[*libs, "-ldl"],
     optional=True,

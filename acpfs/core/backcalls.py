@@ -40,16 +40,29 @@ class BackingCalls:
         """``fn(*args)``: on the event loop where the backing is local and the lock is free,
         else in a worker thread (``limiter`` and ``abandon_on_cancel`` as for
         ``trio.to_thread.run_sync``). Always a cancellation point."""
-        if self.fstype is not None and self.lock.acquire(blocking=False):
-            try:
-                await trio.lowlevel.checkpoint_if_cancelled()
-                self.inline += 1
-                return fn(*args)
-            finally:
-                self.lock.release()
+        if self.fstype is not None:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            done, got = self._now(fn, args)
+            if done:
+                return got   # type: ignore[return-value]
         self.threaded += 1
         return await trio.to_thread.run_sync(fn, *args, limiter=limiter,
                                              abandon_on_cancel=abandon_on_cancel)
+
+    def run_now(self, fn: Callable[..., T], *args: object) -> T | None:
+        """``fn(*args)`` on the event loop where ``run`` would run it there, without a
+        checkpoint (for a request answered at once: ``core.opennow``); None, and ``fn`` not
+        called, where ``run`` would take a worker thread."""
+        return self._now(fn, args)[1] if self.fstype is not None else None
+
+    def _now(self, fn: Callable[..., T], args: tuple) -> tuple[bool, T | None]:
+        if not self.lock.acquire(blocking=False):
+            return False, None
+        try:
+            self.inline += 1
+            return True, fn(*args)
+        finally:
+            self.lock.release()
 
     def status(self) -> dict:
         return {"where": "inline" if self.fstype is not None else "threads",

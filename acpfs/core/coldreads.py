@@ -144,8 +144,28 @@ class ColdReads:
             if event is not None:
                 await event.wait()
             served = self.serving.get(nodeid)
-        if served is None:
-            return None
+        return None if served is None else self._joined(nodeid, node, served)
+
+    def open_now(self, nodeid: int, node: Node, claimed: str) -> Served | None:
+        """``open`` at once, for an OPEN answered without a coroutine (``core.opennow``):
+        None where ``open`` would wait (a backing file being opened, a backing call that
+        cannot run on the event loop) or the usual path serves the open; a claim to open
+        is then withdrawn, and ``open`` decides anew."""
+        if claimed == "share":
+            served = self.serving.get(nodeid)
+            return None if served is None or nodeid in self.opening \
+                else self._joined(nodeid, node, served)
+        generation = node.generation
+        try:
+            fd = self.calls.run_now(self.files.open_backing_copy, node, True)
+            served = None if fd is None else self._serve(nodeid, node, fd, generation)
+        except OSError:   # another version (ESTALE), gone: ``open`` looks first
+            served = None
+        finally:
+            del self.opening[nodeid]   # nobody waited: nothing ran meanwhile
+        return None if served is None else self._joined(nodeid, node, served)
+
+    def _joined(self, nodeid: int, node: Node, served: Served) -> Served:
         if not self.shares(served, node):   # changed while it waited
             self.conflicts(nodeid, node, False)
         served.opens += 1
@@ -156,6 +176,12 @@ class ColdReads:
     async def _open_backing(self, nodeid: int, node: Node) -> Served | None:
         generation = node.generation
         fd = await self.calls.run(self.files.open_backing_copy, node, True)
+        return self._serve(nodeid, node, fd, generation)
+
+    def _serve(self, nodeid: int, node: Node, fd: int, generation: int) -> Served | None:
+        """Kernel inode ``nodeid`` reads backing file ``fd`` (version ``generation``) from
+        now on, passed through where the kernel takes it; None (``fd`` closed) where the
+        file changed meanwhile or the kernel refused it."""
         if not (node.generation == generation and node.content is None
                 and node.staged is None and not node.writers):
             os.close(fd)   # changed meanwhile: the usual path

@@ -9,7 +9,7 @@ kernel passes the file through to its memory file: ``_passthrough``; content a s
 still holds is copied for a writer first: ``unshared``), read, write (``write_now``
 straight from libfuse's buffer, else ``write``), fallocate, flush (what close()
 acknowledges is journaled and stamped), release, fsync and preload; and counting what
-writers passed through wrote (``_count_passthrough_writes``).
+writers passed through wrote (``passwriters``).
 
 Runs on the trio thread (trio, no pyfuse3). A file's content is ``files.Files``'s; changes
 while the cache is full, and staged files, go through ``writethrough.WriteThrough``;
@@ -28,13 +28,14 @@ from typing import Callable
 
 import trio
 
-from ..config import Options, format_size
+from ..config import Options
 from ..cache.admission import Admission
 from ..cache.files import Files
-from .coldreads import ColdReads, Kernel
+from .coldreads import ColdReads, Kernel, Served
 from .fetch import Fetch
 from .loader import Loader
 from .longopen import LongOpen
+from .passwriters import count_passthrough_writes
 from ..cache.inodes import Inodes
 from ..cache.namespace import Namespace
 from ..oplog.log import OpLog
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 PRIV_BITS = statmod.S_ISUID | statmod.S_ISGID
 
 
-PASSTHROUGH_LOOK = 0.5   # s between looks at the files writers passed through have written
 # the largest file a read-write open keeps in the kernel's page cache (``_page_cache``): a
 # second copy that small costs little; a larger one (an array mapped read-write) is passed
 # through, where the kernel maps the memory file itself
@@ -108,7 +108,7 @@ class Handles:
     def start(self, nursery: trio.Nursery) -> None:
         self.fetch.start(nursery)
         if self.kernel is not None:
-            nursery.start_soon(self._count_passthrough_writes)
+            nursery.start_soon(count_passthrough_writes, self.files, self.admission)
 
     def handle(self, fh: int) -> Handle:
         h = self.handles.get(fh)
@@ -168,19 +168,33 @@ class Handles:
             try:
                 opened = await self._open(ino, node, flags, uid, claimed, checked)
             except OSError:
-                self._closed_on(ino)
+                self.closed_on(ino)
                 if checked or claimed != "open":
                     raise
                 checked = True
                 continue
             except BaseException:
-                self._closed_on(ino)
+                self.closed_on(ino)
                 raise
             if not checked:
                 node.checked_at = time.monotonic()   # as Loader.revalidated would have
             return opened
 
-    def _closed_on(self, nodeid: int) -> None:
+    def opened_cold(self, ino: int, node: Node, served: Served, claimed: str, append: bool) -> int:
+        """The handle of a read-only open passed through to the backing file (``ColdReads``):
+        the first open of its kernel inode (``claimed`` "open") queues the copy kept once
+        its readers are gone (``Fetch.keep``)."""
+        if claimed == "open":
+            self.fetch.keep(node, served.fd, served.generation, served.idle)
+        self.files.open(node, False, False)
+        h = Handle(node, False, append, nodeid=ino)
+        h.cold = True
+        h.backing_fd = served.fd   # ColdReads owns it
+        fh = self._new_fh()
+        self.handles[fh] = h
+        return fh
+
+    def closed_on(self, nodeid: int) -> None:
         left = self.kernel_opens[nodeid] - 1
         if left:
             self.kernel_opens[nodeid] = left
@@ -194,16 +208,8 @@ class Handles:
         append = bool(flags & os.O_APPEND)
         if claimed:
             served = await self.cold.open(ino, node, claimed)
-            if served is not None and claimed == "open":
-                self.fetch.keep(node, served.fd, served.generation, served.idle)
             if served is not None:
-                self.files.open(node, False, False)
-                h = Handle(node, False, append, nodeid=ino)
-                h.cold = True
-                h.backing_fd = served.fd   # ColdReads owns it
-                fh = self._new_fh()
-                self.handles[fh] = h
-                return fh, False, served.backing_id
+                return self.opened_cold(ino, node, served, claimed, append), False, served.backing_id
             if not checked:   # it changed meanwhile: compared with the backing first (open)
                 raise err(errno.ESTALE, f"{node_path(node)} changed while it was opened")
         if writable:
@@ -221,6 +227,20 @@ class Handles:
         # opened for reading and writing at once (``_page_cache``). Files read from the
         # backing keep the page cache and its read-ahead, except beside passthrough, where
         # a file must not enter the page cache's mode.
+        h, direct, backing_id = self.prepared(ino, node, flags, uid)
+        if not writable and node.content is None and node.staged is None and node.is_reg:
+            # Open the backing copy now, so that the reader keeps the version it opened
+            # even if the file is renamed over, deleted or republished meanwhile.
+            await self._open_backing(h, verify=True)
+        return self.registered(h, flags), direct, backing_id
+
+    def prepared(self, ino: int, node: Node, flags: int, uid: int) -> tuple[Handle, bool, int]:
+        """The handle of an open that waits for nothing more (the content is where the open
+        needs it), whether the kernel bypasses its page cache for it, and the backing id it
+        is passed through to (0: none)."""
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        trunc = bool(flags & os.O_TRUNC) and writable
+        append = bool(flags & os.O_APPEND)
         if not node.writers and (node.content is not None or node.backing_parent is not None):
             self.admission.learn(node)   # a closed version: the size its name has
         cached = self._page_cache(node, flags)
@@ -231,11 +251,13 @@ class Handles:
                    passthrough=bool(backing_id), nodeid=ino)
         h.page_cache = cached
         h.opened_seq = self.oplog.seq
-        if not writable and node.content is None and node.staged is None and node.is_reg:
-            # Open the backing copy now, so that the reader keeps the version it opened
-            # even if the file is renamed over, deleted or republished meanwhile.
-            await self._open_backing(h, verify=True)
-        self.files.open(node, writable, trunc, append and writable, passthrough=h.passthrough)
+        return h, direct and not backing_id, backing_id
+
+    def registered(self, h: Handle, flags: int) -> int:
+        """Count ``h`` as open (``Files.open``, ``handles``): its file handle."""
+        node, writable = h.node, h.writable
+        trunc = bool(flags & os.O_TRUNC) and writable
+        self.files.open(node, writable, trunc, h.append and writable, passthrough=h.passthrough)
         if h.kill_priv and node.mode & PRIV_BITS and (trunc or h.passthrough):
             # O_TRUNC by a user other than root clears them (the kernel leaves that to the
             # daemon with FUSE_HANDLE_KILLPRIV_V2), and so would a write passed through,
@@ -246,7 +268,7 @@ class Handles:
         fh = self._new_fh()
         self.handles[fh] = h
         self._entered(h)
-        return fh, direct and not backing_id, backing_id
+        return fh
 
     def _entered(self, h: Handle) -> None:
         """Count ``h`` among its file's opens in page-cache mode (``page_cached``)."""
@@ -428,33 +450,11 @@ class Handles:
         self.files.record_close(h.node)
         self.oplog.note_ack(h.node)
 
-    async def _count_passthrough_writes(self) -> None:
-        """What writers the kernel passes through have written is counted every
-        PASSTHROUGH_LOOK seconds (``Files.sync_content``), so that the cache's use in
-        ``status`` and the admission of the next writers (``Admission.admit``) are current;
-        a cache pushed past its size by them is said once, in the log."""
-        files = self.files
-        over = False
-        while True:
-            await trio.sleep(PASSTHROUGH_LOOK)
-            for node in list(files.passthrough_writers):
-                files.sync_content(node)
-            self.admission.check_growth()
-            files.trim()
-            now_over = files.store.used > files.store.limit
-            if now_over and not over:
-                log.warning("cache over its size: %s held, %s allowed: files written with "
-                            "passthrough grew past what was kept free for them (%d still open); "
-                            "new writers take the daemon's path until enough is persisted",
-                            format_size(files.store.used), format_size(files.store.limit),
-                            len(files.passthrough_writers))
-            over = now_over
-
     async def release(self, fh: int) -> None:
         h = self.handles.pop(fh, None)
         if h is None:
             raise err(errno.EBADF, f"file handle {fh} is not open")
-        self._closed_on(h.nodeid)
+        self.closed_on(h.nodeid)
         node = h.node
         if h.page_cache:
             left = self.page_cached[node.ino] - 1

@@ -250,6 +250,30 @@ class Loader:
             raise err(errno.ESTALE, "another writer removed or replaced a name of the file")
         return node
 
+    def unchanged_now(self, node: Node) -> bool:
+        """Whether the close-to-open check of an open (``revalidated(at_open=True)``) leaves
+        ``node``, a regular file with one name, as it is, told at once on the event loop
+        (``BackingCalls.run_now``): True where there is nothing to compare (this mount's
+        own version, not persisted yet) or the backing copy is the version this mount has;
+        False where it is another, or where that cannot be told at once (``revalidated``
+        then looks, and does what a change asks)."""
+        coherence = self.coherence
+        if node.links or node.ino in self._checking:
+            return False
+        if node.backing_parent is None or not coherence.quiescent(node):
+            return True
+        got = self.calls.run_now(coherence.stat_backing, node)
+        if got is None or len(got[0]) != 1 or node.backing_version is None \
+                or not coherence.quiescent(node, got[1]):
+            return False
+        pos, st = got[0][0]
+        if pos != (node.backing_parent, node.backing_name) or pos != (node.parent, node.name) \
+                or st is None or not statmod.S_ISREG(st.st_mode) \
+                or (st.st_ino, st.st_size, st.st_mtime_ns) != node.backing_version:
+            return False
+        node.checked_at = time.monotonic()
+        return True
+
     def _another_file_at(self, pos: tuple[Node, bytes], node: Node, st: os.stat_result,
                          at_open: bool) -> None:
         """A name of a file with several names holds another file in the backing now (another

@@ -37,6 +37,7 @@ from . import control
 from .handles import PRIV_BITS, Handles, Kernel
 from .loader import Loader
 from .longopen import LongOpen
+from .opennow import OpensNow
 from ..node import Node, err, node_path
 from .writethrough import Background, WriteThrough
 
@@ -86,6 +87,8 @@ class Core:
         fetch = self.handles.fetch
         info.cold_reads = lambda: {**self.handles.cold.status(), **fetch.status()}
         info.backing_calls = self.loader.calls.status
+        self.opens_now = OpensNow(self.handles)   # read-only OPENs answered without a coroutine
+        info.opens_at_once = self.opens_now.status
         self._statfs: os.statvfs_result | None = self.backing.statvfs()   # answers at mount
         self._statfs_call: trio.Event | None = None
 

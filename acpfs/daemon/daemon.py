@@ -299,7 +299,8 @@ class Daemon:
         if opts.noexec:
             fuse_opts.add("noexec")
         pyfuse3.init(ops, opts.mountpoint, fuse_opts)
-        fastwrite.install(ops.write_now, ops.fallocate_now)
+        fastwrite.install(ops.write_now, ops.fallocate_now, ops.open_now)
+        self.core.opens_now.on = fastwrite.opens_at_once()
         attrtable.enable(BLKSIZE)
         log.info("mounted %s over %s", opts.mountpoint, opts.backing)
         self.notify("ready")

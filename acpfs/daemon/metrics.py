@@ -73,6 +73,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
                                  "over_size)"),
     "acpfs_cold_read_opens_total": ("counter", "opens of files not in the cache, read from the "
                                     "backing file by the kernel (passthrough) or the daemon"),
+    "acpfs_opens_answered_at_once_total": ("counter", "read-only opens answered without a "
+                                           "coroutine (core/opennow.py)"),
     "acpfs_fetched_bytes_total": ("counter", "bytes copied from the backing into the cache: "
                                   "preloads and files kept after a read"),
     "acpfs_cold_read_files": ("gauge", "files not in the cache open for reading from the "
@@ -109,6 +111,7 @@ COUNTERS = {
     "acpfs_write_through_files_total": "write_through.files",
     "acpfs_backing_reopened_total": "backing_reopened.count",
     "acpfs_cold_read_opens_total": "cold_reads.opened",
+    "acpfs_opens_answered_at_once_total": "opens_at_once.answered",
     "acpfs_fetched_bytes_total": "cold_reads.fetched_bytes",
 }
 

@@ -45,6 +45,9 @@
  * that Python keeps current (fuse/attrtable.py); the WRITE and FALLOCATE handlers here drop
  * the inode's entry on arrival.
  *
+ * Fifth job (acpfs/fuse/_opens.c): read-only OPENs offered to a Python callable without a
+ * coroutine, answered with fastwrite_reply_next() and fuse_reply_open() below.
+ *
  * Only on Linux 6.9 and later: 6.6 to 6.8 shipped the flag with writable shared mappings
  * of direct_io files broken (no page_mkwrite; fixed in stable updates of March 2024 that
  * cannot be told apart by version here), and acpfs's writers have direct_io. There, and
@@ -76,6 +79,7 @@
 #include <sys/ioctl.h>
 
 #include "_attrs.h"
+#include "_opens.h"
 
 #ifndef FUSE_DIRECT_IO_ALLOW_MMAP
 #define FUSE_DIRECT_IO_ALLOW_MMAP (1ULL << 36)   /* Linux 6.6 (as FUSE_DIRECT_IO_RELAX) */
@@ -454,6 +458,7 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
         && ours->fallocate == NULL)
         ours->fallocate = fast_fallocate;
     attrs_hook(ours);
+    opens_hook(ours);
     struct fuse_session *se = real(args, ours, op_size, userdata);
     free(ours);
     if (se != NULL)
@@ -599,6 +604,12 @@ static PyObject *reply_backing(PyObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+void fastwrite_reply_next(int32_t backing_id, int noflush)
+{
+    next_backing = backing_id;
+    next_noflush = noflush;
+}
+
 static PyObject *reply_noflush(PyObject *self, PyObject *unused)
 {
     next_noflush = 1;
@@ -692,7 +703,8 @@ PyMODINIT_FUNC PyInit__fastwrite(void)
     if (PyType_Ready(&SlotType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddFunctions(m, attrs_methods) < 0) {
+    if (m != NULL && (PyModule_AddFunctions(m, attrs_methods) < 0
+                      || PyModule_AddFunctions(m, opens_methods) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -55,10 +55,12 @@ _ext, _why_not = _load()
 
 
 def install(handler: Callable[[int, int, memoryview], Optional[int]],
-            fallocate: Callable[[int, int, int, int], int] | None = None) -> bool:
-    """After pyfuse3.init: route WRITEs through ``handler`` and FALLOCATEs through
-    ``fallocate`` (pyfuse3 has no handler for them); False (and why, logged) if unavailable:
-    then fallocate fails with EOPNOTSUPP."""
+            fallocate: Callable[[int, int, int, int], int] | None = None,
+            opener: Callable[[int, int], object] | None = None) -> bool:
+    """After pyfuse3.init: route WRITEs through ``handler``, FALLOCATEs through
+    ``fallocate`` (pyfuse3 has no handler for them) and read-only OPENs through ``opener``
+    first (acpfs/fuse/_opens.c); False (and why, logged) if unavailable: then fallocate
+    fails with EOPNOTSUPP and every OPEN takes pyfuse3's path."""
     global _why_not
     if _ext is None:
         log.info("fast write path off: %s; writes take pyfuse3's path", _why_not)
@@ -70,7 +72,15 @@ def install(handler: Callable[[int, int, memoryview], Optional[int]],
     _ext.set_handler(handler)
     if fallocate is not None:
         _ext.set_fallocate_handler(fallocate)
+    if opener is not None and not os.environ.get("ACPFS_NO_OPEN_AT_ONCE"):
+        _ext.set_open_handler(opener)
     return True
+
+
+def opens_at_once() -> bool:
+    """Whether read-only OPENs are offered to the handler given to ``install`` (off with
+    ACPFS_NO_OPEN_AT_ONCE=1)."""
+    return _ext is not None and _ext.opens_stats()["on"]
 
 
 def extension() -> Optional[ModuleType]:

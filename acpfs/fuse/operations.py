@@ -345,6 +345,21 @@ class Operations(pyfuse3.Operations):
         except Exception as e:
             raise pyfuse3.FUSEError(errno_of(e, "read")) from None
 
+    def open_now(self, ino: int, flags: int) -> tuple[int, int] | int | None:
+        """A read-only OPEN from the extension's hook (acpfs/fuse/_opens.c), answered at once
+        where nothing must wait (core/opennow.py): (file handle, backing id), -errno, or None
+        for ``open``."""
+        try:
+            got = self.core.opens_now.open(ino, flags)
+        except Exception as e:
+            attrtable.clear()   # as ``changes``: any node may have changed halfway
+            return -errno_of(e, "open")
+        if got is not None:
+            self.core.info.requests["open"] += 1
+            self.give_way.request()
+            offer(self.core, self.handles.handle(got[0]).node)
+        return got
+
     def write_now(self, fh: int, off: int, data: memoryview) -> int | None:
         """WRITE straight from libfuse's buffer (acpfs/fuse/_fastwrite.c): bytes written, -errno,
         or None to take the async path (``write``)."""

@@ -1,0 +1,18 @@
+/* acpfs/fuse/_opens.c: what _fastwrite.c calls of the OPEN hook, and the reverse. */
+#ifndef ACPFS_OPENS_H
+#define ACPFS_OPENS_H
+
+#include <Python.h>
+#include <stdint.h>
+
+struct fuse_lowlevel_ops;
+
+/* In fuse_session_new: OPEN is offered to the Python handler first. */
+void opens_hook(struct fuse_lowlevel_ops *ops);
+/* (_fastwrite.c) The OPEN reply sent next passes the file through to backing_id (0: not)
+ * and, with noflush, says FOPEN_NOFLUSH: as reply_backing() and reply_noflush(). */
+void fastwrite_reply_next(int32_t backing_id, int noflush);
+
+extern PyMethodDef opens_methods[];
+
+#endif

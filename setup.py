@@ -23,8 +23,8 @@ libs = pkg_config("--libs") or ["-lfuse3"]
 
 setup(ext_modules=[Extension(
     "acpfs.fuse._fastwrite",
-    ["acpfs/fuse/_fastwrite.c", "acpfs/fuse/_attrs.c", "acpfs/fuse/_opens.c"],
-    depends=["acpfs/fuse/_attrs.h", "acpfs/fuse/_opens.h"],
+    ["acpfs/fuse/_fastwrite.c", "acpfs/fuse/_attrs.c", "acpfs/fuse/_atonce.c"],
+    depends=["acpfs/fuse/_attrs.h", "acpfs/fuse/_atonce.h"],
     extra_compile_args=[*cflags, "-Wall", "-Wextra", "-Wno-unused-parameter"],
     extra_link_args=[*libs, "-ldl"],
     optional=True,

@@ -1,5 +1,5 @@
-"""Read-only OPENs answered without a coroutine (core/opennow.py, acpfs/fuse/_opens.c) keep
-every promise an open makes (docs/semantics.md, section 10): each open reads the version
+"""OPENs of readers, FLUSH and RELEASE answered without a coroutine (core/opennow.py,
+acpfs/fuse/_atonce.c) keep every promise an open and a close make (docs/semantics.md, section 10): each open reads the version
 the backing or this mount holds at that moment, whole; an open held while the file is
 replaced (another program's rename in the backing, a rename on this mount) keeps the
 version it opened.
@@ -11,8 +11,8 @@ files passed through to their backing file, and files being kept). The coherence
 an hour: only the check at each open can make a fresh open right.
 
 On the passthrough path with a local backing most of those opens are answered at once
-(``status``: ``opens_at_once``); on the daemon's path (./tools/test-daemon-path) none are,
-and the same model holds.
+(``status``: ``at_once``), and on both paths the closes (FLUSH, RELEASE); on the daemon's
+path (./tools/test-daemon-path) no OPEN is, and the same model holds.
 """
 
 from __future__ import annotations
@@ -106,9 +106,14 @@ def test_opens_read_the_version_of_their_moment_against_a_model(make_mount, seed
     for name in names:
         assert (m.back / name).read_bytes() == model[name], "persisted: the last version"
     st = m.status()
-    at_once = st["opens_at_once"]
-    assert at_once["answered"] <= st["requests"]["open"], "an open answered at once is an open"
+    at_once = st["at_once"]
+    assert at_once["on"], at_once
+    for kind in ("open", "flush", "release"):
+        assert at_once[kind]["answered"] <= st["requests"][kind], (kind, at_once)
+        assert at_once[kind]["failed"] == 0, (kind, at_once)
+    assert at_once["flush"]["answered"] > 0 and at_once["release"]["answered"] > 0, at_once
+    opens = at_once["open"]
     if st["passthrough"]["on"] and st["backing_calls"]["where"] == "inline":
-        assert at_once["on"] and at_once["answered"] > 0 and at_once["passed"] > 0, at_once
+        assert opens["answered"] > 0 and opens["passed"] > 0, opens
     else:
-        assert at_once["answered"] == 0, at_once
+        assert opens["answered"] == 0, opens

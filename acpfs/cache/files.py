@@ -166,7 +166,7 @@ class Files:
 
     def shared_in_kernel(self, node: Node) -> bool:
         """A memory file the kernel passes opens through to, that a snapshot or record
-        holds too: its identity cannot change (``Handles.unshared``), nor its bytes in place."""
+        holds too: its identity cannot change (``unshare.unshared``), nor its bytes in place."""
         return bool(node.passthrough_opens) and self.store.shared(node.content)
 
     def copy_up(self, node: Node) -> Content:

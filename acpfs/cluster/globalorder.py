@@ -95,6 +95,17 @@ class GlobalOrder:
                 log.warning("global order: %s %r goes on after %.1f s", op.kind, op.path,
                             time.time() - since)
 
+    def acknowledges_at_once(self) -> bool:
+        """Whether ``acknowledged`` would return at once for a change stamped from now on:
+        no live peer (no commit wait), no promise of this node's record reaching past now
+        (a stamp is taken from the clock, and not below the last: ``OpLog.next_stamp``), and
+        no recovery under way (whose stamp is fixed). For a request answered without a
+        coroutine (``Operations.flush_now``), asked before it stamps."""
+        peers = self.peers
+        with self.oplog.lock:
+            return (self.oplog.recovery_stamp is None and peers.commit_until(time.time()) == 0.0
+                    and peers.promised <= time.time())
+
     async def acknowledged(self) -> None:
         """A request that acknowledged a change (fs.acknowledges): answered once
         (1) the node's record no longer promises that nothing is pending under the change's

@@ -80,8 +80,8 @@ class MountInfo:
     cold_reads: Callable[[], dict] | None = None
     # where lookups and opens ask the backing (backcalls.BackingCalls.status)
     backing_calls: Callable[[], dict] | None = None
-    # read-only OPENs answered without a coroutine (opennow.OpensNow.status)
-    opens_at_once: Callable[[], dict] | None = None
+    # OPEN, FLUSH and RELEASE answered without a coroutine (fastwrite.at_once_state)
+    at_once: Callable[[], dict] | None = None
     metrics: str | None = None   # where the Prometheus endpoint listens (metrics_http.py)
     pid: int = dataclasses.field(default_factory=os.getpid)
     owner: int = dataclasses.field(default_factory=os.getuid)   # the mount's owner
@@ -288,8 +288,7 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         {"files": 0, "opens": 0, "opened": 0, "refused": 0, "kept": 0, "keeping": 0, "fetched_bytes": 0},
         "backing_calls": info.backing_calls() if info.backing_calls is not None else
         {"where": "threads", "fstype": None, "inline": 0, "threaded": 0},
-        "opens_at_once": info.opens_at_once() if info.opens_at_once is not None else
-        {"on": False, "answered": 0, "passed": 0},
+        "at_once": info.at_once() if info.at_once is not None else {"on": False},
         "metrics": info.metrics,
     }
 

@@ -36,6 +36,7 @@ from .fetch import Fetch
 from .loader import Loader
 from .longopen import LongOpen
 from .passwriters import count_passthrough_writes
+from .unshare import unshared
 from ..cache.inodes import Inodes
 from ..cache.namespace import Namespace
 from ..oplog.log import OpLog
@@ -52,7 +53,6 @@ PRIV_BITS = statmod.S_ISUID | statmod.S_ISGID
 # second copy that small costs little; a larger one (an array mapped read-write) is passed
 # through, where the kernel maps the memory file itself
 PAGE_CACHE_MAX = 16 << 20
-UNSHARED_POLL = 0.005   # s between looks at a memory file an upload still holds (Handles.unshared)
 
 
 class Handle:
@@ -216,7 +216,7 @@ class Handles:
             await self.loader.xattrs_loaded(node)
             while True:   # until the content is cached or staged, and private, at once
                 await self.wt.open_for_writing(node, trunc)
-                if await self.unshared(node, trunc):
+                if await unshared(self.files, self.wt, node, trunc):
                     break
         # direct_io only where shared mmap survives it (the kernel granted it in INIT:
         # Linux 6.9+ with the fast write extension; elsewhere a shared writable mapping of a
@@ -316,35 +316,6 @@ class Handles:
         except OSError as e:
             log.warning("%s: cannot pass it through (%s); served by the daemon", node_path(node), e)
             return 0
-
-    async def unshared(self, node: Node, trunc: bool) -> bool:
-        """Before an open for writing: content a snapshot or journal record still holds is
-        copied, so that the kernel writes a memory file nobody else reads. Not while the
-        file is open with passthrough: the kernel holds that memory file, so the writer
-        waits until the upload that holds it lands. Returns True when nothing was waited
-        for; after a wait everything the caller checked may have changed (look again)."""
-        files, store = self.files, self.files.store
-        content = node.content
-        if content is None or not store.shared(content):
-            return True
-        if node.ino in self.wt.slots:
-            await self.wt.settle(node)
-        elif node.passthrough_opens:
-            await self.wt.wait_seq(node.last_seq)
-            await trio.sleep(UNSHARED_POLL)   # the upload's reference goes just after its seq
-        else:
-            # copied in a worker thread with the slot held: no open passes through to the
-            # old memory file meanwhile (Handles.open settles first)
-            size = 0 if trunc else node.size     # O_TRUNC: nothing worth copying
-            async with self.wt.hold(node, "copy for a writer"):
-                copy = await trio.to_thread.run_sync(store.copy, content, size)
-                with files.oplog.lock:
-                    if node.content is content:
-                        node.content = copy
-                        store.drop(content)
-                    else:
-                        store.drop(copy)         # replaced meanwhile
-        return False
 
     def open_created(self, node: Node, flags: int) -> tuple[int, int]:
         """The open of a file ``Core.create`` just made: (file handle, the backing id as
@@ -451,6 +422,30 @@ class Handles:
         self.oplog.note_ack(h.node)
 
     async def release(self, fh: int) -> None:
+        h = self._let_go(fh)
+        if h is None:
+            return
+        if h.writable:
+            await self.wt.settle(h.node)
+        self._released(h)
+        node = h.node
+        if h.writable and not node.writers and node.open_copy is not None:
+            await self.longopen.closed(node)
+
+    def release_now(self, fh: int) -> bool:
+        """``release`` where it waits for nothing (no write-through holds the file, no copy
+        of a long-open file to hand over): True; False, with nothing done, where it must."""
+        h = self.handles.get(fh)
+        if h is None or (h.writable and (h.node.ino in self.wt.slots
+                                         or h.node.open_copy is not None)):
+            return False
+        if self._let_go(fh) is not None:
+            self._released(h)
+        return True
+
+    def _let_go(self, fh: int) -> Handle | None:
+        """The first steps of a RELEASE: the handle, no longer open; None where a reader
+        passed through to the backing file is all done with."""
         h = self.handles.pop(fh, None)
         if h is None:
             raise err(errno.EBADF, f"file handle {fh} is not open")
@@ -465,9 +460,11 @@ class Handles:
         if h.cold:
             self.cold.release(h.nodeid, node)
             self.files.release(node, False)
-            return
-        if h.writable:
-            await self.wt.settle(h.node)
+            return None
+        return h
+
+    def _released(self, h: Handle) -> None:
+        node = h.node
         self.files.sync_content(node)
         if h.passthrough and h.writable and node.writers == 1 and not node.dirty and node.nlink \
                 and node.last_seq > h.opened_seq:
@@ -481,8 +478,6 @@ class Handles:
         finally:
             if h.backing_fd >= 0:
                 self.backing.close_fd(h.backing_fd)
-        if h.writable and not node.writers and node.open_copy is not None:
-            await self.longopen.closed(node)
 
     async def fsync(self, fh: int) -> None:
         if self.opts.fsync_backing:

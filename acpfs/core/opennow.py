@@ -1,7 +1,8 @@
 """OPENs answered at once: ``OpensNow``.
 
-Owns which read-only OPENs are answered without a coroutine, from the extension's OPEN
-hook (acpfs/fuse/_opens.c by way of ``Operations.open_now``), and their counts.
+Owns nothing but the choice: which read-only OPENs are answered without a coroutine, from
+the extension's hook (acpfs/fuse/_atonce.c, which counts them, by way of
+``Operations.open_now``).
 
 Why: every request answered in Python costs a trip through pyfuse3 (a coroutine, a trio
 task) besides the handler's own work; measured on 2 vCPUs, a LOOKUP of a missing name took
@@ -38,20 +39,9 @@ from .handles import Handles
 class OpensNow:
     def __init__(self, handles: Handles) -> None:
         self.handles = handles
-        self.on = False     # the extension offers OPENs here (fastwrite.install)
-        self.answered = 0   # OPENs answered here
-        self.passed = 0     # OPENs offered and left to Handles.open
 
     def open(self, ino: int, flags: int) -> tuple[int, int] | None:
         """(file handle, backing id) of a read-only open answered at once, or None."""
-        got = self._open(ino, flags)
-        if got is None:
-            self.passed += 1
-        else:
-            self.answered += 1
-        return got
-
-    def _open(self, ino: int, flags: int) -> tuple[int, int] | None:
         h = self.handles
         node = h.inodes.nodes.get(ino)
         kernel = h.kernel
@@ -89,6 +79,3 @@ class OpensNow:
             if h.kernel_opens.get(ino, 0) > opens:
                 h.closed_on(ino)
             raise
-
-    def status(self) -> dict:
-        return {"on": self.on, "answered": self.answered, "passed": self.passed}

@@ -38,6 +38,7 @@ from .handles import PRIV_BITS, Handles, Kernel
 from .loader import Loader
 from .longopen import LongOpen
 from .opennow import OpensNow
+from .unshare import unshared
 from ..node import Node, err, node_path
 from .writethrough import Background, WriteThrough
 
@@ -88,7 +89,6 @@ class Core:
         info.cold_reads = lambda: {**self.handles.cold.status(), **fetch.status()}
         info.backing_calls = self.loader.calls.status
         self.opens_now = OpensNow(self.handles)   # read-only OPENs answered without a coroutine
-        info.opens_at_once = self.opens_now.status
         self._statfs: os.statvfs_result | None = self.backing.statvfs()   # answers at mount
         self._statfs_call: trio.Event | None = None
 
@@ -256,7 +256,7 @@ class Core:
                 raise err(errno.EINVAL, "not a regular file")
             await self.loader.xattrs_loaded(node)
             self.files.sync_content(node)
-            while not await self.handles.unshared(node, size == 0):
+            while not await unshared(self.files, self.wt, node, size == 0):
                 pass
             await self.wt.truncate(node, size)
         if (mode, uid, gid, atime, mtime) != (None,) * 5:

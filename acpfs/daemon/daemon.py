@@ -197,7 +197,7 @@ class Daemon:
         passthrough = self.kernel.state if self.kernel is not None else \
             (lambda: {"on": False, "why_not": why_not})
         self.info = MountInfo(opts, store_place=self.place, fast_write=fastwrite.state,
-                              attr_table=attrtable.state,
+                              attr_table=attrtable.state, at_once=fastwrite.at_once_state,
                               passthrough=passthrough,
                               metrics=self.endpoint.address if self.endpoint else None)
         self.core = Core(self.flusher, self.info, order=order, kernel=self.kernel,
@@ -299,8 +299,8 @@ class Daemon:
         if opts.noexec:
             fuse_opts.add("noexec")
         pyfuse3.init(ops, opts.mountpoint, fuse_opts)
-        fastwrite.install(ops.write_now, ops.fallocate_now, ops.open_now)
-        self.core.opens_now.on = fastwrite.opens_at_once()
+        fastwrite.install(ops.write_now, ops.fallocate_now,
+                          {"open": ops.open_now, "flush": ops.flush_now, "release": ops.release_now})
         attrtable.enable(BLKSIZE)
         log.info("mounted %s over %s", opts.mountpoint, opts.backing)
         self.notify("ready")

@@ -45,8 +45,9 @@
  * that Python keeps current (fuse/attrtable.py); the WRITE and FALLOCATE handlers here drop
  * the inode's entry on arrival.
  *
- * Fifth job (acpfs/fuse/_opens.c): read-only OPENs offered to a Python callable without a
- * coroutine, answered with fastwrite_reply_next() and fuse_reply_open() below.
+ * Fifth job (acpfs/fuse/_atonce.c): read-only OPENs, FLUSH and RELEASE offered to Python
+ * callables without a coroutine; OPENs answered with fastwrite_reply_next() and
+ * fuse_reply_open() below.
  *
  * Only on Linux 6.9 and later: 6.6 to 6.8 shipped the flag with writable shared mappings
  * of direct_io files broken (no page_mkwrite; fixed in stable updates of March 2024 that
@@ -79,7 +80,7 @@
 #include <sys/ioctl.h>
 
 #include "_attrs.h"
-#include "_opens.h"
+#include "_atonce.h"
 
 #ifndef FUSE_DIRECT_IO_ALLOW_MMAP
 #define FUSE_DIRECT_IO_ALLOW_MMAP (1ULL << 36)   /* Linux 6.6 (as FUSE_DIRECT_IO_RELAX) */
@@ -458,7 +459,7 @@ struct fuse_session *fuse_session_new(struct fuse_args *args, const struct fuse_
         && ours->fallocate == NULL)
         ours->fallocate = fast_fallocate;
     attrs_hook(ours);
-    opens_hook(ours);
+    atonce_hook(ours);
     struct fuse_session *se = real(args, ours, op_size, userdata);
     free(ours);
     if (se != NULL)
@@ -704,7 +705,7 @@ PyMODINIT_FUNC PyInit__fastwrite(void)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddFunctions(m, attrs_methods) < 0
-                      || PyModule_AddFunctions(m, opens_methods) < 0)) {
+                      || PyModule_AddFunctions(m, atonce_methods) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

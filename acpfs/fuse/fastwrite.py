@@ -56,11 +56,13 @@ _ext, _why_not = _load()
 
 def install(handler: Callable[[int, int, memoryview], Optional[int]],
             fallocate: Callable[[int, int, int, int], int] | None = None,
-            opener: Callable[[int, int], object] | None = None) -> bool:
+            at_once: dict[str, Callable[..., object]] | None = None) -> bool:
     """After pyfuse3.init: route WRITEs through ``handler``, FALLOCATEs through
-    ``fallocate`` (pyfuse3 has no handler for them) and read-only OPENs through ``opener``
-    first (acpfs/fuse/_opens.c); False (and why, logged) if unavailable: then fallocate
-    fails with EOPNOTSUPP and every OPEN takes pyfuse3's path."""
+    ``fallocate`` (pyfuse3 has no handler for them), and read-only OPENs, FLUSH and RELEASE
+    through ``at_once["open"]``, ``["flush"]`` and ``["release"]`` first
+    (acpfs/fuse/_atonce.c; not with ACPFS_NO_AT_ONCE=1); False (and why, logged) if
+    unavailable: then fallocate fails with EOPNOTSUPP and those requests take pyfuse3's
+    path."""
     global _why_not
     if _ext is None:
         log.info("fast write path off: %s; writes take pyfuse3's path", _why_not)
@@ -72,15 +74,18 @@ def install(handler: Callable[[int, int, memoryview], Optional[int]],
     _ext.set_handler(handler)
     if fallocate is not None:
         _ext.set_fallocate_handler(fallocate)
-    if opener is not None and not os.environ.get("ACPFS_NO_OPEN_AT_ONCE"):
-        _ext.set_open_handler(opener)
+    if not os.environ.get("ACPFS_NO_AT_ONCE"):
+        for kind, fn in (at_once or {}).items():
+            _ext.set_at_once(kind, fn)
     return True
 
 
-def opens_at_once() -> bool:
-    """Whether read-only OPENs are offered to the handler given to ``install`` (off with
-    ACPFS_NO_OPEN_AT_ONCE=1)."""
-    return _ext is not None and _ext.opens_stats()["on"]
+def at_once_state() -> dict:
+    """For ``acpfs status`` (``at_once``): per kind (open, flush, release), whether the
+    extension offers it to Python without a coroutine, and how many were answered so,
+    passed on to pyfuse3 (``passed``) or answered with an error (``failed``)."""
+    kinds = _ext.at_once_stats() if _ext is not None else {}
+    return {"on": any(k["on"] for k in kinds.values()), **kinds}
 
 
 def extension() -> Optional[ModuleType]:

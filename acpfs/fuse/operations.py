@@ -345,20 +345,50 @@ class Operations(pyfuse3.Operations):
         except Exception as e:
             raise pyfuse3.FUSEError(errno_of(e, "read")) from None
 
+    # -- answered at once, from the extension's hooks (acpfs/fuse/_atonce.c): the same
+    # work as the handlers above where none of it waits; None leaves the request to them
     def open_now(self, ino: int, flags: int) -> tuple[int, int] | int | None:
-        """A read-only OPEN from the extension's hook (acpfs/fuse/_opens.c), answered at once
-        where nothing must wait (core/opennow.py): (file handle, backing id), -errno, or None
-        for ``open``."""
+        """A read-only OPEN (core/opennow.py): (file handle, backing id), -errno or None."""
         try:
             got = self.core.opens_now.open(ino, flags)
         except Exception as e:
             attrtable.clear()   # as ``changes``: any node may have changed halfway
             return -errno_of(e, "open")
         if got is not None:
-            self.core.info.requests["open"] += 1
-            self.give_way.request()
+            self._counted("open")
             offer(self.core, self.handles.handle(got[0]).node)
         return got
+
+    def flush_now(self, fh: int) -> int | None:
+        """FLUSH, where no wait of global order can follow (``acknowledges``)."""
+        order = self.core.order
+        if order is not None and not order.acknowledges_at_once():
+            return None
+        try:
+            attrtable.drop(self.handles.handle(fh).node.ino)
+            self.handles.flush(fh)
+        except Exception as e:
+            return -errno_of(e, "flush")
+        self._counted("flush")
+        return 0
+
+    def release_now(self, fh: int) -> int | None:
+        """RELEASE, where it waits for nothing (``Handles.release_now``)."""
+        try:
+            node = self.handles.handle(fh).node
+            if not self.handles.release_now(fh):
+                return None
+            attrtable.drop(node.ino)
+        except Exception as e:
+            attrtable.clear()
+            return -errno_of(e, "release")
+        self._counted("release")
+        offer(self.core, node)
+        return 0
+
+    def _counted(self, kind: str) -> None:
+        self.core.info.requests[kind] += 1
+        self.give_way.request()
 
     def write_now(self, fh: int, off: int, data: memoryview) -> int | None:
         """WRITE straight from libfuse's buffer (acpfs/fuse/_fastwrite.c): bytes written, -errno,

@@ -255,14 +255,17 @@ class Loader:
         ``node``, a regular file with one name, as it is, told at once on the event loop
         (``BackingCalls.run_now``): True where there is nothing to compare (this mount's
         own version, not persisted yet) or the backing copy is the version this mount has;
-        False where it is another, or where that cannot be told at once (``revalidated``
-        then looks, and does what a change asks)."""
+        False where it is another, where the backing fails, or where that cannot be told at
+        once (``revalidated`` then looks, and does what a change or a failure asks)."""
         coherence = self.coherence
         if node.links or node.ino in self._checking:
             return False
         if node.backing_parent is None or not coherence.quiescent(node):
             return True
-        got = self.calls.run_now(coherence.stat_backing, node)
+        try:
+            got = self.calls.run_now(coherence.stat_backing, node)
+        except OSError:   # ``revalidated`` says what a failing backing means for the open
+            return False
         if got is None or len(got[0]) != 1 or node.backing_version is None \
                 or not coherence.quiescent(node, got[1]):
             return False

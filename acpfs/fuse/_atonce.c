@@ -90,6 +90,8 @@ static void answer(int kind, fuse_req_t req, fuse_ino_t ino, struct fuse_file_in
     int backing_id = 0;
     if (res != NULL && PyLong_Check(res)) {
         error = error_of(res);
+        if (kind == OPEN && error == 0)
+            error = EIO;   /* an OPEN is answered with a handle, never with 0 */
     } else if (res != NULL && kind == OPEN) {
         if (PyArg_ParseTuple(res, "Ki", &fh, &backing_id))
             error = 0;
@@ -162,8 +164,9 @@ static PyObject *set_at_once(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_RuntimeError, "no FUSE session was created through the hook");
         return NULL;
     }
-    Py_XDECREF(handler[kind]);
-    handler[kind] = NULL;
+    PyObject *old = handler[kind];
+    handler[kind] = NULL;   /* cleared before the old one may run a __del__ */
+    Py_XDECREF(old);
     if (fn != Py_None) {
         Py_INCREF(fn);
         handler[kind] = fn;

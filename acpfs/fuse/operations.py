@@ -351,25 +351,29 @@ class Operations(pyfuse3.Operations):
         """A read-only OPEN (core/opennow.py): (file handle, backing id), -errno or None."""
         try:
             got = self.core.opens_now.open(ino, flags)
+            if got is not None:
+                self._counted("open")
+                offer(self.core, self.handles.handle(got[0]).node)
+            return got
         except Exception as e:
             attrtable.clear()   # as ``changes``: any node may have changed halfway
-            return -errno_of(e, "open")
-        if got is not None:
             self._counted("open")
-            offer(self.core, self.handles.handle(got[0]).node)
-        return got
+            return -errno_of(e, "open")
 
     def flush_now(self, fh: int) -> int | None:
-        """FLUSH, where no wait of global order can follow (``acknowledges``)."""
+        """FLUSH, where no wait of global order can follow (``acknowledges``): asked and
+        stamped under the op log's lock, which the node records' thread takes to change
+        what the answer depends on (a promise, the peers)."""
         order = self.core.order
-        if order is not None and not order.acknowledges_at_once():
-            return None
-        try:
-            attrtable.drop(self.handles.handle(fh).node.ino)
-            self.handles.flush(fh)
-        except Exception as e:
-            return -errno_of(e, "flush")
-        self._counted("flush")
+        with self.core.oplog.lock:
+            if order is not None and not order.acknowledges_at_once():
+                return None
+            self._counted("flush")
+            try:
+                attrtable.drop(self.handles.handle(fh).node.ino)
+                self.handles.flush(fh)
+            except Exception as e:
+                return -errno_of(e, "flush")
         return 0
 
     def release_now(self, fh: int) -> int | None:
@@ -378,13 +382,14 @@ class Operations(pyfuse3.Operations):
             node = self.handles.handle(fh).node
             if not self.handles.release_now(fh):
                 return None
+            self._counted("release")
             attrtable.drop(node.ino)
+            offer(self.core, node)   # the last writer's close: its final size and times
+            return 0
         except Exception as e:
             attrtable.clear()
+            self._counted("release")
             return -errno_of(e, "release")
-        self._counted("release")
-        offer(self.core, node)
-        return 0
 
     def _counted(self, kind: str) -> None:
         self.core.info.requests[kind] += 1

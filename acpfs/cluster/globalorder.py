@@ -100,7 +100,7 @@ class GlobalOrder:
         no live peer (no commit wait), no promise of this node's record reaching past now
         (a stamp is taken from the clock, and not below the last: ``OpLog.next_stamp``), and
         no recovery under way (whose stamp is fixed). For a request answered without a
-        coroutine (``Operations.flush_now``), asked before it stamps."""
+        coroutine (``AtOnce.flush``, fuse/atonce.py), asked before it stamps."""
         peers = self.peers
         with self.oplog.lock:
             return (self.oplog.recovery_stamp is None and peers.commit_until(time.time()) == 0.0

@@ -53,7 +53,12 @@ class BackingCalls:
         """``fn(*args)`` on the event loop where ``run`` would run it there, without a
         checkpoint (for a request answered at once: ``core.opennow``); None, and ``fn`` not
         called, where ``run`` would take a worker thread."""
-        return self._now(fn, args)[1] if self.fstype is not None else None
+        return self.try_now(fn, *args)[1]
+
+    def try_now(self, fn: Callable[..., T], *args: object) -> tuple[bool, T | None]:
+        """As ``run_now``, for an ``fn`` that may return None: (True, what it returned), or
+        (False, None) where it was not called."""
+        return self._now(fn, args) if self.fstype is not None else (False, None)
 
     def _now(self, fn: Callable[..., T], args: tuple) -> tuple[bool, T | None]:
         if not self.lock.acquire(blocking=False):

@@ -170,6 +170,27 @@ class Loader:
             raise err(errno.ENOENT)
         return node
 
+    def found_elsewhere_now(self, parent: Node, name: bytes) -> tuple[bool, Node | None]:
+        """``found_elsewhere`` where it can be told at once (a LOOKUP answered without a
+        coroutine, ``Core.find_now``): (True, the node or None) as ``found_elsewhere`` returns,
+        its lstat on the event loop (``BackingCalls.try_now``); (False, None) where that
+        cannot be done at once (a worker thread would take the call, a check of the name is
+        under way, the backing failed: ``found_elsewhere`` then does what that asks)."""
+        if is_internal_name(name) or not self.inodes.present(parent):
+            return True, None
+        if (parent.ino, name) in self._checking or parent.children is None:
+            return False, None
+        try:
+            ran, got = self.calls.try_now(self.coherence.stat_name, parent, name)
+        except OSError:
+            return False, None
+        if not ran:
+            return False, None
+        node = parent.children.get(name)
+        if node is None and got:
+            node = self.coherence.attach_found(parent, name, got)
+        return True, node
+
     def answer_holds_for(self, node: Node) -> float:
         """For how many seconds a GETATTR answer of ``node`` given now stays the one this
         mount would give, unless a request or another node changes it (which remove it:

@@ -2,7 +2,7 @@
 
 Owns nothing but the choice: which read-only OPENs are answered without a coroutine, from
 the extension's hook (acpfs/fuse/_atonce.c, which counts them, by way of
-``Operations.open_now``).
+``AtOnce.open``, acpfs/fuse/atonce.py).
 
 Why: every request answered in Python costs a trip through pyfuse3 (a coroutine, a trio
 task) besides the handler's own work; measured on 2 vCPUs, a LOOKUP of a missing name took

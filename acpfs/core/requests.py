@@ -166,6 +166,26 @@ class Core:
             return await self.loader.found_elsewhere(parent, name)
         return node
 
+    def find_now(self, parent_ino: int, name: bytes) -> tuple[bool, Node | None]:
+        """``find`` where it needs no coroutine (a LOOKUP answered at once, from the
+        extension's hook: ``Operations.lookup_now``): (True, what ``find`` would return), or
+        (False, None) where ``find`` must take the request: the directory is not loaded, the
+        name holds anything but a regular file with one name, or a comparison with the backing
+        cannot be made at once or finds a change (``find`` then applies it)."""
+        if len(name) > NAME_MAX:
+            raise err(errno.ENAMETOOLONG, "name longer than 255 bytes")
+        parent = self.node(parent_ino)
+        if parent.children is None:
+            return False, None
+        node = parent.entries().get(name)
+        if node is None:
+            return self.loader.found_elsewhere_now(parent, name)
+        # as _lookup: a clean file is compared with the backing now, as at an open
+        if not node.is_reg or not self.loader.unchanged_now(node):
+            return False, None
+        self.files.sync_content(node)
+        return True, node
+
     @staticmethod
     def _gid(parent: Node, caller: Caller) -> int:
         return parent.gid if parent.mode & statmod.S_ISGID else caller.gid
@@ -276,7 +296,19 @@ class Core:
     async def create(self, parent_ino: int, name: bytes, mode: int, flags: int,
                      caller: Caller) -> tuple[int, Node, int]:
         """Create and open a file: (file handle, its node, the backing id as ``open``)."""
-        parent = await self.dir(parent_ino)
+        return self._create_in(await self.dir(parent_ino), name, mode, flags, caller)
+
+    def create_now(self, parent_ino: int, name: bytes, mode: int, flags: int,
+                   caller: Caller) -> tuple[int, Node, int] | None:
+        """``create`` where it needs no coroutine (a CREATE answered at once: fuse/atonce.py):
+        the directory's entries are loaded; None where they are not."""
+        parent = self.node(parent_ino)
+        if parent.children is None:
+            return None
+        return self._create_in(parent, name, mode, flags, caller)
+
+    def _create_in(self, parent: Node, name: bytes, mode: int, flags: int,
+                   caller: Caller) -> tuple[int, Node, int]:
         node = self.names.create(parent, name, mode & ~caller.umask, caller.uid, self._gid(parent, caller))
         fh, backing_id = self.handles.open_created(node, flags)
         return fh, node, backing_id

@@ -285,6 +285,7 @@ class Daemon:
         import trio
 
         from ..fuse import attrtable
+        from ..fuse.atonce import AtOnce
         from ..fuse.operations import BLKSIZE, make_operations
 
         opts = self.opts
@@ -299,8 +300,7 @@ class Daemon:
         if opts.noexec:
             fuse_opts.add("noexec")
         pyfuse3.init(ops, opts.mountpoint, fuse_opts)
-        fastwrite.install(ops.write_now, ops.fallocate_now,
-                          {"open": ops.open_now, "flush": ops.flush_now, "release": ops.release_now})
+        fastwrite.install(ops.write_now, ops.fallocate_now, AtOnce(ops).hooks())
         attrtable.enable(BLKSIZE)
         log.info("mounted %s over %s", opts.mountpoint, opts.backing)
         self.notify("ready")

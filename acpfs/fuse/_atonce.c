@@ -1,6 +1,6 @@
 /*
- * acpfs.fuse._fastwrite, part three: OPEN, FLUSH and RELEASE offered to Python without a
- * coroutine.
+ * acpfs.fuse._fastwrite, part three: LOOKUP, CREATE, OPEN, FLUSH and RELEASE offered to
+ * Python without a coroutine.
  *
  * Every request pyfuse3 hands to Python becomes a coroutine run as a trio task, which costs
  * more than most of these requests need: an OPEN of a reader whose file is in the cache (or
@@ -16,10 +16,20 @@
  *     flush(fh: int) -> int | None
  *     release(fh: int) -> int | None
  *         0 or -errno       answered with that
+ *     lookup(parent: int, name: bytes) -> tuple | int | None
+ *         (0, entry_timeout)               a negative entry: the name is missing
+ *         the 14 fields of operations.fields()   the entry (the kernel holds one more
+ *                                                lookup of it)
+ *         -errno                           answered with that
+ *     create(parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int,
+ *            umask: int) -> tuple | int | None
+ *         (fh, backing_id, direct_io, the 14 fields)   created and opened: the reply gives
+ *                                                       the entry and the open
+ *         -errno                           answered with that
  *     None (any of them)    not answered here: pyfuse3's handler takes the request
  *                           (Operations.open, flush, release), from the start
  *
- * Python decides (acpfs/core/opennow.py, Operations.flush_now and release_now); this part
+ * Python decides (acpfs/fuse/atonce.py); this part
  * only calls and replies. An exception in a handler is printed and answered EIO. OPENs for
  * writing, and every request of a kind with no callable set, go to pyfuse3 untouched.
  *
@@ -40,9 +50,13 @@
 
 typedef void (*file_op)(fuse_req_t, fuse_ino_t, struct fuse_file_info *);
 
-enum { OPEN, FLUSH, RELEASE, KINDS };
-static const char *const kind_names[KINDS] = {"open", "flush", "release"};
-static file_op next_op[KINDS];            /* pyfuse3's handlers */
+enum { OPEN, FLUSH, RELEASE, LOOKUP, CREATE, KINDS };
+static const char *const kind_names[KINDS] = {"open", "flush", "release", "lookup", "create"};
+static file_op next_op[KINDS];            /* pyfuse3's handlers (but LOOKUP's:) */
+typedef void (*lookup_op)(fuse_req_t, fuse_ino_t, const char *);
+static lookup_op next_lookup;
+typedef void (*create_op)(fuse_req_t, fuse_ino_t, const char *, mode_t, struct fuse_file_info *);
+static create_op next_create;
 static PyObject *handler[KINDS];          /* set_at_once(); NULL: all go to pyfuse3 */
 static unsigned long long answered[KINDS], passed[KINDS], failed[KINDS];
 
@@ -131,11 +145,151 @@ static void release_at_once(fuse_req_t req, fuse_ino_t ino, struct fuse_file_inf
     answer(RELEASE, req, ino, fi);
 }
 
+/* A LOOKUP's answer: (0, entry_timeout) for a negative entry, or the 14 fields of
+ * operations.fields(); 0 and an exception set where it is neither. */
+static int entry_of(PyObject *res, struct fuse_entry_param *e)
+{
+    unsigned long long ino, rdev, size, blksize, blocks;
+    unsigned int mode, nlink, uid, gid;
+    long long ns[3];
+    if (PyTuple_Check(res) && PyTuple_GET_SIZE(res) == 2)
+        return PyArg_ParseTuple(res, "Kd", &ino, &e->entry_timeout) && ino == 0;
+    if (!PyArg_ParseTuple(res, "KddIIIIKKKKLLL", &ino, &e->entry_timeout, &e->attr_timeout,
+                          &mode, &nlink, &uid, &gid, &rdev, &size, &blksize, &blocks,
+                          &ns[0], &ns[1], &ns[2]))
+        return 0;
+    e->ino = ino;
+    e->attr.st_ino = ino;   /* fuse_reply_entry (_fastwrite.c) shows the file's own number */
+    e->attr.st_mode = mode;
+    e->attr.st_nlink = nlink;
+    e->attr.st_uid = uid;
+    e->attr.st_gid = gid;
+    e->attr.st_rdev = rdev;
+    e->attr.st_size = (off_t)size;
+    e->attr.st_blksize = (blksize_t)blksize;
+    e->attr.st_blocks = (blkcnt_t)blocks;
+    struct timespec *times[3] = {&e->attr.st_atim, &e->attr.st_mtim, &e->attr.st_ctim};
+    for (int i = 0; i < 3; i++) {
+        long long sec = ns[i] / 1000000000LL, nsec = ns[i] % 1000000000LL;
+        if (nsec < 0) {
+            nsec += 1000000000LL;
+            sec--;
+        }
+        times[i]->tv_sec = sec;
+        times[i]->tv_nsec = nsec;
+    }
+    return 1;
+}
+
+static void lookup_at_once(fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+    PyObject *fn = handler[LOOKUP];
+    if (fn == NULL) {
+        next_lookup(req, parent, name);
+        return;
+    }
+    Py_INCREF(fn);
+    PyObject *res = PyObject_CallFunction(fn, "Ky", (unsigned long long)parent, name);
+    if (res == NULL)
+        PyErr_WriteUnraisable(fn);
+    Py_DECREF(fn);
+    if (res == Py_None) {
+        Py_DECREF(res);
+        passed[LOOKUP]++;
+        next_lookup(req, parent, name);
+        return;
+    }
+    struct fuse_entry_param e;
+    memset(&e, 0, sizeof(e));
+    int error = EIO;
+    if (res != NULL && PyLong_Check(res)) {
+        error = error_of(res);
+        if (error == 0)
+            error = EIO;   /* a LOOKUP is answered with an entry, never with 0 */
+    } else if (res != NULL) {
+        if (entry_of(res, &e))
+            error = 0;
+        else if (PyErr_Occurred())
+            PyErr_WriteUnraisable(res);
+    }
+    Py_XDECREF(res);
+    if (error) {
+        failed[LOOKUP]++;
+        fuse_reply_err(req, error);
+        return;
+    }
+    answered[LOOKUP]++;
+    fuse_reply_entry(req, &e);   /* the interposed one (_fastwrite.c) */
+}
+
+static void create_at_once(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode,
+                           struct fuse_file_info *fi)
+{
+    PyObject *fn = handler[CREATE];
+    if (fn == NULL) {
+        next_create(req, parent, name, mode, fi);
+        return;
+    }
+    const struct fuse_ctx *ctx = fuse_req_ctx(req);
+    Py_INCREF(fn);
+    PyObject *res = PyObject_CallFunction(fn, "KyIiIII", (unsigned long long)parent, name,
+                                          (unsigned int)mode, fi->flags, (unsigned int)ctx->uid,
+                                          (unsigned int)ctx->gid, (unsigned int)ctx->umask);
+    if (res == NULL)
+        PyErr_WriteUnraisable(fn);
+    Py_DECREF(fn);
+    if (res == Py_None) {
+        Py_DECREF(res);
+        passed[CREATE]++;
+        next_create(req, parent, name, mode, fi);
+        return;
+    }
+    struct fuse_entry_param e;
+    memset(&e, 0, sizeof(e));
+    unsigned long long fh = 0;
+    int backing_id = 0, direct_io = 0, error = EIO;
+    if (res != NULL && PyLong_Check(res)) {
+        error = error_of(res);
+        if (error == 0)
+            error = EIO;
+    } else if (res != NULL && PyTuple_Check(res) && PyTuple_GET_SIZE(res) == 3 + 14) {
+        PyObject *head = PyTuple_GetSlice(res, 0, 3), *tail = PyTuple_GetSlice(res, 3, 3 + 14);
+        if (head != NULL && tail != NULL && PyArg_ParseTuple(head, "Kip", &fh, &backing_id,
+                                                             &direct_io)
+            && entry_of(tail, &e) && e.ino != 0)
+            error = 0;
+        if (error && PyErr_Occurred())
+            PyErr_WriteUnraisable(res);
+        Py_XDECREF(head);
+        Py_XDECREF(tail);
+    }
+    Py_XDECREF(res);
+    if (error) {
+        failed[CREATE]++;
+        fuse_reply_err(req, error);
+        return;
+    }
+    answered[CREATE]++;
+    fi->fh = fh;
+    fi->direct_io = direct_io;
+    fi->keep_cache = 0;
+    fastwrite_reply_next(backing_id, 0);
+    fuse_reply_create(req, &e, fi);   /* the interposed one (_fastwrite.c) */
+}
+
 void atonce_hook(struct fuse_lowlevel_ops *ops)
 {
-    file_op *slots[KINDS] = {&ops->open, &ops->flush, &ops->release};
-    const file_op ours[KINDS] = {open_at_once, flush_at_once, release_at_once};
-    for (int k = 0; k < KINDS; k++) {
+    if (ops->create != NULL && ops->create != create_at_once) {
+        next_create = ops->create;
+        ops->create = create_at_once;
+    }
+    if (ops->lookup != NULL && ops->lookup != lookup_at_once) {
+        next_lookup = ops->lookup;
+        ops->lookup = lookup_at_once;
+    }
+    file_op *slots[LOOKUP] = {&ops->open, &ops->flush, &ops->release};
+    const file_op ours[LOOKUP] = {open_at_once, flush_at_once, release_at_once};
+    for (int k = 0; k < LOOKUP; k++) {
         if (*slots[k] != NULL && *slots[k] != ours[k]) {
             next_op[k] = *slots[k];
             *slots[k] = ours[k];
@@ -160,7 +314,9 @@ static PyObject *set_at_once(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "handler must be callable or None");
         return NULL;
     }
-    if (fn != Py_None && next_op[kind] == NULL) {
+    int hooked = kind == LOOKUP ? next_lookup != NULL
+                 : kind == CREATE ? next_create != NULL : next_op[kind] != NULL;
+    if (fn != Py_None && !hooked) {
         PyErr_SetString(PyExc_RuntimeError, "no FUSE session was created through the hook");
         return NULL;
     }
@@ -194,10 +350,10 @@ static PyObject *at_once_stats(PyObject *self, PyObject *unused)
 
 PyMethodDef atonce_methods[] = {
     {"set_at_once", set_at_once, METH_VARARGS,
-     "set_at_once(kind, fn): offer each request of kind 'open' (read-only), 'flush' or "
-     "'release' to fn first (see acpfs/fuse/_atonce.c); None unsets."},
+     "set_at_once(kind, fn): offer each request of kind 'open' (read-only), 'flush', "
+     "'release', 'lookup' or 'create' to fn first (see acpfs/fuse/_atonce.c); None unsets."},
     {"at_once_stats", at_once_stats, METH_NOARGS,
      "{kind: {'on': a callable is set, 'answered': requests it answered, 'passed': left to "
-     "pyfuse3, 'failed': answered with an error}} for 'open', 'flush' and 'release'"},
+     "pyfuse3, 'failed': answered with an error}} for each kind"},
     {NULL, NULL, 0, NULL},
 };

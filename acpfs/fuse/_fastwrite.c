@@ -81,6 +81,7 @@
 
 #include "_attrs.h"
 #include "_atonce.h"
+#include "_burst.h"
 
 #ifndef FUSE_DIRECT_IO_ALLOW_MMAP
 #define FUSE_DIRECT_IO_ALLOW_MMAP (1ULL << 36)   /* Linux 6.6 (as FUSE_DIRECT_IO_RELAX) */
@@ -362,6 +363,8 @@ static int kernel_maps_direct_io_safely(void)
 
 static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata)
 {
+    if (count >= 1 && iov[0].iov_len >= sizeof(struct fuse_out_header))
+        burst_note_reply(((struct fuse_out_header *)iov[0].iov_base)->unique);
     if (init_unique != 0 && count >= 2 && iov[0].iov_len == sizeof(struct fuse_out_header)) {
         struct fuse_out_header *out = iov[0].iov_base;
         if (out->unique == init_unique) {
@@ -412,6 +415,16 @@ static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata)
     return writev(fd, iov, count);
 }
 
+struct fuse_session *fastwrite_session(void)
+{
+    return custom_io ? session : NULL;
+}
+
+void *fastwrite_libfuse_symbol(const char *name)
+{
+    return libfuse_symbol(name);
+}
+
 /* Interposed like fuse_session_new: mount, then take over the session's I/O. */
 int fuse_session_mount(struct fuse_session *se, const char *mountpoint)
 {
@@ -423,6 +436,7 @@ int fuse_session_mount(struct fuse_session *se, const char *mountpoint)
     next_backing = patching = next_noflush = 0;
     session = NULL;
     attrs_reset();
+    burst_reset();
     int res = real(se, mountpoint);
     if (res != 0 || !kernel_maps_direct_io_safely()
         || (!want_direct_io_mmap() && !want_passthrough))
@@ -705,7 +719,8 @@ PyMODINIT_FUNC PyInit__fastwrite(void)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddFunctions(m, attrs_methods) < 0
-                      || PyModule_AddFunctions(m, atonce_methods) < 0)) {
+                      || PyModule_AddFunctions(m, atonce_methods) < 0
+                      || PyModule_AddFunctions(m, burst_methods) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -30,6 +30,11 @@ from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
 
+# requests answered at once read per trip through pyfuse3's loop, and how long to poll the
+# device for the next one (acpfs/fuse/_burst.c; ACPFS_BURST=1 turns bursts off)
+BURST_REQUESTS = 64
+BURST_POLL_US = 50
+
 NT_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
 NT_THRESHOLD = 256 << 10
 REEXEC_MARK = "ACPFS_REEXECUTED"   # set in the rerun: never run again twice
@@ -77,15 +82,35 @@ def install(handler: Callable[[int, int, memoryview], Optional[int]],
     if not os.environ.get("ACPFS_NO_AT_ONCE"):
         for kind, fn in (at_once or {}).items():
             _ext.set_at_once(kind, fn)
+    _ext.burst_config(_setting("ACPFS_BURST", BURST_REQUESTS),
+                      _setting("ACPFS_BURST_POLL_US", BURST_POLL_US) * 1000)
     return True
 
 
+def _setting(name: str, default: int) -> int:
+    """A whole number from the environment, or ``default`` (logged where it is not one)."""
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        log.warning("%s=%r is not a whole number; using %d", name, raw, default)
+        return default
+
+
 def at_once_state() -> dict:
-    """For ``acpfs status`` (``at_once``): per kind (open, flush, release), whether the
-    extension offers it to Python without a coroutine, and how many were answered so,
-    passed on to pyfuse3 (``passed``) or answered with an error (``failed``)."""
-    kinds = _ext.at_once_stats() if _ext is not None else {}
-    return {"on": any(k["on"] for k in kinds.values()), **kinds}
+    """For ``acpfs status`` (``at_once``): per kind (lookup, open, flush, release), whether
+    the extension offers it to Python without a coroutine, and how many were answered so,
+    passed on to pyfuse3 (``passed``) or answered with an error (``failed``); and the bursts
+    (acpfs/fuse/_burst.c): how many requests were read past pyfuse3's (``extra``), how many
+    of those the poll caught, and the time spent polling."""
+    if _ext is None:
+        return {"on": False}
+    kinds = _ext.at_once_stats()
+    b = _ext.burst_stats()
+    burst = {"on": b["max_requests"] > 1, "max_requests": b["max_requests"],
+             "poll_us": b["poll_ns"] // 1000, "bursts": b["bursts"], "extra": b["extra"],
+             "caught": b["caught"], "polled_s": round(b["polled_ns"] / 1e9, 3)}
+    return {"on": any(k["on"] for k in kinds.values()), **kinds, "burst": burst}
 
 
 def extension() -> Optional[ModuleType]:

@@ -114,23 +114,25 @@ def dir_links(node: Node) -> int:
     return 2 + (node.children.dirs if node.children is not None else 0)
 
 
+FIELDS = ("st_ino", "entry_timeout", "attr_timeout", "st_mode", "st_nlink", "st_uid", "st_gid",
+          "st_rdev", "st_size", "st_blksize", "st_blocks", "st_atime_ns", "st_mtime_ns",
+          "st_ctime_ns")
+
+
+def fields(node: Node, ino: int) -> tuple:
+    """A node's attributes under node id ``ino``, in the order of FIELDS: what ``attrs``
+    fills in, and what a LOOKUP answered at once hands to the extension (_atonce.c)."""
+    t = notices.kernel_timeout
+    return (ino, t, t, node.mode, node.nlink if not node.is_dir else dir_links(node), node.uid,
+            node.gid, node.rdev, node.size, BLKSIZE, (node.size + 511) // 512, node.atime,
+            node.mtime, node.ctime)
+
+
 def attrs(node: Node) -> pyfuse3.EntryAttributes:
     """A node's attributes, its inode number as st_ino (a GETATTR reply)."""
     a = pyfuse3.EntryAttributes()
-    a.st_ino = node.ino
-    a.entry_timeout = notices.kernel_timeout
-    a.attr_timeout = notices.kernel_timeout
-    a.st_mode = node.mode
-    a.st_nlink = node.nlink if not node.is_dir else dir_links(node)
-    a.st_uid = node.uid
-    a.st_gid = node.gid
-    a.st_size = node.size
-    a.st_rdev = node.rdev
-    a.st_blksize = BLKSIZE
-    a.st_blocks = (node.size + 511) // 512
-    a.st_atime_ns = node.atime
-    a.st_mtime_ns = node.mtime
-    a.st_ctime_ns = node.ctime
+    for key, value in zip(FIELDS, fields(node, node.ino)):
+        setattr(a, key, value)
     return a
 
 
@@ -143,6 +145,11 @@ def missing() -> pyfuse3.EntryAttributes:
     a.st_ino = 0
     a.entry_timeout = notices.kernel_timeout
     return a
+
+
+def entry_fields(inodes: Inodes, node: Node) -> tuple:
+    """``fields`` of a node the kernel will hold a reference to, as ``entry``."""
+    return fields(node, inodes.looked_up(node))
 
 
 def entry(inodes: Inodes, node: Node) -> pyfuse3.EntryAttributes:
@@ -224,10 +231,15 @@ class Operations(pyfuse3.Operations):
 
     def _made(self, parent_inode: int, node: Node) -> pyfuse3.EntryAttributes:
         """The reply to a request that made ``node`` in directory ``parent_inode``."""
-        self._fresh_in(parent_inode, node)
+        self.fresh_in(parent_inode, node)
         return entry(self.core.inodes, node)
 
-    def _fresh_in(self, parent_inode: int, node: Node) -> None:
+    def created_direct(self, fh: int, backing_id: int) -> bool:
+        """Whether the open a CREATE made skips the page cache (direct_io)."""
+        return self.handles.direct_io_mmap() and not backing_id \
+            and not self.handles.handle(fh).page_cache
+
+    def fresh_in(self, parent_inode: int, node: Node) -> None:
         """``node`` was made in directory ``parent_inode``: both answered anew below Python."""
         attrtable.drop(parent_inode)
         offer(self.core, node, *self._known(parent_inode))
@@ -330,10 +342,9 @@ class Operations(pyfuse3.Operations):
     @changes
     async def create(self, parent_inode, name, mode, flags, ctx):
         fh, node, backing_id = await self.core.create(parent_inode, name, mode, flags, ctx)
-        self._fresh_in(parent_inode, node)
-        direct = self.handles.direct_io_mmap() and not backing_id \
-            and not self.handles.handle(fh).page_cache
-        info = pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False)
+        self.fresh_in(parent_inode, node)
+        info = pyfuse3.FileInfo(fh=fh, direct_io=self.created_direct(fh, backing_id),
+                                keep_cache=False)
         reply = info, entry(self.core.inodes, node)
         pass_through(self.core, backing_id)
         return reply
@@ -344,56 +355,6 @@ class Operations(pyfuse3.Operations):
             return await self.handles.read(fh, off, size)
         except Exception as e:
             raise pyfuse3.FUSEError(errno_of(e, "read")) from None
-
-    # -- answered at once, from the extension's hooks (acpfs/fuse/_atonce.c): the same
-    # work as the handlers above where none of it waits; None leaves the request to them
-    def open_now(self, ino: int, flags: int) -> tuple[int, int] | int | None:
-        """A read-only OPEN (core/opennow.py): (file handle, backing id), -errno or None."""
-        try:
-            got = self.core.opens_now.open(ino, flags)
-            if got is not None:
-                self._counted("open")
-                offer(self.core, self.handles.handle(got[0]).node)
-            return got
-        except Exception as e:
-            attrtable.clear()   # as ``changes``: any node may have changed halfway
-            self._counted("open")
-            return -errno_of(e, "open")
-
-    def flush_now(self, fh: int) -> int | None:
-        """FLUSH, where no wait of global order can follow (``acknowledges``): asked and
-        stamped under the op log's lock, which the node records' thread takes to change
-        what the answer depends on (a promise, the peers)."""
-        order = self.core.order
-        with self.core.oplog.lock:
-            if order is not None and not order.acknowledges_at_once():
-                return None
-            self._counted("flush")
-            try:
-                attrtable.drop(self.handles.handle(fh).node.ino)
-                self.handles.flush(fh)
-            except Exception as e:
-                return -errno_of(e, "flush")
-        return 0
-
-    def release_now(self, fh: int) -> int | None:
-        """RELEASE, where it waits for nothing (``Handles.release_now``)."""
-        try:
-            node = self.handles.handle(fh).node
-            if not self.handles.release_now(fh):
-                return None
-            self._counted("release")
-            attrtable.drop(node.ino)
-            offer(self.core, node)   # the last writer's close: its final size and times
-            return 0
-        except Exception as e:
-            attrtable.clear()
-            self._counted("release")
-            return -errno_of(e, "release")
-
-    def _counted(self, kind: str) -> None:
-        self.core.info.requests[kind] += 1
-        self.give_way.request()
 
     def write_now(self, fh: int, off: int, data: memoryview) -> int | None:
         """WRITE straight from libfuse's buffer (acpfs/fuse/_fastwrite.c): bytes written, -errno,

@@ -1,0 +1,173 @@
+/*
+ * acpfs.fuse._fastwrite, part four: a burst of requests answered without returning to trio.
+ *
+ * pyfuse3 reads one request per trip through its loop: a trio task waits for the device to
+ * become readable (an epoll registration, a trio lock handed between its worker tasks, a
+ * pass of the scheduler), reads the request and hands it to libfuse's dispatch
+ * (fuse_session_process_buf), which calls a handler. Where the handler answered at once
+ * (the attribute table, _attrs.c; the hooks of _atonce.c; a WRITE, _fastwrite.c) the reply
+ * is sent before the dispatch returns, and the trip through trio was all the request cost
+ * besides: more than the handler (docs/benchmarks.md, "A burst answered without trio").
+ *
+ * So fuse_session_process_buf is interposed (as fuse_session_new is): after the request
+ * pyfuse3 read, as long as each request was answered during its dispatch, the next one is
+ * read here and dispatched too, until the device has none, one goes to a pyfuse3 handler
+ * (it left no reply: its coroutine, which pyfuse3 awaits once the dispatch returns, will
+ * answer), or the burst reaches MAX_BURST requests or MAX_BURST_NS (other trio tasks wait
+ * meanwhile). A request another task of pyfuse3 would have read is read here instead; the
+ * order the kernel queued them in is kept.
+ *
+ * Where the device has no request yet, the next one of a burst (a program working on small
+ * files sends them back to back, a few microseconds apart) is waited for by polling the
+ * device for up to ``poll_ns`` with the GIL released: a wakeup of the daemon's thread costs
+ * more on a virtual machine than that wait (an interrupt to a halted vCPU and a VM exit).
+ *
+ *     burst_config(max_requests, poll_ns)    max_requests 1: the loop is off
+ *     burst_stats() -> dict
+ *
+ * A reply is told from other writes to the device (the notifications another thread sends)
+ * by its unique id (burst_note_reply, from the session's writev).
+ *
+ * Threads: the trio thread, with the GIL held but while polling.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define FUSE_USE_VERSION 32
+#include <fuse_lowlevel.h>
+#include <linux/fuse.h>
+
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "_burst.h"
+
+#define MAX_BURST_NS 2000000LL   /* 2 ms: trio's other tasks wait no longer */
+
+typedef void (*process_buf_fn)(struct fuse_session *, const struct fuse_buf *);
+
+static long max_burst = 64;        /* requests per burst, the first one included */
+static long long poll_ns = 50000;  /* how long to poll for the next one */
+static uint64_t current_unique;    /* the request being dispatched here */
+static int current_answered;       /* ... was answered during its dispatch */
+static struct fuse_buf next_buf;   /* the requests read here (libfuse allocates it) */
+static unsigned long long bursts, extra, caught, polled_ns;
+
+void burst_note_reply(uint64_t unique)
+{
+    if (unique != 0 && unique == current_unique)
+        current_answered = 1;
+}
+
+void burst_reset(void)
+{
+    current_unique = 0;
+    current_answered = 0;
+}
+
+static long long now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+static uint64_t unique_of(const struct fuse_buf *buf)
+{
+    if ((buf->flags & FUSE_BUF_IS_FD) || buf->size < sizeof(struct fuse_in_header))
+        return 0;   /* in a pipe (splice): not looked at; the burst ends after it */
+    return ((const struct fuse_in_header *)buf->mem)->unique;
+}
+
+/* Dispatches one request; whether it was answered during the dispatch. */
+static int dispatched(process_buf_fn real, struct fuse_session *se, const struct fuse_buf *buf)
+{
+    current_unique = unique_of(buf);
+    current_answered = 0;
+    real(se, buf);
+    int answered = current_unique != 0 && current_answered;
+    current_unique = 0;
+    return answered;
+}
+
+/* Whether the device has a request: at once, or within poll_ns (GIL released). */
+static int readable(int fd, long long budget)
+{
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, 0) != 0)
+        return 1;
+    if (budget <= 0)
+        return 0;
+    int ready = 0;
+    long long start, end;
+    Py_BEGIN_ALLOW_THREADS
+    start = end = now_ns();
+    while (end - start < budget) {
+        p.revents = 0;
+        if (poll(&p, 1, 0) != 0) {
+            ready = 1;
+            break;
+        }
+        end = now_ns();
+    }
+    Py_END_ALLOW_THREADS
+    polled_ns += (unsigned long long)(end - start);
+    caught += ready;
+    return ready;
+}
+
+void fuse_session_process_buf(struct fuse_session *se, const struct fuse_buf *buf)
+{
+    static process_buf_fn real;
+    if (real == NULL
+        && (real = (process_buf_fn)fastwrite_libfuse_symbol("fuse_session_process_buf")) == NULL)
+        return;
+    if (se != fastwrite_session() || max_burst <= 1) {
+        real(se, buf);
+        return;
+    }
+    if (!dispatched(real, se, buf))
+        return;
+    bursts++;
+    long long deadline = now_ns() + MAX_BURST_NS;
+    for (long n = 1; n < max_burst && now_ns() < deadline; n++) {
+        if (fuse_session_exited(se) || !readable(fuse_session_fd(se), poll_ns))
+            return;
+        int res = fuse_session_receive_buf(se, &next_buf);
+        if (res <= 0)
+            return;   /* pyfuse3's next read sees the same (an unmount: ENODEV) */
+        extra++;
+        if (!dispatched(real, se, &next_buf))
+            return;   /* a coroutine of pyfuse3's holds it: pyfuse3 awaits it next */
+    }
+}
+
+static PyObject *burst_config(PyObject *self, PyObject *args)
+{
+    long requests;
+    long long ns;
+    if (!PyArg_ParseTuple(args, "lL", &requests, &ns))
+        return NULL;
+    max_burst = requests < 1 ? 1 : requests;
+    poll_ns = ns < 0 ? 0 : ns;
+    Py_RETURN_NONE;
+}
+
+static PyObject *burst_stats(PyObject *self, PyObject *unused)
+{
+    return Py_BuildValue("{s:l,s:L,s:K,s:K,s:K,s:K}", "max_requests", max_burst, "poll_ns",
+                         poll_ns, "bursts", bursts, "extra", extra, "caught", caught,
+                         "polled_ns", polled_ns);
+}
+
+PyMethodDef burst_methods[] = {
+    {"burst_config", burst_config, METH_VARARGS,
+     "burst_config(max_requests, poll_ns): requests dispatched per trip through pyfuse3's "
+     "loop (1: one, as pyfuse3 does), and how long to poll for the next one."},
+    {"burst_stats", burst_stats, METH_NOARGS,
+     "{'max_requests', 'poll_ns', 'bursts': dispatches that went on past pyfuse3's request, "
+     "'extra': requests read here, 'caught': of them, found by polling, 'polled_ns'}"},
+    {NULL, NULL, 0, NULL},
+};

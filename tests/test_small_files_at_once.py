@@ -1,13 +1,13 @@
-"""LOOKUP and CREATE answered without a coroutine, in bursts (acpfs/fuse/atonce.py,
+"""LOOKUP, CREATE and UNLINK answered without a coroutine, in bursts (acpfs/fuse/atonce.py,
 acpfs/fuse/_atonce.c, acpfs/fuse/_burst.c), keep what a lookup and a create promise
 (docs/semantics.md, sections 1 and 10): a created file is there at once with its bytes,
-``O_EXCL`` fails on a name that exists, a missing name is missing, a name another program
+``O_EXCL`` fails on a name that exists, a removed name is gone, a missing name is missing, a name another program
 made in the backing is seen at the next lookup, and one it removed is gone once the kernel's
 entry ran out (the coherence timeout).
 
 Checked against a reference model with random operations and random pauses (which let the
 flusher persist and the kernel's entries run out), on both data paths. ``status`` shows that
-the lookups and creates were answered at once and that requests were read in bursts.
+the lookups, creates and unlinks were answered at once and that requests were read in bursts.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_small_file_requests_answered_at_once_keep_the_model(make_mount, seed):
         assert (m.back / "d" / name).read_bytes() == data, f"{name}: persisted"
     st = m.status()
     at_once = st["at_once"]
-    for kind in ("lookup", "create"):
+    for kind in ("lookup", "create", "unlink"):
         assert at_once[kind]["answered"] > 0, (kind, at_once)
         assert at_once[kind]["answered"] <= st["requests"][kind], (kind, at_once)
         assert at_once[kind]["failed"] == 0, (kind, at_once)

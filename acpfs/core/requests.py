@@ -241,6 +241,23 @@ class Core:
                     raise
         self.names.unlink(parent, name)
 
+    def unlinkable_now(self, parent_ino: int, name: bytes) -> Node | None:
+        """For an UNLINK answered at once (fuse/atonce.py): the directory, where ``unlink``
+        needs no coroutine: its entries are loaded, and a regular file's comparison with the
+        backing can be made at once and finds the version this mount has
+        (``Loader.unchanged_now``); None where ``unlink`` must take the request. The name is
+        then removed with ``unlink_in``, under ``OpLog.lock`` (no backing call there)."""
+        parent = self.node(parent_ino)
+        if parent.children is None:
+            return None
+        node = parent.entries().get(name)
+        if node is not None and node.is_reg and not self.loader.unchanged_now(node):
+            return None
+        return parent
+
+    def unlink_in(self, parent: Node, name: bytes) -> None:
+        self.names.unlink(parent, name)
+
     async def rmdir(self, parent_ino: int, name: bytes) -> None:
         parent = await self.dir(parent_ino)
         await self.loader.loaded(self.names.lookup(parent, name))

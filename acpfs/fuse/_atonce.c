@@ -1,6 +1,6 @@
 /*
- * acpfs.fuse._fastwrite, part three: LOOKUP, CREATE, OPEN, FLUSH and RELEASE offered to
- * Python without a coroutine.
+ * acpfs.fuse._fastwrite, part three: LOOKUP, CREATE, UNLINK, OPEN, FLUSH and RELEASE offered
+ * to Python without a coroutine.
  *
  * Every request pyfuse3 hands to Python becomes a coroutine run as a trio task, which costs
  * more than most of these requests need: an OPEN of a reader whose file is in the cache (or
@@ -21,6 +21,8 @@
  *         the 14 fields of operations.fields()   the entry (the kernel holds one more
  *                                                lookup of it)
  *         -errno                           answered with that
+ *     unlink(parent: int, name: bytes) -> int | None
+ *         0 or -errno       answered with that
  *     create(parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int,
  *            umask: int) -> tuple | int | None
  *         (fh, backing_id, direct_io, the 14 fields)   created and opened: the reply gives
@@ -50,11 +52,12 @@
 
 typedef void (*file_op)(fuse_req_t, fuse_ino_t, struct fuse_file_info *);
 
-enum { OPEN, FLUSH, RELEASE, LOOKUP, CREATE, KINDS };
-static const char *const kind_names[KINDS] = {"open", "flush", "release", "lookup", "create"};
+enum { OPEN, FLUSH, RELEASE, LOOKUP, UNLINK, CREATE, KINDS };
+static const char *const kind_names[KINDS] = {"open", "flush", "release", "lookup", "unlink",
+                                              "create"};
 static file_op next_op[KINDS];            /* pyfuse3's handlers (but LOOKUP's:) */
-typedef void (*lookup_op)(fuse_req_t, fuse_ino_t, const char *);
-static lookup_op next_lookup;
+typedef void (*name_op)(fuse_req_t, fuse_ino_t, const char *);
+static name_op next_lookup, next_unlink;
 typedef void (*create_op)(fuse_req_t, fuse_ino_t, const char *, mode_t, struct fuse_file_info *);
 static create_op next_create;
 static PyObject *handler[KINDS];          /* set_at_once(); NULL: all go to pyfuse3 */
@@ -181,6 +184,33 @@ static int entry_of(PyObject *res, struct fuse_entry_param *e)
     return 1;
 }
 
+static void unlink_at_once(fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+    PyObject *fn = handler[UNLINK];
+    if (fn == NULL) {
+        next_unlink(req, parent, name);
+        return;
+    }
+    Py_INCREF(fn);
+    PyObject *res = PyObject_CallFunction(fn, "Ky", (unsigned long long)parent, name);
+    if (res == NULL)
+        PyErr_WriteUnraisable(fn);
+    Py_DECREF(fn);
+    if (res == Py_None) {
+        Py_DECREF(res);
+        passed[UNLINK]++;
+        next_unlink(req, parent, name);
+        return;
+    }
+    int error = res != NULL && PyLong_Check(res) ? error_of(res) : EIO;
+    Py_XDECREF(res);
+    if (error)
+        failed[UNLINK]++;
+    else
+        answered[UNLINK]++;
+    fuse_reply_err(req, error);
+}
+
 static void lookup_at_once(fuse_req_t req, fuse_ino_t parent, const char *name)
 {
     PyObject *fn = handler[LOOKUP];
@@ -279,6 +309,10 @@ static void create_at_once(fuse_req_t req, fuse_ino_t parent, const char *name, 
 
 void atonce_hook(struct fuse_lowlevel_ops *ops)
 {
+    if (ops->unlink != NULL && ops->unlink != unlink_at_once) {
+        next_unlink = ops->unlink;
+        ops->unlink = unlink_at_once;
+    }
     if (ops->create != NULL && ops->create != create_at_once) {
         next_create = ops->create;
         ops->create = create_at_once;
@@ -314,7 +348,7 @@ static PyObject *set_at_once(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "handler must be callable or None");
         return NULL;
     }
-    int hooked = kind == LOOKUP ? next_lookup != NULL
+    int hooked = kind == LOOKUP ? next_lookup != NULL : kind == UNLINK ? next_unlink != NULL
                  : kind == CREATE ? next_create != NULL : next_op[kind] != NULL;
     if (fn != Py_None && !hooked) {
         PyErr_SetString(PyExc_RuntimeError, "no FUSE session was created through the hook");
@@ -351,7 +385,7 @@ static PyObject *at_once_stats(PyObject *self, PyObject *unused)
 PyMethodDef atonce_methods[] = {
     {"set_at_once", set_at_once, METH_VARARGS,
      "set_at_once(kind, fn): offer each request of kind 'open' (read-only), 'flush', "
-     "'release', 'lookup' or 'create' to fn first (see acpfs/fuse/_atonce.c); None unsets."},
+     "'release', 'lookup', 'unlink' or 'create' to fn first (see acpfs/fuse/_atonce.c); None unsets."},
     {"at_once_stats", at_once_stats, METH_NOARGS,
      "{kind: {'on': a callable is set, 'answered': requests it answered, 'passed': left to "
      "pyfuse3, 'failed': answered with an error}} for each kind"},

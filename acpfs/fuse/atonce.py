@@ -1,8 +1,8 @@
 """Requests answered at once, from the extension's hooks (acpfs/fuse/_atonce.c): ``AtOnce``.
 
 Every request pyfuse3 hands to Python becomes a coroutine run as a trio task, which costs
-more than most of these requests need. The extension offers LOOKUP, CREATE, read-only
-OPEN, FLUSH and RELEASE to the methods below first, called inside libfuse's dispatch with the GIL held;
+more than most of these requests need. The extension offers LOOKUP, CREATE, UNLINK,
+read-only OPEN, FLUSH and RELEASE to the methods below first, called inside libfuse's dispatch with the GIL held;
 each does the work of its ``Operations`` handler where none of that work waits, and returns
 None where some would: the handler then takes the request from the start, nothing half done.
 
@@ -10,6 +10,8 @@ None where some would: the handler then takes the request from the start, nothin
   event loop, ``BackingCalls.try_now``), or a regular file with one name whose close-to-open
   comparison with the backing holds (``Loader.unchanged_now``).
 - ``create``: in a directory whose entries are loaded (``Core.create_now``).
+- ``unlink``: as ``lookup`` finds the name, where global order would not wait
+  (``Core.unlinkable_now``, ``unlink_in``).
 - ``open``: a reader (``core/opennow.py``).
 - ``flush``: journaled and stamped where global order would not wait.
 - ``release``: where nothing is to be waited for (``Handles.release_now``).
@@ -42,8 +44,8 @@ class AtOnce:
 
     def hooks(self) -> dict:
         """For ``fastwrite.install``: the callable of each kind."""
-        return {"lookup": self.lookup, "create": self.create, "open": self.open,
-                "flush": self.flush, "release": self.release}
+        return {"lookup": self.lookup, "create": self.create, "unlink": self.unlink,
+                "open": self.open, "flush": self.flush, "release": self.release}
 
     def lookup(self, parent: int, name: bytes) -> tuple | int | None:
         """LOOKUP (``Operations.lookup``): the entry's fields, (0, timeout) for a name
@@ -83,6 +85,28 @@ class AtOnce:
             attrtable.clear()   # as ``changes``
             self._counted("create")
             return -errno_of(e, "create")
+
+    def unlink(self, parent: int, name: bytes) -> int | None:
+        """UNLINK (``Operations.unlink``), where no wait of global order can follow
+        (``acknowledges``, as ``flush``): 0, -errno, or None."""
+        core = self.core
+        order = core.order
+        try:
+            # the comparison with the backing first: no backing call under OpLog.lock
+            where = core.unlinkable_now(parent, name)
+            if where is None:
+                return None
+            with core.oplog.lock:
+                if order is not None and not order.acknowledges_at_once():
+                    return None
+                core.unlink_in(where, name)
+            self._counted("unlink")
+            self.ops.unlinked(parent)
+        except Exception as e:
+            attrtable.clear()   # as ``changes``
+            self._counted("unlink")
+            return -errno_of(e, "unlink")
+        return 0
 
     def open(self, ino: int, flags: int) -> tuple[int, int] | int | None:
         """A read-only OPEN (core/opennow.py): (file handle, backing id), -errno or None."""

@@ -244,7 +244,7 @@ class Operations(pyfuse3.Operations):
         attrtable.drop(parent_inode)
         offer(self.core, node, *self._known(parent_inode))
 
-    def _unlinked(self, *parents: int) -> None:
+    def unlinked(self, *parents: int) -> None:
         """A name left (or moved between) ``parents``: the file it named changed too."""
         attrtable.clear()
         offer(self.core, *self._known(*parents))
@@ -258,14 +258,14 @@ class Operations(pyfuse3.Operations):
     @changes
     async def unlink(self, parent_inode, name, ctx):
         await self.core.unlink(parent_inode, name)
-        self._unlinked(parent_inode)
+        self.unlinked(parent_inode)
 
     @replies
     @acknowledges
     @changes
     async def rmdir(self, parent_inode, name, ctx):
         await self.core.rmdir(parent_inode, name)
-        self._unlinked(parent_inode)
+        self.unlinked(parent_inode)
 
     @replies
     @acknowledges
@@ -281,14 +281,14 @@ class Operations(pyfuse3.Operations):
             raise OSError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
         await self.core.rename(parent_inode_old, name_old, parent_inode_new, name_new,
                                noreplace=bool(flags & pyfuse3.RENAME_NOREPLACE))
-        self._unlinked(parent_inode_old, parent_inode_new)
+        self.unlinked(parent_inode_old, parent_inode_new)
 
     @replies
     @acknowledges
     @changes
     async def link(self, inode, new_parent_inode, new_name, ctx):
         node = await self.core.link(inode, new_parent_inode, new_name)
-        self._unlinked(new_parent_inode)
+        self.unlinked(new_parent_inode)
         offer(self.core, node)
         return entry(self.core.inodes, node)
 

@@ -168,14 +168,14 @@ class Core:
 
     def find_now(self, parent_ino: int, name: bytes) -> tuple[bool, Node | None]:
         """``find`` where it needs no coroutine (a LOOKUP answered at once, from the
-        extension's hook: ``Operations.lookup_now``): (True, what ``find`` would return), or
+        extension's hook: ``AtOnce.lookup``, fuse/atonce.py): (True, what ``find`` would return), or
         (False, None) where ``find`` must take the request: the directory is not loaded, the
         name holds anything but a regular file with one name, or a comparison with the backing
         cannot be made at once or finds a change (``find`` then applies it)."""
         if len(name) > NAME_MAX:
             raise err(errno.ENAMETOOLONG, "name longer than 255 bytes")
-        parent = self.node(parent_ino)
-        if parent.children is None:
+        parent = self._loaded_now(parent_ino)
+        if parent is None:
             return False, None
         node = parent.entries().get(name)
         if node is None:
@@ -247,13 +247,19 @@ class Core:
         backing can be made at once and finds the version this mount has
         (``Loader.unchanged_now``); None where ``unlink`` must take the request. The name is
         then removed with ``unlink_in``, under ``OpLog.lock`` (no backing call there)."""
-        parent = self.node(parent_ino)
-        if parent.children is None:
+        parent = self._loaded_now(parent_ino)
+        if parent is None:
             return None
         node = parent.entries().get(name)
         if node is not None and node.is_reg and not self.loader.unchanged_now(node):
             return None
         return parent
+
+    def _loaded_now(self, ino: int) -> Node | None:
+        """The directory ``ino`` where its entries are loaded (a request answered at once
+        cannot wait for ``dir``), else None."""
+        parent = self.node(ino)
+        return parent if parent.children is not None else None
 
     def unlink_in(self, parent: Node, name: bytes) -> None:
         self.names.unlink(parent, name)
@@ -319,8 +325,8 @@ class Core:
                    caller: Caller) -> tuple[int, Node, int] | None:
         """``create`` where it needs no coroutine (a CREATE answered at once: fuse/atonce.py):
         the directory's entries are loaded; None where they are not."""
-        parent = self.node(parent_ino)
-        if parent.children is None:
+        parent = self._loaded_now(parent_ino)
+        if parent is None:
             return None
         return self._create_in(parent, name, mode, flags, caller)
 

@@ -45,6 +45,7 @@
 #include <fuse_lowlevel.h>
 
 #include <errno.h>
+#include <stdarg.h>
 #include <fcntl.h>
 #include <string.h>
 
@@ -63,19 +64,38 @@ static create_op next_create;
 static PyObject *handler[KINDS];          /* set_at_once(); NULL: all go to pyfuse3 */
 static unsigned long long answered[KINDS], passed[KINDS], failed[KINDS];
 
-/* Calls handler[kind]; returns its result (a new reference), or NULL after printing an
- * exception. */
-static PyObject *offer(int kind, fuse_ino_t ino, struct fuse_file_info *fi)
+/* Calls handler[kind] (set) with the arguments Py_BuildValue makes of fmt (a tuple's);
+ * returns its result (a new reference), or NULL after printing an exception. */
+static PyObject *call(int kind, const char *fmt, ...)
 {
     PyObject *fn = handler[kind];
     Py_INCREF(fn);   /* set_at_once() may run during the call */
-    PyObject *res = kind == OPEN
-        ? PyObject_CallFunction(fn, "Ki", (unsigned long long)ino, fi->flags)
-        : PyObject_CallFunction(fn, "K", (unsigned long long)fi->fh);
+    va_list va;
+    va_start(va, fmt);
+    PyObject *args = Py_VaBuildValue(fmt, va);
+    va_end(va);
+    PyObject *res = args != NULL ? PyObject_CallObject(fn, args) : NULL;
+    Py_XDECREF(args);
     if (res == NULL)
         PyErr_WriteUnraisable(fn);
     Py_DECREF(fn);
     return res;
+}
+
+/* Whether the handler left the request to pyfuse3 (returned None): counted, res released. */
+static int left(int kind, PyObject *res)
+{
+    if (res != Py_None)
+        return 0;
+    Py_DECREF(res);
+    passed[kind]++;
+    return 1;
+}
+
+static PyObject *offer(int kind, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    return kind == OPEN ? call(kind, "(Ki)", (unsigned long long)ino, fi->flags)
+                        : call(kind, "(K)", (unsigned long long)fi->fh);
 }
 
 /* An int result: 0 or the errno to answer (EIO for anything else). */
@@ -96,9 +116,7 @@ static void answer(int kind, fuse_req_t req, fuse_ino_t ino, struct fuse_file_in
         return;
     }
     PyObject *res = offer(kind, ino, fi);
-    if (res == Py_None) {
-        Py_DECREF(res);
-        passed[kind]++;
+    if (left(kind, res)) {
         next_op[kind](req, ino, fi);
         return;
     }
@@ -186,19 +204,9 @@ static int entry_of(PyObject *res, struct fuse_entry_param *e)
 
 static void unlink_at_once(fuse_req_t req, fuse_ino_t parent, const char *name)
 {
-    PyObject *fn = handler[UNLINK];
-    if (fn == NULL) {
-        next_unlink(req, parent, name);
-        return;
-    }
-    Py_INCREF(fn);
-    PyObject *res = PyObject_CallFunction(fn, "Ky", (unsigned long long)parent, name);
-    if (res == NULL)
-        PyErr_WriteUnraisable(fn);
-    Py_DECREF(fn);
-    if (res == Py_None) {
-        Py_DECREF(res);
-        passed[UNLINK]++;
+    PyObject *res = NULL;
+    if (handler[UNLINK] == NULL
+        || left(UNLINK, res = call(UNLINK, "(Ky)", (unsigned long long)parent, name))) {
         next_unlink(req, parent, name);
         return;
     }
@@ -213,19 +221,9 @@ static void unlink_at_once(fuse_req_t req, fuse_ino_t parent, const char *name)
 
 static void lookup_at_once(fuse_req_t req, fuse_ino_t parent, const char *name)
 {
-    PyObject *fn = handler[LOOKUP];
-    if (fn == NULL) {
-        next_lookup(req, parent, name);
-        return;
-    }
-    Py_INCREF(fn);
-    PyObject *res = PyObject_CallFunction(fn, "Ky", (unsigned long long)parent, name);
-    if (res == NULL)
-        PyErr_WriteUnraisable(fn);
-    Py_DECREF(fn);
-    if (res == Py_None) {
-        Py_DECREF(res);
-        passed[LOOKUP]++;
+    PyObject *res = NULL;
+    if (handler[LOOKUP] == NULL
+        || left(LOOKUP, res = call(LOOKUP, "(Ky)", (unsigned long long)parent, name))) {
         next_lookup(req, parent, name);
         return;
     }
@@ -255,22 +253,12 @@ static void lookup_at_once(fuse_req_t req, fuse_ino_t parent, const char *name)
 static void create_at_once(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode,
                            struct fuse_file_info *fi)
 {
-    PyObject *fn = handler[CREATE];
-    if (fn == NULL) {
-        next_create(req, parent, name, mode, fi);
-        return;
-    }
     const struct fuse_ctx *ctx = fuse_req_ctx(req);
-    Py_INCREF(fn);
-    PyObject *res = PyObject_CallFunction(fn, "KyIiIII", (unsigned long long)parent, name,
-                                          (unsigned int)mode, fi->flags, (unsigned int)ctx->uid,
-                                          (unsigned int)ctx->gid, (unsigned int)ctx->umask);
-    if (res == NULL)
-        PyErr_WriteUnraisable(fn);
-    Py_DECREF(fn);
-    if (res == Py_None) {
-        Py_DECREF(res);
-        passed[CREATE]++;
+    PyObject *res = NULL;
+    if (handler[CREATE] == NULL
+        || left(CREATE, res = call(CREATE, "(KyIiIII)", (unsigned long long)parent, name,
+                                   (unsigned int)mode, fi->flags, (unsigned int)ctx->uid,
+                                   (unsigned int)ctx->gid, (unsigned int)ctx->umask))) {
         next_create(req, parent, name, mode, fi);
         return;
     }

@@ -38,6 +38,7 @@
 #include <linux/fuse.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <stdint.h>
 #include <time.h>
@@ -92,22 +93,23 @@ static int dispatched(process_buf_fn real, struct fuse_session *se, const struct
     return answered;
 }
 
-/* Whether the device has a request: at once, or within poll_ns (GIL released). */
+/* Whether the device has a request: at once, or within poll_ns (GIL released). A signal
+ * (poll's EINTR) ends the wait: trio handles it once the dispatch returns. */
 static int readable(int fd, long long budget)
 {
     struct pollfd p = {.fd = fd, .events = POLLIN};
-    if (poll(&p, 1, 0) != 0)
-        return 1;
-    if (budget <= 0)
-        return 0;
+    int n = poll(&p, 1, 0);
+    if (n != 0 || budget <= 0)
+        return n > 0;
     int ready = 0;
     long long start, end;
     Py_BEGIN_ALLOW_THREADS
     start = end = now_ns();
     while (end - start < budget) {
         p.revents = 0;
-        if (poll(&p, 1, 0) != 0) {
-            ready = 1;
+        n = poll(&p, 1, 0);
+        if (n != 0) {
+            ready = n > 0;
             break;
         }
         end = now_ns();
@@ -116,6 +118,19 @@ static int readable(int fd, long long budget)
     polled_ns += (unsigned long long)(end - start);
     caught += ready;
     return ready;
+}
+
+/* The next request into next_buf, never waiting: the device is pyfuse3's, blocking, and a
+ * request seen by poll may be gone by the read (the kernel withdraws a request not yet
+ * read when its caller is interrupted), so it is non-blocking for this read alone. */
+static int receive(struct fuse_session *se)
+{
+    int fd = fuse_session_fd(se), flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0)
+        return -errno;
+    int res = fuse_session_receive_buf(se, &next_buf);
+    fcntl(fd, F_SETFL, flags);
+    return res;
 }
 
 void fuse_session_process_buf(struct fuse_session *se, const struct fuse_buf *buf)
@@ -135,9 +150,10 @@ void fuse_session_process_buf(struct fuse_session *se, const struct fuse_buf *bu
     for (long n = 1; n < max_burst && now_ns() < deadline; n++) {
         if (fuse_session_exited(se) || !readable(fuse_session_fd(se), poll_ns))
             return;
-        int res = fuse_session_receive_buf(se, &next_buf);
+        int res = receive(se);
         if (res <= 0)
-            return;   /* pyfuse3's next read sees the same (an unmount: ENODEV) */
+            return;   /* none after all, a signal, or what pyfuse3's next read sees too (an
+                       * unmount: ENODEV) */
         extra++;
         if (!dispatched(real, se, &next_buf))
             return;   /* a coroutine of pyfuse3's holds it: pyfuse3 awaits it next */

@@ -71,3 +71,39 @@ def test_requests_without_a_pause_are_not_given_way_while_a_sync_waits(make_moun
     assert sorted(os.listdir(m.back / "d"), key=lambda s: int(s[1:])) == [f"f{i}" for i in range(200)]
     for i in range(200):
         assert (m.back / "d" / f"f{i}").read_bytes() == b"%d" % i
+
+
+def test_requests_answered_below_python_are_given_way(make_mount, faults, tmp_path):
+    """GETXATTRs of security names are answered by the C extension and never reach Python;
+    they are requests all the same, and the flusher gives way to them. The backing (faultfs)
+    creates files slowly, so the flusher has a backlog while a program asks them alone."""
+    m: Mount = make_mount(mount=False)
+    shim = faults.shim(tmp_path / "src", m.back)
+    faults.mount(m)
+    shim.set("slow 0.1 create")   # 100 files: 2.5 s of the flusher's 4 threads
+    (m.mnt / "d").mkdir()
+    for i in range(100):
+        (m.mnt / "d" / f"f{i}").write_bytes(b"%d" % i)
+    before = m.status()
+    end = time.monotonic() + 1.0
+    asked = 0
+    while time.monotonic() < end:
+        try:
+            os.getxattr(m.mnt / "d", "security.nothing")
+        except OSError:
+            pass
+        asked += 1
+    after = m.status()
+    gave, gave_before = after["gave_way_to_requests"], before["gave_way_to_requests"]
+    # still behind: the flusher had work while only these requests arrived
+    assert after["queue"]["applied_seq"] < after["queue"]["last_seq"], after["queue"]
+    assert asked > 500, asked
+    # answered in C: not one reached Python's getxattr (the two status reads aside)
+    assert after["requests"].get("getxattr", 0) - before["requests"].get("getxattr", 0) <= 2, \
+        (before["requests"], after["requests"])
+    assert gave["waits"] > gave_before["waits"], (gave_before, gave)
+    assert gave["given_s"] - gave_before["given_s"] > 0.3, (gave_before, gave)
+    shim.set("ok")
+    m.sync()
+    for i in range(100):
+        assert (m.back / "d" / f"f{i}").read_bytes() == b"%d" % i

@@ -114,7 +114,7 @@ class Admission:
             self._said &= open_now
             want = self._wanted(node, size)
             files.lru.pop(node.ino, None)    # not room for itself (Files.open takes a
-            if files.room(node) < max(want, room):   # writer's file out of the LRU anyway)
+            if not files.has_room(max(want, room), node):   # writer's file out of the LRU anyway)
                 return "no_room"
             files.reserve(want, node)   # evicted now, not at the next trim: the bound holds at once
             return PASSED

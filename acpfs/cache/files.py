@@ -282,7 +282,7 @@ class Files:
     def reserve(self, need: int, node: Node | None = None) -> None:
         """Make ``need`` bytes free for ``node`` beside what the other writers passed through
         were promised (``owed``), evicting persisted files least recently used first
-        (CacheFull when they are not enough: check ``room`` first to evict nothing then)."""
+        (CacheFull when they are not enough: ``has_room`` first evicts nothing then)."""
         store = self.store
         need += self.owed(node)   # evicting other files changes nothing the writers owe
         while store.free_bytes() < need:
@@ -293,13 +293,17 @@ class Files:
                 store.drop(victim.content)
                 victim.content = None
 
-    def room(self, skip: Node | None = None) -> int:
-        """Bytes free, with what evictable files hold, less what the writers passed through
-        but ``skip`` were promised (``skip`` is not counted as room either)."""
-        store = self.store
-        evictable = sum(store.nbytes(n.content) for n in self.lru.values()
-                        if n is not skip and self.evictable(n))
-        return store.free_bytes() - self.owed(skip) + evictable
+    def has_room(self, need: int, skip: Node | None = None) -> bool:
+        """Whether ``need`` bytes are free or can be freed by evicting persisted files but
+        ``skip``, beside what writers passed through but ``skip`` were promised; evictable
+        files are summed only while short (docs/benchmarks.md, "Room for a writer ...")."""
+        short = need - (self.store.free_bytes() - self.owed(skip))
+        for n in self.lru.values():
+            if short <= 0:
+                break
+            if n is not skip and self.evictable(n):
+                short -= self.store.nbytes(n.content)
+        return short <= 0
 
     def evictable(self, node: Node) -> bool:
         # a file open with passthrough stays: the kernel holds its memory file anyway

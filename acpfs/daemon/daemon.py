@@ -193,7 +193,8 @@ class Daemon:
             if self.peers is not None else None
         cache = self.cache = Cache(self.oplog, self.backing, self.store, KernelCacheNotices())
         order = GlobalOrder(self.peers, self.oplog) if self.peers is not None else None
-        self.flusher = Flusher(self.oplog, cache, self.backing, order, opts.flush_workers)
+        self.flusher = Flusher(self.oplog, cache, self.backing, order, opts.flush_workers,
+                               fastwrite.last_request)
         passthrough = self.kernel.state if self.kernel is not None else \
             (lambda: {"on": False, "why_not": why_not})
         self.info = MountInfo(opts, store_place=self.place, fast_write=fastwrite.state,

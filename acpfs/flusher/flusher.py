@@ -65,7 +65,8 @@ class Flusher:
     what was persisted."""
 
     def __init__(self, oplog: OpLog, cache: Cache, backing: Backing, order: GlobalOrder | None,
-                 workers: int = DEFAULT_FLUSH_WORKERS) -> None:
+                 workers: int = DEFAULT_FLUSH_WORKERS,
+                 requests_below: Callable[[], float] = lambda: 0.0) -> None:
         self.oplog = oplog
         self.cache = cache
         self.backing = backing
@@ -76,7 +77,7 @@ class Flusher:
         self.abort = threading.Event()
         self._stopping = False
         self.give_way = GiveWay(self._short_of_room, lambda: self._stopping or self.abort.is_set(),
-                                lambda: oplog.applied_seq)
+                                lambda: oplog.applied_seq, requests_below)
         self.attempts = Attempts(backing, self.lock, self.abort, self._launch)
         self.repairs = Repairs(cache, backing)
         self.uploads = Uploads(cache, backing, self.lock, self.abort, self.attempts,

@@ -1,7 +1,8 @@
 """The flusher gives way to requests: ``GiveWay``.
 
 Owns: when the last request answered in Python arrived (``arrived``: written by the trio
-thread, read by the flusher's threads), the highest op someone waits for (``wanted``), and
+thread, read by the flusher's threads; the extension stamps every request it dispatches,
+those answered in C too, and ``below`` reads that stamp), the highest op someone waits for (``wanted``), and
 the time given way in the current second (under its own lock, which nests inside nothing).
 
 Why: the flusher's threads and the event loop that answers requests share one interpreter.
@@ -36,10 +37,13 @@ STEP_S = 0.001      # a waiting thread looks again this often
 
 class GiveWay:
     def __init__(self, pressed: Callable[[], bool], stopping: Callable[[], bool],
-                 applied: Callable[[], int]) -> None:
+                 applied: Callable[[], int], below: Callable[[], float] = lambda: 0.0) -> None:
         self.pressed = pressed     # the cache is short of room: never give way
         self.stopping = stopping   # the flusher stops: never give way
         self.applied = applied     # the op log's applied_seq
+        # time.monotonic() of the last request as the C extension dispatched it (those it
+        # answers without Python too: GETATTR, GETXATTR; fastwrite.last_request)
+        self.below = below
         self.arrived = 0.0         # time.monotonic() of the last request (the trio thread)
         self.wanted = 0            # (_lock to write) the highest op seq someone waits for
         self._lock = threading.Lock()
@@ -61,7 +65,7 @@ class GiveWay:
                 self.wanted = max(self.wanted, seq)
 
     def _busy(self, now: float) -> bool:
-        return (now - self.arrived <= QUIET_S and self.applied() >= self.wanted
+        return (now - max(self.arrived, self.below()) <= QUIET_S and self.applied() >= self.wanted
                 and not self.pressed() and not self.stopping())
 
     def _roll(self, now: float) -> float:

@@ -24,6 +24,11 @@
  *
  *     burst_config(max_requests, poll_ns)    max_requests 1: the loop is off
  *     burst_stats() -> dict
+ *     burst_last_request() -> float           time.monotonic() of the last request that
+ *                                            is not data (READ, WRITE) or a FORGET
+ *
+ * Every request of the session is dispatched through here, those C answers too, so this is
+ * where the flusher learns that programs are at work (flusher/giveway.py).
  *
  * A reply is told from other writes to the device (the notifications another thread sends)
  * by its unique id (burst_note_reply, from the session's writev).
@@ -55,6 +60,7 @@ static uint64_t current_unique;    /* the request being dispatched here */
 static int current_answered;       /* ... was answered during its dispatch */
 static struct fuse_buf next_buf;   /* the requests read here (libfuse allocates it) */
 static unsigned long long bursts, extra, caught, polled_ns;
+static long long last_request_ns;  /* CLOCK_MONOTONIC; read by the flusher's threads (GIL) */
 
 void burst_note_reply(uint64_t unique)
 {
@@ -82,9 +88,24 @@ static uint64_t unique_of(const struct fuse_buf *buf)
     return ((const struct fuse_in_header *)buf->mem)->unique;
 }
 
+/* A request arrives: stamped unless it moves data or only drops references. */
+static void note_request(const struct fuse_buf *buf)
+{
+    if ((buf->flags & FUSE_BUF_IS_FD) || buf->size < sizeof(struct fuse_in_header))
+        return;
+    switch (((const struct fuse_in_header *)buf->mem)->opcode) {
+    case FUSE_READ: case FUSE_WRITE: case FUSE_FORGET: case FUSE_BATCH_FORGET:
+    case FUSE_INTERRUPT:
+        return;
+    default:
+        last_request_ns = now_ns();
+    }
+}
+
 /* Dispatches one request; whether it was answered during the dispatch. */
 static int dispatched(process_buf_fn real, struct fuse_session *se, const struct fuse_buf *buf)
 {
+    note_request(buf);
     current_unique = unique_of(buf);
     current_answered = 0;
     real(se, buf);
@@ -139,7 +160,12 @@ void fuse_session_process_buf(struct fuse_session *se, const struct fuse_buf *bu
     if (real == NULL
         && (real = (process_buf_fn)fastwrite_libfuse_symbol("fuse_session_process_buf")) == NULL)
         return;
-    if (se != fastwrite_session() || max_burst <= 1) {
+    if (se != fastwrite_session()) {
+        real(se, buf);
+        return;
+    }
+    if (max_burst <= 1) {
+        note_request(buf);
         real(se, buf);
         return;
     }
@@ -178,7 +204,15 @@ static PyObject *burst_stats(PyObject *self, PyObject *unused)
                          "polled_ns", polled_ns);
 }
 
+static PyObject *burst_last_request(PyObject *self, PyObject *unused)
+{
+    return PyFloat_FromDouble((double)last_request_ns / 1e9);
+}
+
 PyMethodDef burst_methods[] = {
+    {"burst_last_request", burst_last_request, METH_NOARGS,
+     "time.monotonic() when the last request that is not a READ, WRITE or FORGET arrived "
+     "(0.0: none yet)."},
     {"burst_config", burst_config, METH_VARARGS,
      "burst_config(max_requests, poll_ns): requests dispatched per trip through pyfuse3's "
      "loop (1: one, as pyfuse3 does), and how long to poll for the next one."},

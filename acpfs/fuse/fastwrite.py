@@ -113,6 +113,12 @@ def at_once_state() -> dict:
     return {"on": any(k["on"] for k in kinds.values()), **kinds, "burst": burst}
 
 
+def last_request() -> float:
+    """time.monotonic() when the last request other than READ, WRITE and FORGET was
+    dispatched, those answered in C too (0.0 without the extension; _burst.c)."""
+    return _ext.burst_last_request() if _ext is not None else 0.0
+
+
 def extension() -> Optional[ModuleType]:
     """The C extension, if it is loaded and can hook the session (passthrough.py uses it)."""
     return _ext

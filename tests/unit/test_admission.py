@@ -179,6 +179,31 @@ def test_persisted_files_are_room_evicted_for_a_reservation_oldest_first_and_no_
     assert cache.admission.status()["no_room"] == 1
 
 
+def test_room_looks_at_persisted_files_only_while_free_space_is_short(parts, monkeypatch):
+    """A create in a cache that holds many persisted files must not look at each of them
+    (with 20,000 files cached, creates fell from about 1,200 to 40 per second,
+    docs/benchmarks.md): ``Files.has_room`` sums evictable files only where the free bytes
+    are not enough, and only until they are."""
+    cache, store, files = parts.cache, parts.store, parts.cache.files
+    old = [persisted(parts, b"p%d" % i, 4 * BS) for i in range(12)]     # 48 of 64 blocks
+    looked: list = []
+    evictable = files.evictable
+    monkeypatch.setattr(files, "evictable", lambda n: looked.append(n) or evictable(n))
+    assert files.has_room(16 * BS) and looked == []
+    assert files.has_room(24 * BS) and len(looked) == 2, "8 blocks short: the two oldest"
+    looked.clear()
+    assert files.has_room(64 * BS) and len(looked) == 12
+    looked.clear()
+    assert not files.has_room(64 * BS, skip=old[0]) and len(looked) == 11
+    assert not files.has_room(65 * BS)
+    assert all(n.content is not None for n in old), "asking evicts nothing"
+    # and what the admission decides from it, without looking at any of them while it fits
+    known(parts, [b"w0"], 8 * BS)
+    looked.clear()
+    _, passed = open_writer(cache, b"w0")
+    assert passed and looked == []
+
+
 def test_a_pinned_file_is_no_room(parts):
     cache = parts.cache
     known(parts, [b"w0", b"w1"], 16 * BS)

@@ -98,3 +98,19 @@ def test_no_give_way_while_someone_waits_for_the_flusher():
     gw.wait()
     t.join()
     assert gw.status()["waits"] == 1
+
+
+def test_requests_stamped_below_python_are_given_way_too():
+    """Requests the C extension answers never reach Python: its stamp of the last request
+    (``below``, fastwrite.last_request) counts as one told by ``request``, and a stale stamp
+    does not. (A stamp 0.3 s ahead: requests that go on arriving for 0.3 s.)"""
+    stamp = [time.monotonic() + 0.3]
+    gw = GiveWay(lambda: False, lambda: False, lambda: 0, below=lambda: stamp[0])
+    start = time.monotonic()
+    gw.wait()
+    took = time.monotonic() - start
+    st = gw.status()
+    assert st["waits"] == 1 and 0.25 < took < 0.8 and st["given_s"] > 0.25, (took, st)
+    time.sleep(giveway.QUIET_S * 2)   # the stamp is older than QUIET_S
+    gw.wait()
+    assert gw.status()["waits"] == 1

@@ -127,3 +127,36 @@ def test_errors_of_requests_answered_at_once(make_mount):
         os.open(m.mnt / "f" / "g", os.O_WRONLY | os.O_CREAT, 0o644)
     assert (m.mnt / "f").read_bytes() == b"x"
     assert m.status()["at_once"]["create"]["answered"] > 0
+
+
+def test_directories_another_program_made_are_looked_up_at_once(make_mount):
+    """A resume opens files in directories another node wrote: the directory's LOOKUP and the
+    first LOOKUP in it (which lists it, Loader.loaded_now) are answered at once, and so is
+    the lookup of a known directory once the kernel's entry ran out (compared with the
+    backing, Loader.entry_unchanged_now). A directory replaced by a file in the backing is
+    not: its lookup takes the coroutine, which finds the file."""
+    m = make_mount(mount=False)
+    for i in range(3):
+        (m.back / f"step{i}").mkdir()
+        (m.back / f"step{i}" / "model.bin").write_bytes(b"%d" % i * 1000)
+    m.mount()
+    before = m.status()["at_once"]["lookup"]
+    for i in range(3):
+        assert (m.mnt / f"step{i}" / "model.bin").read_bytes() == b"%d" % i * 1000
+    (m.back / "step3").mkdir()                     # made after the mount's first listing
+    (m.back / "step3" / "model.bin").write_bytes(b"new")
+    assert (m.mnt / "step3" / "model.bin").read_bytes() == b"new"
+    after = m.status()["at_once"]["lookup"]
+    assert after["passed"] == before["passed"], (before, after)
+    assert after["answered"] - before["answered"] >= 8, (before, after)
+    time.sleep(m.status()["options"]["coherence_timeout_s"] + 0.2)   # the entries ran out
+    os.stat(m.mnt / "step0")
+    again = m.status()["at_once"]["lookup"]
+    assert again["passed"] == after["passed"] and again["answered"] > after["answered"], again
+    # another program replaces a directory with a file
+    (m.back / "step1" / "model.bin").unlink()
+    (m.back / "step1").rmdir()
+    (m.back / "step1").write_bytes(b"a file now")
+    time.sleep(m.status()["options"]["coherence_timeout_s"] + 0.2)
+    assert (m.mnt / "step1").read_bytes() == b"a file now"
+    assert m.status()["at_once"]["lookup"]["passed"] > again["passed"]

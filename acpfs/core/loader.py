@@ -85,6 +85,26 @@ class Loader:
             self._list_locks.pop(node.ino, None)
         return node
 
+    def loaded_now(self, node: Node) -> bool:
+        """``loaded`` where it needs no coroutine (a request answered at once in a directory
+        not listed yet: the first file looked up in a directory another node wrote): True
+        once the entries are known, a small directory listed on the event loop
+        (``BackingCalls.try_now``); False where a listing is under way, the directory is
+        large or not one, the call would take a worker thread, or the backing failed
+        (``loaded`` then does what that asks)."""
+        if node.children is not None:
+            return True
+        if not node.is_dir or node.ino in self._list_locks or node.size > QUICK_DIR_BYTES:
+            return False
+        try:
+            ran, listing = self.calls.try_now(self.coherence.list_backing, node)
+        except OSError:
+            return False
+        if not ran or listing is None:
+            return False
+        self.coherence.attach_listing(node, listing)
+        return True
+
     async def xattrs_loaded(self, node: Node) -> dict[bytes, bytes]:
         if node.xattrs is None:
             inodes, backing = self.inodes, self.backing
@@ -337,6 +357,29 @@ class Loader:
             return
         if st is None or statmod.S_IFMT(st.st_mode) != statmod.S_IFMT(node.mode):
             await self._leaves_view(parent, name, node, gone=st is None)
+
+    def entry_unchanged_now(self, parent: Node, name: bytes, node: Node) -> bool:
+        """Whether ``entry_checked`` would leave ``node`` as it is, told at once on the event
+        loop (``BackingCalls.try_now``; a LOOKUP answered at once, ``Core.find_now``): False
+        where the call would take a worker thread, the backing fails, or the backing holds
+        another kind of entry there or none (``entry_checked`` then does what that asks)."""
+        coherence = self.coherence
+        if node.ino in self._checking or node.backing_parent is not parent \
+                or node.backing_name != name or node.parent is not parent or node.name != name:
+            return True
+        try:
+            ran, got = self.calls.try_now(coherence.stat_backing, node)
+        except OSError:
+            return False
+        if not ran:
+            return False
+        if got is None or not got[0]:
+            return True
+        (pos, st), applied = got[0][0], got[1]
+        if pos != (parent, name) or parent.children is None or parent.children.get(name) is not node \
+                or not coherence.subtree_quiescent(node, applied):
+            return True
+        return st is not None and statmod.S_IFMT(st.st_mode) == statmod.S_IFMT(node.mode)
 
     async def _leaves_view(self, parent: Node, name: bytes, node: Node, gone: bool) -> NoReturn:
         """Another writer removed ``node``'s entry from the backing, or put another entry

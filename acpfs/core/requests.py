@@ -145,8 +145,7 @@ class Core:
             if listed:
                 return None
             return await self.loader.found_elsewhere(parent, name)
-        if listed and node.is_reg and not node.links and self.loader.coherence.quiescent(node) \
-                and node.position_at(parent, name) is not None:
+        if listed and self._as_listed(parent, name, node):
             return node
         # The kernel asks only once its entry ran out, or to be sure (before a create, link,
         # mkdir or rename onto the name: LOOKUP_EXCL, LOOKUP_RENAME_TARGET): a clean file is
@@ -169,22 +168,35 @@ class Core:
     def find_now(self, parent_ino: int, name: bytes) -> tuple[bool, Node | None]:
         """``find`` where it needs no coroutine (a LOOKUP answered at once, from the
         extension's hook: ``AtOnce.lookup``, fuse/atonce.py): (True, what ``find`` would return), or
-        (False, None) where ``find`` must take the request: the directory is not loaded, the
-        name holds anything but a regular file with one name, or a comparison with the backing
+        (False, None) where ``find`` must take the request: the directory cannot be listed at
+        once, the name holds a file with several names, or a comparison with the backing
         cannot be made at once or finds a change (``find`` then applies it)."""
         if len(name) > NAME_MAX:
             raise err(errno.ENAMETOOLONG, "name longer than 255 bytes")
+        began = time.monotonic()
         parent = self._loaded_now(parent_ino)
         if parent is None:
             return False, None
+        listed = parent.listed_at >= began   # as _lookup: listed just now, here
         node = parent.entries().get(name)
         if node is None:
-            return self.loader.found_elsewhere_now(parent, name)
-        # as _lookup: a clean file is compared with the backing now, as at an open
-        if not node.is_reg or not self.loader.unchanged_now(node):
+            return (True, None) if listed else self.loader.found_elsewhere_now(parent, name)
+        # as _lookup: a clean file is compared with the backing now, as at an open; any
+        # other entry, its kind
+        if not node.is_reg:
+            if not self.loader.entry_unchanged_now(parent, name, node):
+                return False, None
+        elif not (listed and self._as_listed(parent, name, node)) and not self.loader.unchanged_now(node):
             return False, None
         self.files.sync_content(node)
         return True, node
+
+    def _as_listed(self, parent: Node, name: bytes, node: Node) -> bool:
+        """A file found under ``name`` by a listing of ``parent`` begun during this lookup
+        is the backing's version as it is (no comparison needed): a clean regular file with
+        one name, there."""
+        return node.is_reg and not node.links and self.loader.coherence.quiescent(node) \
+            and node.position_at(parent, name) is not None
 
     @staticmethod
     def _gid(parent: Node, caller: Caller) -> int:
@@ -256,10 +268,11 @@ class Core:
         return parent
 
     def _loaded_now(self, ino: int) -> Node | None:
-        """The directory ``ino`` where its entries are loaded (a request answered at once
-        cannot wait for ``dir``), else None."""
+        """The directory ``ino`` where its entries are loaded, or can be at once
+        (``Loader.loaded_now``: a request answered at once cannot wait for ``dir``), else
+        None."""
         parent = self.node(ino)
-        return parent if parent.children is not None else None
+        return parent if self.loader.loaded_now(parent) else None
 
     def unlink_in(self, parent: Node, name: bytes) -> None:
         self.names.unlink(parent, name)

@@ -100,9 +100,9 @@ class Loader:
             ran, listing = self.calls.try_now(self.coherence.list_backing, node)
         except OSError:
             return False
-        if not ran or listing is None:
+        if not ran:
             return False
-        self.coherence.attach_listing(node, listing)
+        self.coherence.attach_listing(node, listing)  # type: ignore[arg-type]
         return True
 
     async def xattrs_loaded(self, node: Node) -> dict[bytes, bytes]:

@@ -1,7 +1,12 @@
-"""Builds acpfs.fuse._fastwrite (acpfs/fuse/_fastwrite.c and its parts); everything else is declared in setup.cfg.
+"""Builds the C extensions; everything else is declared in setup.cfg.
 
-The extension is optional: where it cannot be built (no compiler, no libfuse3 headers)
-acpfs installs without it and WRITE requests take pyfuse3's path (acpfs/fuse/fastwrite.py).
+- acpfs.fuse._fastwrite (acpfs/fuse/_fastwrite.c and its parts): where it cannot be built (no
+  compiler, no libfuse3 headers) acpfs installs without it and WRITE requests take pyfuse3's
+  path (acpfs/fuse/fastwrite.py).
+- acpfs.backing._beneath (acpfs/backing/_beneath.c): directories of the backing opened in one
+  system call; without it they are walked one name at a time (acpfs/backing/root.py).
+
+Both are optional.
 """
 
 import subprocess
@@ -22,6 +27,9 @@ cflags = pkg_config("--cflags") or ["-I/usr/include/fuse3"]
 libs = pkg_config("--libs") or ["-lfuse3"]
 
 setup(ext_modules=[Extension(
+    "acpfs.backing._beneath", ["acpfs/backing/_beneath.c"],
+    extra_compile_args=["-Wall", "-Wextra"], optional=True,
+), Extension(
     "acpfs.fuse._fastwrite",
     ["acpfs/fuse/_fastwrite.c", "acpfs/fuse/_attrs.c", "acpfs/fuse/_atonce.c",
      "acpfs/fuse/_burst.c"],

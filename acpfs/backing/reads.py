@@ -4,7 +4,7 @@ files opened for reading, symlink targets and extended attributes.
 What it owns (``TreeReads``, a piece of ``Backing``): no state of its own; the reading calls
 on directories reached through ``RootDir.dir`` (``open_dir``). A listing hides acpfs's own entries
 (``is_internal_name``) and removes the uploads that the dead daemon this one recovers left
-half-written (``StagedFiles.is_leftover``), never another daemon's. ``dir_version`` and
+half-written (``StagedFiles.is_leftover``), never another daemon's. ``versioned_listing`` and
 ``version`` are what tells another writer's change from this daemon's (docs/design.md,
 "Conflicts with other writers of the backing").
 """
@@ -60,36 +60,51 @@ class TreeReads:
         of any other daemon (other nodes' included) are left alone.
         """
         with self.dir(comps) as fd:
-            out = []
-            with os.scandir(fd) as it:
-                for ent in it:
-                    name = os.fsencode(ent.name)
-                    if is_internal_name(name):
-                        if self.is_leftover(name):
-                            try:
-                                if ent.is_dir(follow_symlinks=False):
-                                    os.rmdir(name, dir_fd=fd)    # a mkdir cut short
-                                else:
-                                    os.unlink(name, dir_fd=fd)
-                                log.info("removed %r, left unfinished by the dead daemon",
-                                         os.fsdecode(name))
-                            except OSError:
-                                pass
-                        continue
-                    try:
-                        st = ent.stat(follow_symlinks=False)
-                        target = os.readlink(name, dir_fd=fd) if statmod.S_ISLNK(st.st_mode) else None
-                    except FileNotFoundError:
-                        continue
-                    out.append((name, st, target))
-            return out
+            return self._entries(fd)
+
+    def versioned_listing(self, comps: Comps, unless: tuple[int, int, int] | None = None
+                          ) -> tuple[tuple[int, int, int], list] | None:
+        """A directory's version, (inode, mtime, ctime): any entry made or removed in it
+        changes it (to the resolution of the backing's clock), taken before ``listdir`` of it,
+        from one open of it; None (nothing listed) when the version is ``unless``.
+        MissingDir where it is gone."""
+        with self.dir(comps) as fd:
+            st = os.fstat(fd)
+            version = st.st_ino, st.st_mtime_ns, st.st_ctime_ns
+            if version == unless:
+                return None
+            return version, self._entries(fd)
+
+    def _entries(self, fd: int) -> list[tuple[bytes, os.stat_result, bytes | None]]:
+        """``listdir`` of the directory open at ``fd``."""
+        out = []
+        with os.scandir(fd) as it:
+            for ent in it:
+                name = os.fsencode(ent.name)
+                if is_internal_name(name):
+                    if self.is_leftover(name):
+                        try:
+                            if ent.is_dir(follow_symlinks=False):
+                                os.rmdir(name, dir_fd=fd)    # a mkdir cut short
+                            else:
+                                os.unlink(name, dir_fd=fd)
+                            log.info("removed %r, left unfinished by the dead daemon",
+                                     os.fsdecode(name))
+                        except OSError:
+                            pass
+                    continue
+                try:
+                    st = ent.stat(follow_symlinks=False)
+                    target = os.readlink(name, dir_fd=fd) if statmod.S_ISLNK(st.st_mode) else None
+                except FileNotFoundError:
+                    continue
+                out.append((name, st, target))
+        return out
 
     def open_file(self, comps: Comps, name: bytes) -> int:
         """Open a regular file of the backing for reading (never through a symlink; a FIFO
         another writer put under the name does not block the open)."""
-        check_name(name)
-        with self.dir(comps) as dfd:
-            return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+        return self.open_in(comps, name, os.O_RDONLY | os.O_NONBLOCK)
 
     def open_version(self, comps: Comps, name: bytes,
                      version: tuple[int, int, int] | None) -> tuple[int, os.stat_result]:
@@ -138,15 +153,6 @@ class TreeReads:
                                 and (tuple(comps), name) not in skip:
                             out.append((comps, name))
         return out[:want]
-
-    def dir_version(self, comps: Comps) -> tuple[int, int, int] | None:
-        """(inode, mtime, ctime) of a directory: any entry made or removed in it changes them
-        (to the resolution of the backing's clock). None if it is gone."""
-        with self.dir(comps, absent=MissingDir) as fd:
-            if fd is None:
-                return None
-            st = os.fstat(fd)
-            return st.st_ino, st.st_mtime_ns, st.st_ctime_ns
 
     def read_xattrs(self, comps: Comps, name: bytes | None) -> dict[bytes, bytes]:
         """User extended attributes of a file or directory (``name`` None: the directory itself)."""

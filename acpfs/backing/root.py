@@ -4,9 +4,12 @@ that went away and came back.
 What it owns (``RootDir``, a piece of ``Backing``): the root descriptor ``root_fd``, the
 descriptors of roots that went stale (closed at ``close``), and the count of reopens that
 ``status`` shows. Every directory is reached from the root one name at a time
-(``open_dir``: ``openat(O_NOFOLLOW | O_DIRECTORY)``, names checked), never by a path handed
-to the kernel; ``with self.dir(comps) as dfd:`` is how the other pieces use one (closed when
-the block ends). A backing that is itself a mount (NFS, SFS, a FUSE store) can go away and be
+(``open_dir``: ``openat(O_NOFOLLOW | O_DIRECTORY)``, names checked), never through a symlink
+and never out of the root; ``with self.dir(comps) as dfd:`` is how the other pieces use one
+(closed when the block ends). Where the kernel has openat2 (and the extension
+acpfs/backing/_beneath.c is built) the whole path is opened in one call that promises the
+same (``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``); after any error of it the walk runs, and
+tells which name was missing. A backing that is itself a mount (NFS, SFS, a FUSE store) can go away and be
 mounted again at the same path; its descriptors then answer ENOTCONN/ESTALE/ENODEV, and the
 root is opened again by path (``reopen``), but only once a filesystem is mounted there
 again: never the empty directory under it. ``_stale_retry`` is the convention every other
@@ -26,7 +29,14 @@ from typing import Iterator, overload
 from .. import mounttable
 from .names import STALE, Comps, MissingDir, check_name
 
+try:
+    from . import _beneath
+except ImportError:   # not built: every directory is walked to
+    _beneath = None
+HAVE_BENEATH = _beneath is not None
+
 log = logging.getLogger("acpfs.backing")
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # errors of opening a directory that mean "not there" to a caller of ``RootDir.dir``
 Absent = type[OSError] | tuple[type[OSError], ...]
 
@@ -47,6 +57,7 @@ class RootDir:
         self._reopen_lock = threading.Lock()
         self.reopened = 0
         self.last_reopen: dict | None = None
+        self.beneath = HAVE_BENEATH   # openat2 works here (False after ENOSYS)
 
     def close(self) -> None:
         for fd in [self.root_fd, *self._old_roots]:
@@ -107,16 +118,48 @@ class RootDir:
         return self._stale_retry(self._open_dir, comps)
 
     def _open_dir(self, comps: Comps) -> int:
+        for name in comps:
+            check_name(name)
+        if self.beneath:
+            try:
+                return self._open_beneath(comps, DIR_FLAGS)
+            except OSError as e:
+                if e.errno == errno.ENOSYS:
+                    self.beneath = False
+                    log.info("openat2 is not available here: directories of the backing are "
+                             "opened one name at a time")
+            # the walk tells which name is missing or blocked, and meets a stale root
+        return self._walk(comps)
+
+    def _open_beneath(self, comps: Comps, flags: int) -> int:
+        """``comps`` (checked names) opened from the root in one call (module docstring)."""
+        return _beneath.open(self.root_fd, b"/".join(comps) or b".", flags)
+
+    def open_in(self, comps: Comps, name: bytes, flags: int) -> int:
+        """``name`` in the directory at ``comps`` opened with ``flags`` (O_NOFOLLOW and
+        O_CLOEXEC added): one call where openat2 works, else the directory opened first.
+        Errors as ``open_dir`` and ``os.open`` give them."""
+        check_name(name)
+        flags |= os.O_NOFOLLOW | os.O_CLOEXEC
+        if self.beneath:
+            for c in comps:
+                check_name(c)
+            try:
+                return self._open_beneath([*comps, name], flags)
+            except OSError:
+                pass   # as the steps below say it (MissingDir, ELOOP, a stale root)
+        with self.dir(comps) as dfd:
+            return os.open(name, flags, dir_fd=dfd)
+
+    def _walk(self, comps: Comps) -> int:
         # a new open file description, not a dup: a listing reads from its own offset (a
         # dup shares the root's, and a second listing of the root came back empty), and a
         # stale root shows here
         fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.root_fd)
         try:
             for depth, name in enumerate(comps):
-                check_name(name)
                 try:
-                    nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                  dir_fd=fd)
+                    nfd = os.open(name, DIR_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
                     raise MissingDir(comps, depth) from None
                 except OSError as e:

@@ -55,12 +55,11 @@ class Coherence:
     # -- loading from the backing ---------------------------------------------------------
     def list_backing(self, node: Node) -> tuple[list, tuple[int, int, int] | None, float]:
         """Runs in a worker thread: the backing listing of a directory not yet loaded, the
-        directory's version (``Backing.dir_version``) taken before it, and when it began."""
+        directory's version (``Backing.versioned_listing``) taken before it, and when it began."""
         with self.inodes.position_lock:
             began = time.monotonic()
-            comps = self.inodes.backing_path(node)
-            version = self.backing.dir_version(comps)
-            return self.backing.listdir(comps), version, began
+            version, entries = self.backing.versioned_listing(self.inodes.backing_path(node))
+            return entries, version, began
 
     def attach_listing(self, node: Node, listing: tuple[list, tuple[int, int, int] | None, float]) -> None:
         """A directory's entries as ``list_backing`` found them; ``Node.listed_at`` is when
@@ -117,11 +116,10 @@ class Coherence:
         when the directory's version is still ``unless``: nothing was made or removed in it."""
         with self.inodes.position_lock:
             began = time.monotonic()
-            comps = self.inodes.backing_path(node)
-            version = self.backing.dir_version(comps)
-            if unless is not None and version == unless:
+            got = self.backing.versioned_listing(self.inodes.backing_path(node), unless)
+            if got is None:
                 return None
-            listing = self.backing.listdir(comps)
+            version, listing = got
             known, applied = self._known_names(node)
             return Relisting(listing, known, applied, version, began)
 

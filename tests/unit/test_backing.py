@@ -1,17 +1,21 @@
 """Backing: temporary files that nobody can predict or adopt, that a daemon tells apart from
-everyone else's, and directories that appear with their final mode (contract 9)."""
+everyone else's, directories that appear with their final mode (contract 9), and paths
+opened in one call as the walk from the root opens them."""
 
 from __future__ import annotations
 
 import errno
 import os
+import random
 import re
 import stat
 
 import pytest
 
+from acpfs.backing import root as root_mod
 from acpfs.backing.backing import (TEMP_PREFIX, Backing, is_internal_name, new_instance, staged_ino,
                            staging_dir_of)
+from acpfs.backing.names import MissingDir
 
 NAME = re.compile(rb"\.acpfs-tmp-([0-9a-f]{12})-([0-9a-f]{16})")
 
@@ -108,3 +112,74 @@ def test_mkdir_lands_with_its_mode_and_owner_at_once(back, tmp_path):
         back.mkdir([], b"f", 0o40755, os.getuid(), os.getgid())
     assert e.value.errno == errno.EEXIST and (root / "f").read_bytes() == b"a file"
     assert sorted(os.listdir(root)) == ["d", "e", "f"]
+
+
+def _outcome(fn):
+    """What a call gave: the (device, inode) it opened, or its error's kind and details."""
+    try:
+        fd = fn()
+    except MissingDir as e:
+        return ("missing", e.depth, e.blocked)
+    except OSError as e:
+        return ("error", type(e).__name__, e.errno)
+    try:
+        st = os.fstat(fd)
+        return ("opened", st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode),
+                os.get_inheritable(fd))
+    finally:
+        os.close(fd)
+
+
+def test_a_path_opened_in_one_call_is_what_the_walk_opens(back, tmp_path):
+    """RootDir: openat2 (RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS) promises what the walk from the
+    root does, on random trees with files, symlinks (inside, outside, to files, dangling) and
+    missing names: the same directory or file opened, or the same MissingDir (depth,
+    blocked) or errno."""
+    if not root_mod.HAVE_BENEATH:
+        pytest.skip("acpfs.backing._beneath is not built")
+    assert back.beneath
+    rng = random.Random(7)
+    root = tmp_path / "back"
+    outside = tmp_path / "outside"
+    (outside / "d").mkdir(parents=True)
+    names = [b"a", b"b", b"c", b"l", b"f"]
+    dirs = [root]
+    for _ in range(60):
+        parent = rng.choice(dirs)
+        name = os.fsdecode(rng.choice(names)) + str(rng.randrange(3))
+        p = parent / name
+        if os.path.lexists(p):
+            continue
+        kind = rng.choice(["dir", "dir", "file", "link_in", "link_out", "dangling"])
+        if kind == "dir":
+            p.mkdir()
+            dirs.append(p)
+        elif kind == "file":
+            p.write_bytes(b"x")
+        elif kind == "link_in":
+            os.symlink(rng.choice(dirs), p)
+        elif kind == "link_out":
+            os.symlink(outside / "d", p)
+        else:
+            os.symlink(tmp_path / "nowhere", p)
+    paths = [list(os.fsencode(d.relative_to(root)).split(b"/")) if d != root else [] for d in dirs]
+    seen = set()
+    for _ in range(400):
+        comps = list(rng.choice(paths))
+        for _ in range(rng.randrange(3)):
+            comps.append(os.fsencode(os.fsdecode(rng.choice(names)) + str(rng.randrange(3))))
+        name = comps.pop() if comps and rng.random() < 0.5 else None
+        outcomes = []
+        for beneath in (True, False):
+            back.beneath = beneath
+            if name is None:
+                outcomes.append(_outcome(lambda: back.open_dir(comps)))
+            else:
+                outcomes.append(_outcome(lambda: back.open_in(comps, name, os.O_RDONLY | os.O_NONBLOCK)))
+        assert outcomes[0] == outcomes[1], (comps, name)
+        seen.add(outcomes[0][0])
+    assert seen == {"opened", "missing", "error"}   # the random trees reached every outcome
+    back.beneath = True
+    with pytest.raises(OSError) as e:
+        back.open_dir([b".."])
+    assert e.value.errno == errno.EINVAL              # names are checked before any call

@@ -425,14 +425,16 @@ def test_file_deleted_before_persist_never_reaches_backing(make_mount, faults, t
                 applied = m.status()["queue"]["applied_seq"]
                 (never if not closed or applied < blocker_seq else unproven).extend(names)
 
-            # deleted while still open, then closed
-            f = open(m.mnt / "eph-open.bin", "wb")
-            f.write(src.make("o", 3 * MiB, 2))
-            f.flush()
-            assert m.state("eph-open.bin") == "dirty"
-            gone("eph-open.bin", closed=False)
-            f.write(b"more after unlink")
-            f.close()
+            def gone_while_open(name: str, data: bytes, tail: bytes) -> None:
+                """Written, deleted while still open, written more, then closed."""
+                with open(m.mnt / name, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    assert m.state(name) == "dirty"
+                    gone(name, closed=False)
+                    f.write(tail)
+
+            gone_while_open("eph-open.bin", src.make("o", 3 * MiB, 2), b"more after unlink")
 
             # created, written, closed, deleted
             (m.mnt / "eph-closed.bin").write_bytes(src.make("c", 8 * MiB, 1))
@@ -450,14 +452,8 @@ def test_file_deleted_before_persist_never_reaches_backing(make_mount, faults, t
             (m.mnt / "sub" / "eph-in-dir.bin").write_bytes(src.make("d", 2 * MiB, 5))
             gone("sub/eph-in-dir.bin")
 
-            # large, deleted while still open (in a small cache it is being written through)
-            f = open(m.mnt / "eph-open-big.bin", "wb")
-            f.write(src.make("ob", 150 * MiB, 7))
-            f.flush()
-            assert m.state("eph-open-big.bin") == "dirty"
-            gone("eph-open-big.bin", closed=False)
-            f.write(b"tail")
-            f.close()
+            # large (in a small cache it is being written through)
+            gone_while_open("eph-open-big.bin", src.make("ob", 150 * MiB, 7), b"tail")
 
             # big enough that its upload is under way when it is deleted
             (m.mnt / "eph-closed2.bin").write_bytes(src.make("c2", 3 * MiB, 9))

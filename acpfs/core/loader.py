@@ -339,47 +339,51 @@ class Loader:
         removed it, with all below it, or put something else in its place), it leaves the
         view (ESTALE; the name then holds what the backing has), unless this mount has a
         change of its own pending on it or below it."""
-        coherence = self.coherence
-        if node.ino in self._checking or node.backing_parent is not parent \
-                or node.backing_name != name or node.parent is not parent or node.name != name:
+        if not self._entry_to_check(parent, name, node):
             return
         got = None
         try:
             with trio.move_on_after(COHERENCE_WAIT):
-                got = await self._check(node.ino, functools.partial(coherence.stat_backing, node))
+                got = await self._check(node.ino, functools.partial(self.coherence.stat_backing, node))
         except OSError as e:
             log.debug("looking at %s: %s", node_path(node), e)
-        if got is None or not got[0]:
-            return
-        (pos, st), applied = got[0][0], got[1]
-        if pos != (parent, name) or parent.children is None or parent.children.get(name) is not node \
-                or not coherence.subtree_quiescent(node, applied):
-            return
-        if st is None or statmod.S_IFMT(st.st_mode) != statmod.S_IFMT(node.mode):
-            await self._leaves_view(parent, name, node, gone=st is None)
+        gone = self._entry_verdict(parent, name, node, got)
+        if gone is not None:
+            await self._leaves_view(parent, name, node, gone=gone)
 
     def entry_unchanged_now(self, parent: Node, name: bytes, node: Node) -> bool:
         """Whether ``entry_checked`` would leave ``node`` as it is, told at once on the event
         loop (``BackingCalls.try_now``; a LOOKUP answered at once, ``Core.find_now``): False
         where the call would take a worker thread, the backing fails, or the backing holds
         another kind of entry there or none (``entry_checked`` then does what that asks)."""
-        coherence = self.coherence
-        if node.ino in self._checking or node.backing_parent is not parent \
-                or node.backing_name != name or node.parent is not parent or node.name != name:
+        if not self._entry_to_check(parent, name, node):
             return True
         try:
-            ran, got = self.calls.try_now(coherence.stat_backing, node)
+            ran, got = self.calls.try_now(self.coherence.stat_backing, node)
         except OSError:
             return False
-        if not ran:
-            return False
+        return ran and self._entry_verdict(parent, name, node, got) is None
+
+    def _entry_to_check(self, parent: Node, name: bytes, node: Node) -> bool:
+        """``node`` is where ``parent``/``name`` says, in the view and in the backing, and no
+        check of it runs: ``entry_checked`` compares it."""
+        return node.ino not in self._checking and node.backing_parent is parent \
+            and node.backing_name == name and node.parent is parent and node.name == name
+
+    def _entry_verdict(self, parent: Node, name: bytes, node: Node, got) -> bool | None:
+        """What ``Coherence.stat_backing``'s answer ``got`` (None: no answer) asks of the entry
+        ``node`` at a lookup: None, it stays (the answer is for another position now, this
+        mount changed it or below it since, or the backing holds the same kind of entry);
+        True, it is gone from the backing; False, another kind of entry holds its name."""
         if got is None or not got[0]:
-            return True
+            return None
         (pos, st), applied = got[0][0], got[1]
         if pos != (parent, name) or parent.children is None or parent.children.get(name) is not node \
-                or not coherence.subtree_quiescent(node, applied):
+                or not self.coherence.subtree_quiescent(node, applied):
+            return None
+        if st is None:
             return True
-        return st is not None and statmod.S_IFMT(st.st_mode) == statmod.S_IFMT(node.mode)
+        return None if statmod.S_IFMT(st.st_mode) == statmod.S_IFMT(node.mode) else False
 
     async def _leaves_view(self, parent: Node, name: bytes, node: Node, gone: bool) -> NoReturn:
         """Another writer removed ``node``'s entry from the backing, or put another entry

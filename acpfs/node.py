@@ -26,7 +26,7 @@ import enum
 import os
 import stat as statmod
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 ROOT_INODE = 1   # the mount's root directory, the kernel's FUSE_ROOT_ID
@@ -368,6 +368,24 @@ class KernelNotices:
 
     async def settled(self) -> None:
         """Returns once what ``appeared`` queued for the kernel was sent."""
+
+    def hold(self, node: Node) -> bool:
+        """The kernel may keep the answer about ``node`` given now (its entry, its attributes)
+        until this mount's pending change of it lands (True), not only for the kernel timeout."""
+        return False
+
+    def landed(self, node: Node) -> None:
+        """(the flusher's thread) An op of ``node`` reached the backing."""
+
+    def let_go(self, node: Node) -> None:
+        """``node`` may have nothing pending any more (its last writer closed it)."""
+
+    async def run(self, quiescent: Callable[[Node], bool]) -> None:
+        """Background: answers held (``hold``) are dropped once ``quiescent``."""
+
+    def held_state(self) -> dict[str, Any]:
+        """``status``'s ``kernel_held``."""
+        return {"on": False, "files": 0, "released": 0}
 
 
 class FsError(OSError):

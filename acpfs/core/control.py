@@ -289,6 +289,7 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         "backing_calls": info.backing_calls() if info.backing_calls is not None else
         {"where": "threads", "fstype": None, "inline": 0, "threaded": 0},
         "at_once": info.at_once() if info.at_once is not None else {"on": False},
+        "kernel_held": cache.kernel.held_state(),
         "metrics": info.metrics,
     }
 

@@ -94,10 +94,12 @@ class Core:
 
     def start(self, nursery: trio.Nursery) -> None:
         """Background work: write-through in a full cache, files open for a long time,
-        acknowledged content whose RELEASE does not come, what writers passed through wrote."""
+        acknowledged content whose RELEASE does not come, what writers passed through wrote,
+        answers the kernel keeps until a change lands (fuse/notices.py)."""
         nursery.start_soon(self.background.run, nursery)
         nursery.start_soon(self.longopen.run)
         nursery.start_soon(self._queue_late_acks)
+        nursery.start_soon(self.cache.kernel.run, self.cache.coherence.quiescent)
         self.handles.start(nursery)
 
     # -- resolving ids ---------------------------------------------------------------------

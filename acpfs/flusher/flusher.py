@@ -165,6 +165,7 @@ class Flusher:
                     self.oplog.pop(op)
                     self._finish(op)
                     self.oplog.applied(op)   # after _finish: OpLog.applied says why
+                self.cache.kernel.landed(op.node)   # answers held until it landed
         except Aborted:
             log.warning("flusher stopped without draining: %d operations left", len(queue))
         except BaseException:

@@ -62,7 +62,7 @@ class AtOnce:
                 kernel.missing(parent, name)
                 return 0, notices.kernel_timeout
             offer(core, node)
-            return entry_fields(core.inodes, node)
+            return entry_fields(core, node)
         except Exception as e:
             self._counted("lookup")
             return -errno_of(e, "lookup")
@@ -80,7 +80,7 @@ class AtOnce:
             fh, node, backing_id = got
             self.ops.fresh_in(parent, node)
             return (fh, backing_id, self.ops.created_direct(fh, backing_id),
-                    *entry_fields(core.inodes, node))
+                    *entry_fields(core, node))
         except Exception as e:
             attrtable.clear()   # as ``changes``
             self._counted("create")
@@ -145,6 +145,7 @@ class AtOnce:
                 return None
             self._counted("release")
             attrtable.drop(node.ino)
+            self.core.cache.kernel.let_go(node)   # a writer's close that changed nothing
             offer(self.core, node)   # the last writer's close: its final size and times
             return 0
         except Exception as e:

@@ -5,14 +5,26 @@ caches: ``kernel_timeout``, set once by ``operations.make_operations``) and
 ``KernelCacheNotices``, the cache's notices to the kernel of changes another node made:
 pyfuse3's invalidations, sent from a thread of their own, and the answers kept below Python
 dropped with them (fuse/attrtable.py).
+
+Answers held until a change lands: the entry and attributes of a regular file this mount has
+a change of pending (created or written and not yet in the backing; docs/semantics.md,
+section 10: no other node's change can show in this mount's view of it until then) are
+given for ``HOLD_TIMEOUT`` instead of the kernel timeout, so that the ``stat`` and the
+``unlink`` of a file just written cost no LOOKUP and no GETATTR however long the flusher
+takes. Once its change lands (or its writer closes it unchanged) the kernel is told to drop
+both (``run``, ``let_go``), within ``HOLD_POLL``: from then on it keeps them for the kernel
+timeout, as any other. ``ACPFS_NO_HOLD=1`` turns this off.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
 import queue
 import threading
 import time
+from typing import Callable
 
 import trio
 
@@ -32,6 +44,8 @@ kernel_timeout = ATTR_TIMEOUT
 # names the kernel was told are missing, kept to drop its answer when another node makes one
 MISSING_PRUNE_AT = 100_000
 SETTLE_WAIT = 0.5   # an opendir waits at most this long for the kernel to drop such answers
+HOLD_TIMEOUT = 60.0   # s: what the kernel may keep of a file whose change is pending (held)
+HOLD_POLL = 0.1       # s: how soon after a held file's change landed the kernel is told
 
 
 class KernelCacheNotices(KernelNotices):
@@ -39,14 +53,64 @@ class KernelCacheNotices(KernelNotices):
     pyfuse3's notifications. Owns the names the kernel was told are missing
     (``_missing``: (directory node id, name) -> until when the kernel may keep that answer),
     so that one another node makes is dropped from the kernel's cache as soon as this node
-    sees it (``appeared``), and the invalidations in flight (``_queued``, ``_sent``)."""
+    sees it (``appeared``), the invalidations in flight (``_queued``, ``_sent``), and the
+    files whose answers the kernel was given until their change lands (``_held``, module
+    docstring)."""
 
     def __init__(self) -> None:
-        self._forgets: queue.SimpleQueue[int | tuple[int, bytes]] = queue.SimpleQueue()
+        # an inode (its attributes), or (directory, name, counted): an entry; counted ones
+        # are what ``settled`` waits for
+        self._forgets: queue.SimpleQueue[int | tuple[int, bytes, bool]] = queue.SimpleQueue()
         self._missing: dict[tuple[int, bytes], float] = {}
         self._queued = 0   # entry invalidations queued (trio thread)
         self._sent = 0     # of those, sent (the notification thread)
+        self._hold_on = not os.environ.get("ACPFS_NO_HOLD")
+        self._held: dict[int, Node] = {}   # ino -> node answered until it lands (trio thread)
+        self._landed: collections.deque[Node] = collections.deque()   # from the flusher's thread
+        self._quiescent: Callable[[Node], bool] | None = None   # set by run()
+        self._some_held = trio.Event()
+        self.held_released = 0   # files whose held answers were dropped (status)
         threading.Thread(target=self._send_forgets, name="acpfs-forget", daemon=True).start()
+
+    # -- answers held until a change lands (module docstring) -------------------------------
+    def hold(self, node: Node) -> bool:
+        if not self._hold_on or self._quiescent is None or kernel_timeout <= 0:
+            return False
+        if node.ino not in self._held:
+            self._held[node.ino] = node
+            self._some_held.set()
+        return True
+
+    def landed(self, node: Node) -> None:
+        self._landed.append(node)   # (deque appends are atomic: any thread)
+
+    def let_go(self, node: Node) -> None:
+        """(trio thread) Drops the held answers of ``node`` if nothing is pending on it."""
+        if node.ino in self._held and self._quiescent is not None and self._quiescent(node):
+            del self._held[node.ino]
+            self.held_released += 1
+            for d, name in node.positions():
+                for nodeid in [d.ino, *(d.kernel_ids or ())]:
+                    self._forgets.put((nodeid, name, False))
+            self.forget_attrs(node)
+
+    def held_state(self) -> dict:
+        return {"on": self._hold_on and self._quiescent is not None and kernel_timeout > 0,
+                "files": len(self._held), "released": self.held_released}
+
+    async def run(self, quiescent: Callable[[Node], bool]) -> None:
+        """The trio thread's part: what landed is looked at every ``HOLD_POLL`` seconds
+        while some file is held, and nothing is done while none is."""
+        self._quiescent = quiescent
+        while True:
+            if not self._held:
+                self._landed.clear()
+                self._some_held = trio.Event()
+                await self._some_held.wait()
+            await trio.sleep(HOLD_POLL)
+            landed = self._landed
+            for _ in range(len(landed)):
+                self.let_go(landed.popleft())
 
     def forget_entry(self, parent_ino: int, name: bytes) -> None:
         """A name another node removed leaves the kernel's dentry cache at once, not after
@@ -77,7 +141,7 @@ class KernelCacheNotices(KernelNotices):
         until = self._missing.pop((parent_ino, name), None)
         if until is not None and until > time.monotonic():
             self._queued += 1
-            self._forgets.put((parent_ino, name))
+            self._forgets.put((parent_ino, name, True))
 
     async def settled(self) -> None:
         """Returns once the invalidations queued so far were sent (at most
@@ -111,7 +175,7 @@ class KernelCacheNotices(KernelNotices):
             except Exception:
                 log.exception("telling the kernel to forget %r", what)
             finally:
-                if isinstance(what, tuple):
+                if isinstance(what, tuple) and what[2]:
                     self._sent += 1
 
 

@@ -24,7 +24,6 @@ from . import attrtable, notices  # noqa: E402
 import pyfuse3  # noqa: E402
 
 from ..core.requests import Core  # noqa: E402
-from ..cache.inodes import Inodes  # noqa: E402
 from ..node import Node  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -82,7 +81,7 @@ def offer(core: Core, *nodes: Node) -> None:
     if not attrtable.active():
         return
     for node in nodes:
-        holds = min(notices.kernel_timeout, core.loader.answer_holds_for(node))
+        holds = min(timeout_of(core, node), core.loader.answer_holds_for(node))
         unseen = core.files.written_unseen(node)   # the kernel writes it: its memory file
         fd, seen = unseen if unseen is not None else (-1, None)
         if unseen is not None and fd < 0:
@@ -119,19 +118,28 @@ FIELDS = ("st_ino", "entry_timeout", "attr_timeout", "st_mode", "st_nlink", "st_
           "st_ctime_ns")
 
 
-def fields(node: Node, ino: int) -> tuple:
-    """A node's attributes under node id ``ino``, in the order of FIELDS: what ``attrs``
-    fills in, and what a LOOKUP answered at once hands to the extension (_atonce.c)."""
-    t = notices.kernel_timeout
+def timeout_of(core: Core, node: Node) -> float:
+    """How long the kernel may keep the entry and attributes of ``node`` answered now: the
+    kernel timeout, or, for a regular file with a change of this mount pending, until that
+    lands (``KernelCacheNotices.hold``: nothing but this mount changes it until then)."""
+    if node.is_reg and not core.cache.coherence.quiescent(node) and core.cache.kernel.hold(node):
+        return notices.HOLD_TIMEOUT
+    return notices.kernel_timeout
+
+
+def fields(node: Node, ino: int, t: float) -> tuple:
+    """A node's attributes under node id ``ino``, in the order of FIELDS, for the kernel to
+    keep ``t`` seconds (``timeout_of``): what ``attrs`` fills in, and what a LOOKUP answered
+    at once hands to the extension (_atonce.c)."""
     return (ino, t, t, node.mode, node.nlink if not node.is_dir else dir_links(node), node.uid,
             node.gid, node.rdev, node.size, BLKSIZE, (node.size + 511) // 512, node.atime,
             node.mtime, node.ctime)
 
 
-def attrs(node: Node) -> pyfuse3.EntryAttributes:
+def attrs(core: Core, node: Node) -> pyfuse3.EntryAttributes:
     """A node's attributes, its inode number as st_ino (a GETATTR reply)."""
     a = pyfuse3.EntryAttributes()
-    for key, value in zip(FIELDS, fields(node, node.ino)):
+    for key, value in zip(FIELDS, fields(node, node.ino, timeout_of(core, node))):
         setattr(a, key, value)
     return a
 
@@ -147,17 +155,17 @@ def missing() -> pyfuse3.EntryAttributes:
     return a
 
 
-def entry_fields(inodes: Inodes, node: Node) -> tuple:
+def entry_fields(core: Core, node: Node) -> tuple:
     """``fields`` of a node the kernel will hold a reference to, as ``entry``."""
-    return fields(node, inodes.looked_up(node))
+    return fields(node, core.inodes.looked_up(node), timeout_of(core, node))
 
 
-def entry(inodes: Inodes, node: Node) -> pyfuse3.EntryAttributes:
+def entry(core: Core, node: Node) -> pyfuse3.EntryAttributes:
     """Attributes of a node the kernel will hold a reference to (one lookup more), under
     the node id new lookups of it get (``Inodes.looked_up``): pyfuse3 sends st_ino as the
     node id, and the C extension shows the node's own inode number in its place."""
-    a = attrs(node)
-    a.st_ino = inodes.looked_up(node)
+    a = attrs(core, node)
+    a.st_ino = core.inodes.looked_up(node)
     return a
 
 
@@ -190,7 +198,7 @@ class Operations(pyfuse3.Operations):
             kernel.missing(parent_inode, name)
             return missing()
         offer(self.core, node)
-        return entry(self.core.inodes, node)
+        return entry(self.core, node)
 
     async def forget(self, inode_list):
         for ino, n in inode_list:
@@ -201,7 +209,7 @@ class Operations(pyfuse3.Operations):
     async def getattr(self, inode, ctx=None):
         node = await self.core.getattr(inode)
         offer(self.core, node)
-        return attrs(node)
+        return attrs(self.core, node)
 
     @replies
     @acknowledges
@@ -217,7 +225,7 @@ class Operations(pyfuse3.Operations):
             mtime=attr.st_mtime_ns if fields.update_mtime else None,
             caller_uid=ctx.uid)
         offer(self.core, node)
-        return attrs(node)
+        return attrs(self.core, node)
 
     @replies
     async def readlink(self, inode, ctx):
@@ -232,7 +240,7 @@ class Operations(pyfuse3.Operations):
     def _made(self, parent_inode: int, node: Node) -> pyfuse3.EntryAttributes:
         """The reply to a request that made ``node`` in directory ``parent_inode``."""
         self.fresh_in(parent_inode, node)
-        return entry(self.core.inodes, node)
+        return entry(self.core, node)
 
     def created_direct(self, fh: int, backing_id: int) -> bool:
         """Whether the open a CREATE made skips the page cache (direct_io)."""
@@ -290,7 +298,7 @@ class Operations(pyfuse3.Operations):
         node = await self.core.link(inode, new_parent_inode, new_name)
         self.unlinked(new_parent_inode)
         offer(self.core, node)
-        return entry(self.core.inodes, node)
+        return entry(self.core, node)
 
     @replies
     @acknowledges
@@ -311,7 +319,7 @@ class Operations(pyfuse3.Operations):
         for i in range(start_id, len(entries)):
             name, node = entries[i]
             self.core.files.sync_content(node)
-            a = attrs(node)
+            a = attrs(self.core, node)
             a.st_ino = node.nodeid
             if not pyfuse3.readdir_reply(token, name, a, i + 1):
                 break
@@ -345,7 +353,7 @@ class Operations(pyfuse3.Operations):
         self.fresh_in(parent_inode, node)
         info = pyfuse3.FileInfo(fh=fh, direct_io=self.created_direct(fh, backing_id),
                                 keep_cache=False)
-        reply = info, entry(self.core.inodes, node)
+        reply = info, entry(self.core, node)
         pass_through(self.core, backing_id)
         return reply
 
@@ -394,6 +402,7 @@ class Operations(pyfuse3.Operations):
         node = self.handles.handle(fh).node
         attrtable.drop(node.ino)
         await self.handles.release(fh)
+        self.core.cache.kernel.let_go(node)   # a writer's close that changed nothing
         offer(self.core, node)   # the last writer's close: its final size and times
 
     @replies

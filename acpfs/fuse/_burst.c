@@ -141,11 +141,14 @@ static int readable(int fd, long long budget)
     return ready;
 }
 
-/* The next request into next_buf, never waiting: the device is pyfuse3's, blocking, and a
- * request seen by poll may be gone by the read (the kernel withdraws a request not yet
- * read when its caller is interrupted), so it is non-blocking for this read alone. */
+/* The next request into next_buf, never waiting: a request seen by poll may be gone by the
+ * read (the kernel withdraws a request not yet read when its caller is interrupted). The
+ * device is non-blocking while the session's I/O is ours (_fastwrite.c); where it is not,
+ * it is made so for this read alone. */
 static int receive(struct fuse_session *se)
 {
+    if (fastwrite_nonblocking())
+        return fuse_session_receive_buf(se, &next_buf);
     int fd = fuse_session_fd(se), flags = fcntl(fd, F_GETFL);
     if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0)
         return -errno;

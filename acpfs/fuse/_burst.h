@@ -11,6 +11,8 @@ void burst_note_reply(uint64_t unique);
 void burst_reset(void);
 /* (_fastwrite.c) The mounted session whose I/O is ours, or NULL. */
 struct fuse_session *fastwrite_session(void);
+/* (_fastwrite.c) The session's device is non-blocking (its reads say EINTR for "none"). */
+int fastwrite_nonblocking(void);
 /* (_fastwrite.c) libfuse's own definition of an interposed function. */
 void *fastwrite_libfuse_symbol(const char *name);
 

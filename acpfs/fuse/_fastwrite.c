@@ -316,9 +316,22 @@ static int next_noflush;            /* reply_noflush(): the next OPEN reply gets
 static unsigned long long noflush_opens;
 static unsigned long long passthrough_opens;
 
+/* The device is non-blocking while the I/O is ours (fuse_session_mount): a request that
+ * poll showed may be withdrawn before the read (its caller interrupted), and nothing must
+ * then wait with the GIL held. "Nothing there" is EINTR to libfuse's callers, which read
+ * again once the device is readable (pyfuse3's loop) or stop (the burst loop, _burst.c). */
+static int nonblocking;
+
+int fastwrite_nonblocking(void)
+{
+    return nonblocking;
+}
+
 static ssize_t io_read(int fd, void *buf, size_t len, void *userdata)
 {
     ssize_t n = read(fd, buf, len);
+    if (n < 0 && errno == EAGAIN)
+        errno = EINTR;
     if (n >= (ssize_t)(sizeof(struct fuse_in_header) + offsetof(struct fuse_init_in, flags2)
                        + sizeof(uint32_t))) {
         const struct fuse_in_header *in = buf;
@@ -336,7 +349,10 @@ static ssize_t io_read(int fd, void *buf, size_t len, void *userdata)
 static ssize_t io_splice_receive(int fdin, off_t *offin, int fdout, off_t *offout, size_t len,
                                  unsigned int flags, void *userdata)
 {
-    return splice(fdin, offin, fdout, offout, len, flags);
+    ssize_t n = splice(fdin, offin, fdout, offout, len, flags);
+    if (n < 0 && errno == EAGAIN)
+        errno = EINTR;   /* as io_read */
+    return n;
 }
 
 static ssize_t io_splice_send(int fdin, off_t *offin, int fdout, off_t *offout, size_t len,
@@ -432,7 +448,7 @@ int fuse_session_mount(struct fuse_session *se, const char *mountpoint)
     if (real == NULL && (real = (session_mount_fn)libfuse_symbol("fuse_session_mount")) == NULL)
         return -1;
     init_unique = kernel_flags = 0;   /* a session of its own: nothing from an earlier one */
-    direct_io_mmap = custom_io = passthrough = killpriv_v2 = 0;
+    direct_io_mmap = custom_io = passthrough = killpriv_v2 = nonblocking = 0;
     next_backing = patching = next_noflush = 0;
     session = NULL;
     attrs_reset();
@@ -446,8 +462,11 @@ int fuse_session_mount(struct fuse_session *se, const char *mountpoint)
                                              .splice_receive = io_splice_receive,
                                              .splice_send = io_splice_send};
     /* the fd stays the mount's: closed once, by fuse_session_destroy */
-    if (fuse_session_custom_io(se, &io, fuse_session_fd(se)) == 0)
+    if (fuse_session_custom_io(se, &io, fuse_session_fd(se)) == 0) {
         custom_io = 1;
+        int fd = fuse_session_fd(se), flags = fcntl(fd, F_GETFL);
+        nonblocking = flags >= 0 && fcntl(fd, F_SETFL, flags | O_NONBLOCK) == 0;
+    }
     return res;
 }
 

@@ -85,14 +85,19 @@ class KernelCacheNotices(KernelNotices):
         self._landed.append(node)   # (deque appends are atomic: any thread)
 
     def let_go(self, node: Node) -> None:
-        """(trio thread) Drops the held answers of ``node`` if nothing is pending on it."""
-        if node.ino in self._held and self._quiescent is not None and self._quiescent(node):
-            del self._held[node.ino]
-            self.held_released += 1
-            for d, name in node.positions():
-                for nodeid in [d.ino, *(d.kernel_ids or ())]:
-                    self._forgets.put((nodeid, name, False))
-            self.forget_attrs(node)
+        """(trio thread) Drops the held answers of ``node`` if nothing is pending on it, or
+        if it has no name left (removed: the kernel dropped its entries then)."""
+        if node.ino not in self._held or self._quiescent is None:
+            return
+        names = node.names()
+        if names and not self._quiescent(node):
+            return
+        del self._held[node.ino]
+        self.held_released += 1
+        for d, name in names:
+            for nodeid in [d.ino, *(d.kernel_ids or ())]:
+                self._forgets.put((nodeid, name, False))
+        self.forget_attrs(node)
 
     def held_state(self) -> dict:
         return {"on": self._hold_on and self._quiescent is not None and kernel_timeout > 0,

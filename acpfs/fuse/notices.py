@@ -11,9 +11,11 @@ a change of pending (created or written and not yet in the backing; docs/semanti
 section 10: no other node's change can show in this mount's view of it until then) are
 given for ``HOLD_TIMEOUT`` instead of the kernel timeout, so that the ``stat`` and the
 ``unlink`` of a file just written cost no LOOKUP and no GETATTR however long the flusher
-takes. Once its change lands (or its writer closes it unchanged) the kernel is told to drop
-both (``run``, ``let_go``), within ``HOLD_POLL``: from then on it keeps them for the kernel
-timeout, as any other. ``ACPFS_NO_HOLD=1`` turns this off.
+takes. Once its change lands, what the kernel holds is what the backing holds at that
+moment, as an answer given then: the kernel is told to drop both (``run``, ``let_go``) once
+the kernel timeout from then has nearly run out, so no answer it keeps is older than that;
+a writer's close that leaves nothing pending, or a file with no name left, is let go at
+once. ``ACPFS_NO_HOLD=1`` turns this off.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ kernel_timeout = ATTR_TIMEOUT
 MISSING_PRUNE_AT = 100_000
 SETTLE_WAIT = 0.5   # an opendir waits at most this long for the kernel to drop such answers
 HOLD_TIMEOUT = 60.0   # s: what the kernel may keep of a file whose change is pending (held)
-HOLD_POLL = 0.1       # s: how soon after a held file's change landed the kernel is told
+HOLD_POLL = 0.1       # s: how often what landed is looked at, while some file is held
 
 
 class KernelCacheNotices(KernelNotices):
@@ -67,6 +69,8 @@ class KernelCacheNotices(KernelNotices):
         self._hold_on = not os.environ.get("ACPFS_NO_HOLD")
         self._held: dict[int, Node] = {}   # ino -> node answered until it lands (trio thread)
         self._landed: collections.deque[Node] = collections.deque()   # from the flusher's thread
+        # (when to let go, node) of held files whose change landed, in time order (trio thread)
+        self._leaving: collections.deque[tuple[float, Node]] = collections.deque()
         self._quiescent: Callable[[Node], bool] | None = None   # set by run()
         self._some_held = trio.Event()
         self.held_released = 0   # files whose held answers were dropped (status)
@@ -104,18 +108,27 @@ class KernelCacheNotices(KernelNotices):
                 "files": len(self._held), "released": self.held_released}
 
     async def run(self, quiescent: Callable[[Node], bool]) -> None:
-        """The trio thread's part: what landed is looked at every ``HOLD_POLL`` seconds
-        while some file is held, and nothing is done while none is."""
+        """The trio thread's part: every ``HOLD_POLL`` seconds while some file is held, what
+        landed since is given its time to be let go (the kernel timeout from now, less two
+        polls for this loop and the notification thread), and what is due is let go;
+        nothing is done while no file is held."""
         self._quiescent = quiescent
+        landed, leaving = self._landed, self._leaving
         while True:
             if not self._held:
-                self._landed.clear()
+                landed.clear()
+                leaving.clear()
                 self._some_held = trio.Event()
                 await self._some_held.wait()
             await trio.sleep(HOLD_POLL)
-            landed = self._landed
+            now = time.monotonic()
+            due = now + max(0.0, kernel_timeout - 2 * HOLD_POLL)
             for _ in range(len(landed)):
-                self.let_go(landed.popleft())
+                node = landed.popleft()
+                if node.ino in self._held:
+                    leaving.append((due, node))
+            while leaving and leaving[0][0] <= now:
+                self.let_go(leaving.popleft()[1])
 
     def forget_entry(self, parent_ino: int, name: bytes) -> None:
         """A name another node removed leaves the kernel's dentry cache at once, not after

@@ -11,7 +11,8 @@ Owns the rule that keeps the answers right:
 - an answer is put (``put``) by the adapter right after it answered a request about the
   inode, for as long as the core says the answer holds (``Loader.answer_holds_for``: 0 for a
   writer passed through, whose size the kernel changes without asking; until the next
-  comparison with the backing for a clean file) and at most the kernel timeout;
+  comparison with the backing for a clean file) and at most what the kernel may keep it
+  (``operations.timeout_of``: the kernel timeout, longer for a file whose change is pending);
 - it is removed when the inode changes: at the end of every request that changes it, before
   the reply (``fuse.operations``); by the extension when a WRITE or FALLOCATE arrives; and
   when the cache learns of another node's change (``KernelCacheNotices``: ``drop`` for an

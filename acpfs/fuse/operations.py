@@ -77,7 +77,7 @@ def changes(fn: Callable) -> Callable:
 def offer(core: Core, *nodes: Node) -> None:
     """The attributes of ``nodes`` were just answered (or changed by this request, which
     answers next): the kernel's next GETATTRs of them may be answered below Python while
-    that answer holds (``Loader.answer_holds_for``, at most the kernel timeout)."""
+    that answer holds (``Loader.answer_holds_for``, at most ``timeout_of``)."""
     if not attrtable.active():
         return
     for node in nodes:

@@ -114,13 +114,20 @@ class StagedFiles:
         except FileNotFoundError:
             pass
 
-    def publish(self, src_dfd: int, tmpname: bytes, dst_dfd: int, name: bytes) -> None:
-        """Atomically move a complete temporary file over its final name."""
+    def publish(self, src_dfd: int, tmpname: bytes, dst_dfd: int, name: bytes,
+                defer: bool = False) -> bool:
+        """Atomically move a complete temporary file over its final name, durably: the
+        directory fsynced, or, with ``defer`` and a temporary file in that same directory,
+        left to the caller (True: ``dst_dfd`` is to be fsynced; flusher/groups.py)."""
         check_name(name)
         os.rename(tmpname, name, src_dir_fd=src_dfd, dst_dir_fd=dst_dfd)
+        same = dst_dfd == src_dfd or os.path.samestat(os.fstat(src_dfd), os.fstat(dst_dfd))
+        if defer and same:
+            return True
         os.fsync(dst_dfd)
-        if dst_dfd != src_dfd and not os.path.samestat(os.fstat(src_dfd), os.fstat(dst_dfd)):
+        if not same:
             os.fsync(src_dfd)
+        return False
 
     def temp_exists(self, dfd: int, tmpname: bytes) -> bool:
         """Is the temporary file still there? (False also when its directory is gone.)"""

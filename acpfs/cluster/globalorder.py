@@ -40,6 +40,15 @@ class GlobalOrder:
     def status(self) -> dict:
         return self.peers.status(self.held)
 
+    def clear(self, op: Op) -> bool:
+        """Whether ``op`` may land now, without waiting (hold the op log's lock): ``hold``
+        would return at once."""
+        return self.peers.cleared(self._stamp(op)) is True
+
+    def _stamp(self, op: Op) -> float:
+        """The stamp ``op`` is held to: see ``hold``."""
+        return min(op.stamp, self.oplog.frontier()[0])
+
     def hold(self, op: Op, abort: threading.Event, meanwhile: Callable[[], None]) -> None:
         """The sequencer, before it applies ``op`` (hold the op log's lock): wait until no
         live node can still have to persist something it acknowledged before ``op``
@@ -57,7 +66,7 @@ class GlobalOrder:
         # stamp the last. Either way the head waits only for what the other nodes
         # acknowledged before this node's oldest pending change (docs/design.md). Held to
         # its last close instead, two such files on two nodes waited for each other.
-        stamp = min(op.stamp, self.oplog.frontier()[0])
+        stamp = self._stamp(op)
         while True:
             ok = peers.cleared(stamp)
             if ok is True:

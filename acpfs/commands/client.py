@@ -38,7 +38,7 @@ class StaleMount(Failure):
 
 
 class WaitTimeout(Failure):
-    """``wait_applied`` gave up; ``status`` is the last status document it read."""
+    """``wait_applied`` gave up; ``status`` is the last progress document it read."""
 
     def __init__(self, message: str, status: dict[str, Any]) -> None:
         super().__init__(message)
@@ -63,6 +63,21 @@ def read_status(mountpoint: str) -> dict[str, Any]:
         mountpoint, control.STATUS, f"cannot read the status of {mountpoint}",
         f"the acpfs daemon of {mountpoint} is gone (stale mount); "
         f"run 'acpfs umount {mountpoint}' to clean it up"))
+
+
+def read_progress(mountpoint: str) -> dict[str, Any]:
+    """The progress document of the mount (docs/status.md, "Progress"): what a wait for
+    durability shows, cheap to ask for at any rate. A daemon older than it answers ENODATA:
+    its whole status document then, which holds the same keys."""
+    try:
+        return json.loads(_getxattr(
+            mountpoint, control.PROGRESS, f"cannot read the progress of {mountpoint}",
+            f"the acpfs daemon of {mountpoint} is gone (stale mount); "
+            f"run 'acpfs umount {mountpoint}' to clean it up"))
+    except Failure as e:
+        if isinstance(e, StaleMount) or e.errno != errno.ENODATA:
+            raise
+        return read_status(mountpoint)
 
 
 def is_stale(mountpoint: str) -> bool:
@@ -279,16 +294,17 @@ def _preload_all(planned: list[tuple[str, int]], mounts: dict[str, int], quiet: 
 # -- waiting for durability ----------------------------------------------------------------------
 def wait_applied(mountpoint: str, seq: int, timeout: float | None = None,
                  progress: Callable[[dict[str, Any]], None] | None = None) -> None:
-    """Block until the mount has applied ``seq`` (its status's ``queue.applied_seq`` reaches
-    it): every change numbered up to ``seq`` is durable in the backing.
+    """Block until the mount has applied ``seq`` (its progress document's
+    ``queue.applied_seq`` reaches it): every change numbered up to ``seq`` is durable in the
+    backing.
 
-    ``progress`` is called with each status document read while ``seq`` is not applied yet.
+    ``progress`` is called with each progress document read while ``seq`` is not applied yet.
     Raises WaitTimeout once ``timeout`` seconds have passed without it (a status is read at
     least once), StaleMount when the daemon is gone, Failure when the status cannot be read.
     """
     start = time.monotonic()
     while True:
-        st = read_status(mountpoint)
+        st = read_progress(mountpoint)
         if st["queue"]["applied_seq"] >= seq:
             return
         if progress is not None:

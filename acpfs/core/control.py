@@ -8,6 +8,9 @@ socket and work with ordinary permissions (``getfattr`` works too):
                         mount's "applied_seq" reaches N (K files under it are still open
                         with unsaved data, and are saved at their last close)
     user.acpfs.status   mount root: the status document (schema in docs/status.md)
+    user.acpfs.progress mount root: the part of it ``acpfs sync`` and ``umount`` poll while
+                        they wait (``progress``): none of it grows with the files cached
+                        or queued, as the whole document's counts do
     user.acpfs.files    mount root: files not yet persisted, with their state, sorted by
                         path: the first page of a listing made at that moment; its "next"
                         names the attribute of the next page, ``user.acpfs.files.<listing>.
@@ -50,6 +53,7 @@ PREFIX = b"user.acpfs."
 STATE = b"user.acpfs.state"
 SEQ = b"user.acpfs.seq"
 STATUS = b"user.acpfs.status"
+PROGRESS = b"user.acpfs.progress"
 FILES = b"user.acpfs.files"
 PEERS = b"user.acpfs.peers"
 PRELOAD = b"user.acpfs.preload"   # a file: read it into the cache; {"size": N, "cached": true}
@@ -105,6 +109,9 @@ def get(flusher: Flusher, info: MountInfo, node: Node, name: bytes, trusted: boo
         if name == STATUS:
             doc = status(flusher, info, wt)
             return fitted(doc if trusted else hide_names(doc))
+        if name == PROGRESS:
+            doc = progress(flusher)
+            return json.dumps(doc if trusted else hide_names(doc)).encode()
         if name == FILES or name.startswith(FILES + b"."):
             if not trusted:
                 raise OSError(errno.EACCES, "the pending files are listed to root and the "
@@ -226,10 +233,12 @@ def recovery_status(info: MountInfo, applied: int) -> dict[str, Any] | None:
 
 
 def hide_names(doc: dict[str, Any]) -> dict[str, Any]:
-    """The status document without the names of files, for other users (docs/status.md)."""
+    """The status document (or the progress document) without the names of files, for
+    other users (docs/status.md)."""
     for e in doc["errors"]:
         e["path"] = HIDDEN
-    doc["conflicts"]["recent"] = []
+    if "conflicts" in doc:
+        doc["conflicts"]["recent"] = []
     if doc.get("recovery"):
         doc["recovery"] = {**doc["recovery"], "lost_open_files": [], "kept_aside": [],
                            "aside_pending": []}
@@ -292,6 +301,24 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         "kernel_held": cache.kernel.held_state(),
         "metrics": info.metrics,
     }
+
+
+def progress(fl: Flusher) -> dict[str, Any]:
+    """The progress document (docs/status.md, "Progress"): the keys of the status document
+    that a wait for durability shows, each with the status's value, and nothing whose cost
+    grows with the files cached or queued. ``acpfs sync`` polls it every 20 ms at first:
+    the whole document, counted over every file, took the interpreter from the flusher it
+    was waiting for (docs/benchmarks.md, "Files persisted per second")."""
+    oplog = fl.oplog
+    with oplog.lock:
+        queue = {"pending_ops": len(oplog.queue), "applied_seq": oplog.applied_seq,
+                 "last_seq": oplog.seq}
+        flushing = {"bytes": oplog.queued_bytes}
+        errors = fl.errors()
+        held = fl.order.held if fl.order is not None else None
+    return {"version": STATUS_VERSION, "queue": queue, "flushing": flushing,
+            "flush_rate_bytes_per_s": round(fl.rate()), "errors": errors,
+            "peers": None if fl.order is None else {"held": None if held is None else dict(held)}}
 
 
 def pending_files(cache: Cache) -> list[dict[str, Any]]:

@@ -43,7 +43,8 @@ from typing import Any, Callable
 from ..errors import Aborted
 from .attempts import Attempts
 from .giveway import GiveWay
-from ..backing.backing import Backing, MissingDir
+from .groups import Group
+from ..backing.backing import STALE, Backing, MissingDir
 from ..cache.cache import Cache
 from ..config import DEFAULT_FLUSH_WORKERS
 from ..oplog.log import OpLog
@@ -82,14 +83,16 @@ class Flusher:
         self.repairs = Repairs(cache, backing)
         self.uploads = Uploads(cache, backing, self.lock, self.abort, self.attempts,
                                self.repairs, self.workers, self.give_way)
+        self.group = Group()   # publishes waiting for their directory's fsync (sequencer's)
         self.publisher = Publisher(cache, backing, self.lock, self.attempts, self.repairs,
-                                   self.uploads, self._launch)
+                                   self.uploads, self._launch, self.group)
         self.thread = threading.Thread(target=self._run, name="acpfs-sequencer", daemon=True)
         # counters for status (guarded by lock)
         self.persisted_files = 0
         self.persisted_bytes = 0
         self.close_to_durable = Histogram()   # s from a snapshot queued to its version durable
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
+        self._rate_bytes = 0   # the sum of _rate's bytes
 
     def start(self) -> None:
         self.thread.start()
@@ -114,16 +117,14 @@ class Flusher:
         """The flusher's part of the status document (docs/status.md): uploads in flight,
         what was persisted and how long it took, failures, the failing ops at the head of
         the queue, conflicts, global order, and whether the sequencer lives."""
-        now = time.time()
         gave_way = self.give_way.status()   # its lock nests with nothing (docs/concurrency.md)
         with self.lock:
-            errors = [{"path": op.path, "op": op.kind, "reason": op.error,
-                       "attempts": op.attempts, "since": round(op.since, 3),
-                       "next_retry_in_s": round(max(0.0, op.next_retry - now), 1)}
-                      for op in itertools.islice(self.oplog.queue, 0, self.window) if op.error]
+            errors = self.errors()
             return {"in_flight": self.uploads.running,
                     "persisted_since_mount": {"files": self.persisted_files,
                                               "bytes": self.persisted_bytes},
+                    "grouped_publishes": {"files": self.group.grouped,
+                                          "directory_fsyncs": self.group.commits},
                     "close_to_durable_s": self.close_to_durable.as_dict(),
                     "errors_since_mount": self.attempts.status(),
                     "flush_rate_bytes_per_s": round(self.rate()),
@@ -133,44 +134,102 @@ class Flusher:
                     "gave_way_to_requests": gave_way,
                     "flusher_alive": self.thread.is_alive()}
 
+    def errors(self) -> list[dict[str, Any]]:
+        """The ops at the head of the queue whose last attempt failed, for status (hold lock)."""
+        now = time.time()
+        return [{"path": op.path, "op": op.kind, "reason": op.error,
+                 "attempts": op.attempts, "since": round(op.since, 3),
+                 "next_retry_in_s": round(max(0.0, op.next_retry - now), 1)}
+                for op in itertools.islice(self.oplog.queue, 0, self.window) if op.error]
+
     def rate(self) -> float:
         """Bytes per second persisted over the last 10 seconds."""
         cutoff = time.time() - 10
         with self.lock:
             while self._rate and self._rate[0][0] < cutoff:
-                self._rate.popleft()
-            return sum(n for _, n in self._rate) / 10.0
+                self._rate_bytes -= self._rate.popleft()[1]
+            return self._rate_bytes / 10.0
 
     # -- the sequencer thread -----------------------------------------------------------
     def _run(self) -> None:
         queue = self.oplog.queue
+        group = self.group
         try:
             while True:
                 with self.lock:
                     while True:
                         self._launch()   # and the discards
-                        if queue or self._stopping:
+                        if len(queue) > len(group.ops) or group.ops or self._stopping:
                             break
                         self.lock.wait()
-                    if not queue or self.abort.is_set():
+                    if self.abort.is_set() or not queue:
                         return
-                    op = queue[0]
-                    if self.order is not None and op.state != OpState.VOID:
+                    # the head's op, or the next after a group of publishes applied but not
+                    # yet durable (groups.py): it joins them, or their fsync comes first
+                    op = queue[len(group.ops)] if len(queue) > len(group.ops) else None
+                    if group.ops and (op is None or not self._joins(op)):
+                        op = None
+                    elif self.order is not None and op.state != OpState.VOID and not group.ops:
                         self.order.hold(op, self.abort, self._launch)
-                self.give_way.wait()
+                if op is None:
+                    self._commit()
+                    continue
+                if not group.ops:
+                    self.give_way.wait()
                 self._apply(op)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("%s %s: %s (seq %d)", op.kind, op.path, op.state, op.seq)
-                with self.lock:
-                    self.oplog.pop(op)
-                    self._finish(op)
-                    self.oplog.applied(op)   # after _finish: OpLog.applied says why
-                self.cache.kernel.landed(op.node)   # answers held until it landed
+                group.ops.append(op)
+                if not group.fds:   # nothing to fsync: popped at once
+                    self._commit()
         except Aborted:
             log.warning("flusher stopped without draining: %d operations left", len(queue))
         except BaseException:
             log.exception("flusher crashed; changes are no longer persisted")
             raise
+
+    def _joins(self, op: Op) -> bool:
+        """Whether ``op`` may be applied before the fsync of the group of publishes applied
+        before it (hold lock): a publish into the same directory, of a file not staged
+        (its temporary file is in that directory), whose upload is done, that global order
+        lets land now (never a wait while the group holds this node's frontier back), and
+        room in the group."""
+        group = self.group
+        if not isinstance(op, Publish) or group.full() or op.snap.staged is not None \
+                or op.parent is not group.ops[-1].parent or op.future is None \
+                or not op.future.done():
+            return False
+        return self.order is None or op.state == OpState.VOID or self.order.clear(op)
+
+    def _commit(self) -> None:
+        """The group's directories fsynced (groups.py), then its ops popped and applied, in
+        queue order; with nothing to fsync, the op just applied, at once."""
+        group = self.group
+        if group.fds:
+            def run() -> None:
+                while group.fds:
+                    key, fd = next(iter(group.fds.items()))
+                    self.backing.fsync(fd)
+                    del group.fds[key]
+                    self.backing.close_fd(fd)
+
+            def repair(exc: BaseException) -> None:
+                if isinstance(exc, OSError) and exc.errno in STALE:
+                    # the directory is gone from a remounted backing (NFS: a server restart);
+                    # its renames were committed by the server before it answered them
+                    key, fd = next(iter(group.fds.items()))
+                    del group.fds[key]
+                    self.backing.close_fd(fd)
+            self.attempts.until_done(run, group.ops[-1], "publish of", repair)
+            group.commits += 1
+        ops = group.committed()
+        with self.lock:
+            for op in ops:
+                self.oplog.pop(op)
+                self._finish(op)
+            self.oplog.applied(ops[-1])   # after _finish: OpLog.applied says why
+        for op in ops:
+            self.cache.kernel.landed(op.node)   # answers held until it landed
 
     def _short_of_room(self) -> bool:
         """Less than a quarter of the cache is free: writers may be waiting for persisted
@@ -211,6 +270,7 @@ class Flusher:
             now = time.time()
             self.close_to_durable.observe(now - op.since)
             self._rate.append((now, op.nbytes))
+            self._rate_bytes += op.nbytes
             self.cache.files.note_persisted(node)
 
     # -- applying each kind of op (hold position_lock while the backing changes) ----------

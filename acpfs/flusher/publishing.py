@@ -21,6 +21,7 @@ import time
 from typing import Callable
 
 from .attempts import Attempts
+from .groups import Group
 from ..backing.backing import Backing, Comps, MissingDir
 from ..cache.cache import Cache
 from ..oplog.ops import Link, Publish
@@ -36,7 +37,7 @@ Version = tuple[int, int, int]
 class Publisher:
     def __init__(self, cache: Cache, backing: Backing, lock: threading.Condition,
                  attempts: Attempts, repairs: Repairs, uploads: Uploads,
-                 meanwhile: Callable[[], None]) -> None:
+                 meanwhile: Callable[[], None], group: Group | None = None) -> None:
         self.cache = cache
         self.backing = backing
         self.lock = lock
@@ -44,6 +45,7 @@ class Publisher:
         self.repairs = repairs
         self.uploads = uploads
         self.meanwhile = meanwhile   # with lock held, while the sequencer waits for an upload
+        self.group = group           # where a rename's directory fsync waits (groups.py)
 
     def apply(self, op: Publish) -> None:
         """Land ``op`` (its state DONE), or drop it if it went void (VOID)."""
@@ -129,9 +131,14 @@ class Publisher:
                     # at the name after it, it may already be another node's, published
                     # right after ours, and this node would take that for its own
                     version = self.backing.version(op.dir_fd, op.temp_name)
-                    self.backing.publish(op.dir_fd, op.temp_name, dst, op.name)
+                    group = self.group if op.snap.staged is None else None
+                    if self.backing.publish(op.dir_fd, op.temp_name, dst, op.name,
+                                            defer=group is not None):
+                        group.keep(dst)   # fsynced with the rest of the group, its own now
+                        dst = -1
                 finally:
-                    self.backing.close_fd(dst)
+                    if dst >= 0:
+                        self.backing.close_fd(dst)
                 # its other names still hold the version before, until publish_links
                 first = (op.parent, op.name)
                 node.set_positions([first] + [p for p in node.positions()

@@ -171,6 +171,24 @@ def test_read_status_tells_a_stale_mount_from_another_error(xattrs):
     assert {name for _, name in calls} == {control.STATUS}
 
 
+def test_the_progress_is_read_from_its_own_attribute_or_an_older_daemons_status(xattrs):
+    table, calls = xattrs
+    table["/m", control.PROGRESS] = b'{"queue": {"applied_seq": 3}}'
+    table["/m", control.STATUS] = b'{"queue": {"applied_seq": 2}, "uptime_s": 1}'
+    assert client.read_progress("/m") == {"queue": {"applied_seq": 3}}
+    assert calls == [("/m", control.PROGRESS)]
+    del table["/m", control.PROGRESS]                  # a daemon before it: ENODATA
+    assert client.read_progress("/m") == {"queue": {"applied_seq": 2}, "uptime_s": 1}
+    assert calls[1:] == [("/m", control.PROGRESS), ("/m", control.STATUS)]
+    table["/m", control.PROGRESS] = errno.ENOTCONN     # a dead daemon is not asked twice
+    with pytest.raises(client.StaleMount):
+        client.read_progress("/m")
+    assert calls[-1] == ("/m", control.PROGRESS)
+    table["/m", control.PROGRESS] = errno.EIO
+    with pytest.raises(client.Failure, match="^cannot read the progress of /m: Input/output error$"):
+        client.read_progress("/m")
+
+
 def test_is_stale_on_a_real_directory(tmp_path):
     assert client.is_stale(str(tmp_path)) is False
     assert client.is_stale(str(tmp_path / "missing")) is False
@@ -213,17 +231,17 @@ def status(applied: int, errors: list | None = None) -> dict:
 
 @pytest.fixture
 def statuses(monkeypatch):
-    """read_status answers from a list (its last entry once the list is used up)."""
+    """read_progress answers from a list (its last entry once the list is used up)."""
     answers: list[dict | Exception] = []
     asked: list[str] = []
 
-    def read_status(mountpoint: str) -> dict:
+    def read_progress(mountpoint: str) -> dict:
         asked.append(mountpoint)
         a = answers.pop(0) if len(answers) > 1 else answers[0]
         if isinstance(a, Exception):
             raise a
         return a
-    monkeypatch.setattr(client, "read_status", read_status)
+    monkeypatch.setattr(client, "read_progress", read_progress)
     return answers, asked
 
 

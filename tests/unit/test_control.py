@@ -16,6 +16,7 @@ from acpfs.core import control
 from acpfs.errors import Failure
 from acpfs.core.control import FILES
 from acpfs.node import node_path
+from harness import write_file
 from triocore import mount_info
 
 
@@ -126,6 +127,8 @@ def test_every_node_record_is_read_page_by_page_and_sync_all_nodes_waits_for_all
     pages = []
 
     class Order:   # global order's status as the flusher shows it (the queue is empty)
+        held = None
+
         def status(self):
             return {"instance": "me", "node": "self", "skew": 0.5, "heartbeat": 1.0,
                     "lease": 30.0, "ops": 0, "error": None, "held": None,
@@ -148,3 +151,34 @@ def test_every_node_record_is_read_page_by_page_and_sync_all_nodes_waits_for_all
         syncing.all_nodes("/m", time.monotonic() + 0.5)       # waits for the last one
     records[1999]["frontier"] = called + 5
     assert syncing.all_nodes("/m", time.monotonic() + 5) == 2000
+
+
+def test_the_progress_document_says_what_the_status_says_of_a_wait(core):
+    """``user.acpfs.progress`` (what ``acpfs sync`` polls): the status's values of the keys
+    a wait shows, a failing op at the head included; other users get no file names."""
+    cache, back = core.cache, core.backing
+    back.inject("publish", errno=errno.EIO)      # the head fails, and keeps its place
+    for i in range(30):
+        node = write_file(cache, b"f%02d" % i, b"x" * (1000 + i))
+        cache.files.release(node, True)
+    deadline = time.monotonic() + 10
+    while not (core.oplog.queue and core.oplog.queue[0].error):
+        assert time.monotonic() < deadline, "the publish never failed"
+        time.sleep(0.01)
+    info = mount_info(core)
+    root = cache.inodes.root
+    with core.oplog.lock:   # nothing moves between the two reads
+        st = json.loads(control.get(core.flusher, info, root, control.STATUS))
+        pr = json.loads(control.get(core.flusher, info, root, control.PROGRESS))
+    assert pr["queue"] == st["queue"] and pr["queue"]["pending_ops"] == 30
+    assert pr["flushing"]["bytes"] == st["flushing"]["bytes"] == sum(1000 + i for i in range(30))
+    assert pr["errors"] == st["errors"] and pr["errors"][0]["path"] == "f00"
+    assert pr["flush_rate_bytes_per_s"] == st["flush_rate_bytes_per_s"]
+    assert pr["peers"] is None and st["peers"] is None   # global order off here
+    hidden = json.loads(control.get(core.flusher, info, root, control.PROGRESS, trusted=False))
+    assert hidden["errors"][0]["path"] == control.HIDDEN
+    back.clear()
+    core.drain()
+    pr = json.loads(control.get(core.flusher, info, root, control.PROGRESS))
+    assert pr["queue"]["applied_seq"] == pr["queue"]["last_seq"] and pr["errors"] == []
+    assert pr["flush_rate_bytes_per_s"] == round(sum(1000 + i for i in range(30)) / 10)

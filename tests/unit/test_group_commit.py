@@ -1,0 +1,100 @@
+"""Publishes into one directory share its fsync (acpfs/flusher/groups.py), on a core without a
+mount: fewer directory fsyncs than files, nothing counted applied (``applied_seq``, the
+journal, ``acpfs sync``) before the fsync that makes it durable, and a group that never
+spans two directories or an op of another kind."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+from harness import write_file
+
+
+def wait_for(cond, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def dir_fsyncs(back, path: str) -> int:
+    return sum(1 for method, p in list(back.calls) if method == "fsync" and p == path)
+
+
+def publish_all(cache, parent, names, data=b"x" * 100):
+    for name in names:
+        node = write_file(cache, name, data, parent)
+        cache.files.release(node, True)
+
+
+def test_a_group_lands_with_one_fsync_and_counts_as_applied_only_after_it(core):
+    cache, back, oplog = core.cache, core.backing, core.oplog
+    d = cache.names.mkdir(cache.inodes.root, b"d", 0o755, 0, 0)
+    core.drain()
+    before = oplog.applied_seq
+    held = back.inject("fsync", path="d", hang=True)   # the group's fsync of d, held
+    publish_all(cache, d, [b"f%02d" % i for i in range(40)])
+    wait_for(held.entered.is_set, "no directory fsync")
+    renamed = [n for n in os.listdir(core.back / "d") if n.startswith("f")]
+    assert renamed                                      # the renames are made
+    time.sleep(0.2)             # meanwhile the uploads under way finish: the next group's
+    assert oplog.applied_seq == before                  # none of them counts yet
+    assert len(oplog.queue) == 40
+    back.clear()
+    core.drain()
+    assert sorted(n for n in os.listdir(core.back / "d") if not n.startswith(".")) == \
+        [f"f{i:02d}" for i in range(40)]
+    syncs = dir_fsyncs(back, "d")
+    grouped = core.flusher.status()["grouped_publishes"]
+    assert 1 <= syncs < 40 and grouped["directory_fsyncs"] == syncs
+    assert grouped["files"] >= 2
+
+
+def test_a_group_ends_at_another_directory_and_at_another_kind_of_op(core):
+    """z/x0, then d/a1 d/a2 e/b1 d/a3 (mkdir d/sub) d/a4, all uploaded before the sequencer
+    lands anything: with d's fsync held, e/b1 is not renamed (it waits for d's group to be
+    durable), nor anything after it."""
+    cache, back, oplog = core.cache, core.backing, core.oplog
+    root = cache.inodes.root
+    dirs = {name: cache.names.mkdir(root, name, 0o755, 0, 0) for name in (b"d", b"e", b"z")}
+    core.drain()
+    first = back.inject("create_temp", path="z/", hang=True)   # the sequencer waits for x0
+    publish_all(cache, dirs[b"z"], [b"x0"])
+    wait_for(first.entered.is_set, "x0 not uploading")
+    held = back.inject("fsync", path="d", hang=True, times=1)
+    publish_all(cache, dirs[b"d"], [b"a1", b"a2"])
+    publish_all(cache, dirs[b"e"], [b"b1"])
+    publish_all(cache, dirs[b"d"], [b"a3"])
+    cache.names.mkdir(dirs[b"d"], b"sub", 0o755, 0, 0)
+    publish_all(cache, dirs[b"d"], [b"a4"])
+    last = oplog.seq
+    wait_for(lambda: sum(1 for m, _ in list(back.calls) if m == "finish_temp") >= 5,
+             "the others are not uploaded meanwhile")
+    first.release()
+    wait_for(held.entered.is_set, "no fsync of d")
+    time.sleep(0.2)
+    assert os.path.exists(core.back / "d" / "a1")
+    assert not os.path.exists(core.back / "e" / "b1")   # the next directory waits
+    assert not os.path.exists(core.back / "d" / "a3")
+    held.release()
+    core.drain(last)
+    for path in ("z/x0", "d/a1", "d/a2", "e/b1", "d/a3", "d/sub", "d/a4"):
+        assert os.path.exists(core.back / path), path
+
+
+def test_a_failing_fsync_keeps_the_group_and_is_retried(core):
+    cache, back, oplog = core.cache, core.backing, core.oplog
+    d = cache.names.mkdir(cache.inodes.root, b"d", 0o755, 0, 0)
+    core.drain()
+    before = oplog.applied_seq
+    fault = back.inject("fsync", path="d", errno=errno.EIO, times=3)
+    publish_all(cache, d, [b"f%d" % i for i in range(10)])
+    wait_for(lambda: fault.hits >= 1, "no fsync failed")
+    wait_for(lambda: oplog.queue and oplog.queue[0].error is not None or fault.hits >= 3,
+             "the failure is not shown")
+    assert oplog.applied_seq == before or fault.hits >= 3
+    core.drain()
+    assert fault.hits == 3 and oplog.applied_seq == oplog.seq
+    assert core.flusher.status()["errors_since_mount"]["retries"] >= 3

@@ -191,12 +191,12 @@ class Flusher:
     def _joins(self, op: Op) -> bool:
         """Whether ``op`` may be applied before the fsync of the group of publishes applied
         before it (hold lock): a publish into the same directory, of a file not staged
-        (its temporary file is in that directory), whose upload is done, that global order
+        (its temporary file is in that directory) and with one name, whose upload is done, that global order
         lets land now (never a wait while the group holds this node's frontier back), and
         room in the group."""
         group = self.group
         if not isinstance(op, Publish) or group.full() or op.snap.staged is not None \
-                or op.parent is not group.ops[-1].parent or op.future is None \
+                or op.links or op.parent is not group.ops[-1].parent or op.future is None \
                 or not op.future.done():
             return False
         return self.order is None or op.state == OpState.VOID or self.order.clear(op)

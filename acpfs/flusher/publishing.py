@@ -131,7 +131,9 @@ class Publisher:
                     # at the name after it, it may already be another node's, published
                     # right after ours, and this node would take that for its own
                     version = self.backing.version(op.dir_fd, op.temp_name)
-                    group = self.group if op.snap.staged is None else None
+                    # a staged file's temporary file is in another directory; a linked
+                    # file's other names land right after, each fsynced at once
+                    group = self.group if op.snap.staged is None and not op.links else None
                     if self.backing.publish(op.dir_fd, op.temp_name, dst, op.name,
                                             defer=group is not None):
                         group.keep(dst)   # fsynced with the rest of the group, its own now

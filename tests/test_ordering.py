@@ -385,7 +385,12 @@ def test_file_deleted_before_persist_never_reaches_backing(make_mount, faults, t
     mirror whose renames hang while the files are made and deleted: the first publish (the
     blocker's rename into place) cannot end, so by the strict prefix nothing queued after it
     can reach the backing before the deletions, whatever the speed of the flusher. Uploads
-    (the temporary files' contents) run meanwhile: a deletion cancels work under way."""
+    (the temporary files' contents) run meanwhile: a deletion cancels work under way.
+
+    The blocker lands in a directory of its own: its hung rename holds that directory's lock
+    in the kernel, which any creation there waits for, and the backing's root must stay free
+    for the staging directory of the file written through below (with the blocker at the
+    root, the test hung whenever the flusher reached the blocker's rename before that file)."""
     m = make_mount(cache_size=cache_size, extra=("--flush-workers", "4"), env=path_for(cache_size),
                    mount=False)
     shim = faults.shim(tmp_path / "src", m.back)
@@ -398,6 +403,8 @@ def test_file_deleted_before_persist_never_reaches_backing(make_mount, faults, t
             for n in dirnames + filenames:
                 if not n.startswith(TEMP_PREFIX):
                     seen_names.add(str(Path(dirpath, n).relative_to(m.back)))
+            if dirpath == str(m.back) and "hold" in dirnames:
+                dirnames.remove("hold")   # locked while the blocker's rename hangs
 
     watcher = Poller(poll)
     watcher.start()
@@ -409,12 +416,14 @@ def test_file_deleted_before_persist_never_reaches_backing(make_mount, faults, t
 
     def seq_of(rel: str) -> int:
         return json.loads(os.getxattr(m.mnt / rel, "user.acpfs.seq"))["seq"]
+    (m.mnt / "hold").mkdir()
+    m.sync()
     shim.set("hang rename")
     try:
         try:
             # everything queued after the blocker waits for its publish, held by the shim
-            (m.mnt / "blocker.bin").write_bytes(src.make("blocker", 200 * MiB, 0))
-            blocker_seq = seq_of("blocker.bin")
+            (m.mnt / "hold" / "blocker.bin").write_bytes(src.make("blocker", 16 * MiB, 0))
+            blocker_seq = seq_of("hold/blocker.bin")
             (m.mnt / "sub").mkdir()
 
             def gone(*names: str, closed: bool = True) -> None:
@@ -480,12 +489,13 @@ def test_file_deleted_before_persist_never_reaches_backing(make_mount, faults, t
     leaked = sorted(seen_names & set(never))
     assert leaked == [], f"deleted-before-persist files appeared in the backing: {leaked}"
     assert sync_error is None, sync_error
-    assert {"blocker.bin", "sub", "sub/keeper.bin"} <= seen_names
+    assert {"hold", "sub", "sub/keeper.bin"} <= seen_names
     # whatever was deleted is gone after sync, and no temporary files are left either
-    assert listing(m.back) == ["blocker.bin", "sub"]
+    assert listing(m.back) == ["hold", "sub"]
+    assert listing(m.back / "hold") == ["blocker.bin"]
     assert os.listdir(m.back / "sub") == ["keeper.bin"]
     assert (m.back / "sub" / "keeper.bin").read_bytes() == keeper
-    assert (m.back / "blocker.bin").read_bytes() == src.make("blocker", 200 * MiB, 0)
+    assert (m.back / "hold" / "blocker.bin").read_bytes() == src.make("blocker", 16 * MiB, 0)
     assert m.status()  # the daemon is alive and answering
 
 

@@ -190,10 +190,10 @@ class Flusher:
 
     def _joins(self, op: Op) -> bool:
         """Whether ``op`` may be applied before the fsync of the group of publishes applied
-        before it (hold lock): a publish into the same directory, of a file not staged
-        (its temporary file is in that directory) and with one name, whose upload is done, that global order
-        lets land now (never a wait while the group holds this node's frontier back), and
-        room in the group."""
+        before it (hold lock): a publish into the same directory, of a file not staged (its
+        temporary file is in that directory) and with one name, whose upload is done, that
+        global order lets land now (never a wait while the group holds this node's frontier
+        back), and room in the group."""
         group = self.group
         if not isinstance(op, Publish) or group.full() or op.snap.staged is not None \
                 or op.links or op.parent is not group.ops[-1].parent or op.future is None \
@@ -206,22 +206,13 @@ class Flusher:
         queue order; with nothing to fsync, the op just applied, at once."""
         group = self.group
         if group.fds:
-            def run() -> None:
-                while group.fds:
-                    key, fd = next(iter(group.fds.items()))
-                    self.backing.fsync(fd)
-                    del group.fds[key]
-                    self.backing.close_fd(fd)
-
             def repair(exc: BaseException) -> None:
                 if isinstance(exc, OSError) and exc.errno in STALE:
                     # the directory is gone from a remounted backing (NFS: a server restart);
                     # its renames were committed by the server before it answered them
-                    key, fd = next(iter(group.fds.items()))
-                    del group.fds[key]
-                    self.backing.close_fd(fd)
-            self.attempts.until_done(run, group.ops[-1], "publish of", repair)
-            group.commits += 1
+                    group.forget_first(self.backing.close_fd)
+            self.attempts.until_done(lambda: group.sync(self.backing.fsync, self.backing.close_fd),
+                                     group.ops[-1], "publish of", repair)
         ops = group.committed()
         with self.lock:
             for op in ops:

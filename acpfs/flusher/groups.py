@@ -13,7 +13,8 @@ order, in one directory, each after its file's own fsync (``write_temp``); a cra
 directory's fsync keeps a prefix of them where the filesystem makes metadata durable in the
 order it was made (ext4 and XFS journals, btrfs's log; NFS and Lustre servers commit each
 rename before they answer), and the journal replays the rest. A group never spans two
-directories, nor an op of another kind (``Flusher._joins``).
+directories, an op of another kind, nor a file staged elsewhere or with several names
+(``Flusher._joins``).
 
 Owns ``Group``: the applied ops waiting for the fsync, in order, and the descriptors of the
 directories to fsync (normally one: a second appears only when the directory was replaced
@@ -23,6 +24,7 @@ under its path between two renames). Threads: the sequencer's only.
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 from ..oplog.ops import Op
 
@@ -45,6 +47,19 @@ class Group:
             os.close(fd)
         else:
             self.fds[key] = fd
+
+    def sync(self, fsync: Callable[[int], None], close: Callable[[int], None]) -> None:
+        """fsync each directory of the group, forgetting each once it is done (a retry goes
+        on with the rest); counted once all are."""
+        while self.fds:
+            fsync(next(iter(self.fds.values())))
+            self.forget_first(close)
+        self.commits += 1
+
+    def forget_first(self, close: Callable[[int], None]) -> None:
+        """The first directory needs no fsync (done, or gone stale): its descriptor closed."""
+        key = next(iter(self.fds))
+        close(self.fds.pop(key))
 
     def full(self) -> bool:
         return len(self.ops) >= GROUP_MAX

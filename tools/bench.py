@@ -30,7 +30,7 @@ WORKER = str(REPO / "tools" / "bench_worker.py")
 GiB = 1 << 30
 MiB = 1 << 20
 
-TARGETS = ["shm", "disk", "acpfs", "acpfs-disk", "acpfs-daemon", "rclone"]
+TARGETS = ["shm", "disk", "acpfs", "acpfs-disk", "acpfs-daemon", "rclone", "c-floor"]
 TARGET_LABEL = {
     "shm": "/dev/shm",
     "disk": "disk+fsync",
@@ -38,6 +38,7 @@ TARGET_LABEL = {
     "acpfs-disk": "acpfs, store on disk",   # --cache-dir on the backing disk: page cache bounds RAM
     "acpfs-daemon": "acpfs, daemon path",   # --passthrough off: the pool, every request through the daemon
     "rclone": "rclone",
+    "c-floor": "C floor",   # tools/fuse_floor.c: a FUSE daemon in C that keeps only names
     "backing": "backing, direct",   # the cold workload: the same loader on the mount's backing
 }
 COLUMNS = TARGETS + ["backing"]   # targets and the references recorded beside them
@@ -174,6 +175,7 @@ class Target:
     name = "?"
     fsync = False  # fsync before close: what careful users do against a plain disk
     pid: int | None = None
+    workloads: tuple[str, ...] | None = None   # None: every workload
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -254,6 +256,35 @@ class Acpfs(Target):
 
     def backing_of(self, path: str) -> str:
         return os.path.join(self.backing, os.path.relpath(path, self.root))
+
+
+class CFloor(Target):
+    """tools/fuse_floor.c mounted: a libfuse daemon in C that answers every request at
+    once from a table of names and sizes (one directory, nothing kept). The small-file
+    workload only: the ceiling of any FUSE daemon on this kernel and machine, measured in
+    the same run as acpfs (docs/benchmarks.md)."""
+    name = "c-floor"
+    workloads = ("small",)
+
+    def __init__(self, root: str, build_dir: str) -> None:
+        super().__init__(root)
+        self.build_dir = build_dir
+        self.mount = None
+
+    def start(self) -> None:
+        from fuse_floor import CFloor as Mounted, build_c   # tools/, this script's directory
+        os.makedirs(self.root, exist_ok=True)
+        os.makedirs(self.build_dir, exist_ok=True)
+        self.mount = Mounted(build_c(self.build_dir), self.root)
+        log(f"C floor mounted at {self.root} (pid {self.mount.proc.pid})")
+
+    def stop(self) -> None:
+        if self.mount is not None:
+            self.mount.stop()
+            self.mount = None
+
+    def remove(self, path: str) -> None:
+        pass   # nothing is left: the workload unlinks what it makes, and mkdir is not served
 
 
 class Rclone(Target):
@@ -451,6 +482,10 @@ class Bench:
                                            os.path.join(self.tmp, f"{name}.log"), name=name,
                                            env={"ACPFS_PASSTHROUGH": "off"}
                                            if name == "acpfs-daemon" else None)
+            elif name == "c-floor":
+                if "small" in a.workloads:   # its only workload
+                    self.targets[name] = CFloor(os.path.join(self.tmp, "mnt-c-floor"),
+                                                os.path.join(self.tmp, "c-floor-build"))
             elif name == "rclone":
                 if not shutil.which("rclone"):
                     self.note("rclone is not installed: the rclone target is skipped "
@@ -811,13 +846,16 @@ class Bench:
         return c.get("read", 0), c.get("read_bytes", 0)
 
     def wl_small(self, t: Target, rep: int) -> None:
-        d = self.fresh(t, "small", rep)
+        # the C floor serves one directory, and keeps no data: create, stat, unlink only
+        d = t.root if isinstance(t, CFloor) else self.fresh(t, "small", rep)
         n = self.args.small_files
         with self.profiled(t, f"small-r{rep}"):
             r = self.w.call("small", path=d, n=n, size=self.args.small_size, fsync=t.fsync)
         self.record("small_create", t.name, rep, n / r["create_s"])
         self.record("small_stat", t.name, rep, n / r["stat_s"])
         self.record("small_unlink", t.name, rep, n / r["unlink_s"])
+        if isinstance(t, CFloor):
+            return
         d = self.fresh(t, "persist", rep)
         src = self.small_source(n)
         with self.profiled(t, f"small_persist-r{rep}"):
@@ -945,8 +983,15 @@ class Bench:
         try:
             log(f"building a {a.size / GiB:.2f} GiB state dict in the worker")
             self.w = WorkerProc(a.size)
-            for t in self.targets.values():
-                t.start()
+            for name, t in list(self.targets.items()):
+                try:
+                    t.start()
+                except RuntimeError as e:
+                    if not isinstance(t, CFloor):
+                        raise
+                    self.note(f"the C floor is skipped: {e}")   # no cc or libfuse3 headers
+                    del self.targets[name]
+                    continue
                 started.append(t)
                 self.sample_rss(t, "start")
             self.save()
@@ -958,6 +1003,8 @@ class Bench:
                 for rep in range(a.reps + 1):
                     log(f"{wl}: repetition {rep}{' (warm-up)' if rep == 0 else ''}")
                     for t in self.targets.values():
+                        if t.workloads is not None and wl not in t.workloads:
+                            continue
                         try:
                             fn(t, rep)
                         except Exception as e:
@@ -1088,6 +1135,12 @@ class Bench:
                 r = ratio(metric, target, "shm")
                 add(metric, f">={goal}x shm ({target})", r, None if r is None else r >= goal,
                     f"{r:.3f}x" if r else "-")
+        for metric in ("small_create", "small_stat", "small_unlink"):   # issue 31: no goal
+            for target in ("c-floor", "acpfs", "acpfs-daemon"):
+                other = "shm" if target == "c-floor" else "c-floor"
+                r = ratio(metric, target, other)
+                add(metric, f"({target} / {TARGET_LABEL[other]})", r, None,
+                    f"{r:.3f}x" if r else "-")
         v = m("rss_100k_mib", "acpfs")
         files = self.extra.get("rss100k", {}).get("files", self.args.rss_files)
         add("rss_100k_mib", f"<200 MiB ({files} files)", v, None if v is None else v < 200,
@@ -1113,7 +1166,7 @@ class Bench:
                  f"acpfs {self.meta.get('acpfs_commit', '?')}", ""]
         hdr = ["metric", "unit"] + [TARGET_LABEL[n] for n in names] + \
             ["acpfs/shm", "acpfs/disk", "acpfs/rclone", "store on disk/shm", "daemon path/shm",
-             "acpfs/backing", "daemon path/backing", "target"]
+             "acpfs/backing", "daemon path/backing", "acpfs/C floor", "target"]
         lines.append("| " + " | ".join(hdr) + " |")
         lines.append("|" + "|".join("---" for _ in hdr) + "|")
         for metric, (_wl, unit, higher, _desc) in METRICS.items():
@@ -1125,7 +1178,8 @@ class Bench:
                 row.append(fmt(v["median"]) if v else "-")
             for mine, other in (("acpfs", "shm"), ("acpfs", "disk"), ("acpfs", "rclone"),
                                 ("acpfs-disk", "shm"), ("acpfs-daemon", "shm"),
-                                ("acpfs", "backing"), ("acpfs-daemon", "backing")):
+                                ("acpfs", "backing"), ("acpfs-daemon", "backing"),
+                                ("acpfs", "c-floor")):
                 x, y = med.get((metric, mine)), med.get((metric, other))
                 row.append(f"{x['median'] / y['median']:.2f}" if x and y and y["median"] else "-")
             row.append("; ".join(f"{c['goal']}: {c['shown']} {c['result']}" for c in by_metric.get(metric, [])))
@@ -1166,7 +1220,7 @@ class Bench:
         fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
         colors = {"shm": "#888888", "disk": "#d62728", "acpfs": "#1f77b4", "acpfs-disk": "#2ca02c",
                   "acpfs-daemon": "#9ecae1",
-                  "rclone": "#ff7f0e"}
+                  "rclone": "#ff7f0e", "c-floor": "#444444"}
         for ax, metric in zip(axes.flat, metrics):
             unit, higher = METRICS[metric][1], METRICS[metric][2]
             xs, ys, lo, hi, cs = [], [], [], [], []

@@ -3,7 +3,9 @@
 Owns: when the last request answered in Python arrived (``arrived``: written by the trio
 thread, read by the flusher's threads; the extension stamps every request it dispatches,
 those answered in C too, and ``below`` reads that stamp), the highest op someone waits for (``wanted``), and
-the time given way in the current second (under its own lock, which nests inside nothing).
+the time given way in the current second and which waiting thread watches the clock
+(under its own lock, which nests inside nothing: the callables given to it are never
+called with it held).
 
 Why: the flusher's threads and the event loop that answers requests share one interpreter.
 On a small machine a burst of created files (a checkpoint of many shards, an unpacked
@@ -21,6 +23,12 @@ the ops queued when they asked are applied), while the cache is short of room (w
 for the flusher: less than a quarter of the cache free), while it is stopping, or where
 nothing arrives.
 docs/design.md, "The flusher gives way to requests".
+
+How threads wait: one of them (the watcher) looks at the clock every STEP_S; the others
+sleep until it or ``waited_for`` wakes them (or WAKE_S at the latest). A thread that wakes
+takes the interpreter from the request loop, and on a VM across vCPUs, so six threads
+looking every millisecond cost a burst of creates about a sixth of its speed
+(docs/benchmarks.md, "The flusher gives way").
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ from typing import Callable
 QUIET_S = 0.002     # a request arrived this recently: programs are at work
 WINDOW_S = 1.0      # of each second, at most SHARE is given way
 SHARE = 0.9         # docs/benchmarks.md, "The flusher gives way": 0.5 and 0.9 measured
-STEP_S = 0.001      # a waiting thread looks again this often
+STEP_S = 0.005      # the watcher looks again this often
+WAKE_S = 0.05       # the others at the latest (the watcher wakes them when it goes)
 
 
 class GiveWay:
@@ -47,6 +56,8 @@ class GiveWay:
         self.arrived = 0.0         # time.monotonic() of the last request (the trio thread)
         self.wanted = 0            # (_lock to write) the highest op seq someone waits for
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)   # waiting threads sleep on it
+        self._watching = False     # (_lock) a waiting thread watches the clock
         self._window = 0.0         # (_lock) when the current second began
         self._spent = 0.0          # (_lock) seconds of it given way, up to _since
         self._waiting = 0          # (_lock) threads waiting now
@@ -63,6 +74,7 @@ class GiveWay:
         if seq > self.wanted:
             with self._lock:
                 self.wanted = max(self.wanted, seq)
+                self._cond.notify_all()   # they stop giving way now, not at their next look
 
     def _busy(self, now: float) -> bool:
         return (now - max(self.arrived, self.below()) <= QUIET_S and self.applied() >= self.wanted
@@ -96,14 +108,28 @@ class GiveWay:
             self.waits += 1
         try:
             while True:
-                time.sleep(STEP_S)   # the GIL is free meanwhile
+                self._sleep()
                 now = time.monotonic()
                 if not self._busy(now) or self._used_up(now):
+                    with self._lock:
+                        self._cond.notify_all()   # the others look too, now
                     return
         finally:
             with self._lock:
                 self._roll(time.monotonic())
                 self._waiting -= 1
+
+    def _sleep(self) -> None:
+        """One step of a wait (the GIL is free meanwhile): STEP_S for the watcher, until
+        woken for the others."""
+        with self._lock:
+            watcher = not self._watching
+            self._watching = True
+            try:
+                self._cond.wait(STEP_S if watcher else WAKE_S)
+            finally:
+                if watcher:
+                    self._watching = False
 
     def status(self) -> dict:
         with self._lock:

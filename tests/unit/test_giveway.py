@@ -114,3 +114,53 @@ def test_requests_stamped_below_python_are_given_way_too():
     time.sleep(giveway.QUIET_S * 2)   # the stamp is older than QUIET_S
     gw.wait()
     assert gw.status()["waits"] == 1
+
+
+def test_one_waiting_thread_watches_the_clock_and_wakes_the_others(monkeypatch):
+    """Five threads give way to 0.3 s of requests: only one of them looks at the clock
+    (every STEP_S), the others sleep until it goes and wakes them (WAKE_S is set far beyond
+    the test: a thread left asleep would hold the join). Threads that each looked every step
+    took the interpreter from the request loop five times as often."""
+    monkeypatch.setattr(giveway, "STEP_S", 0.01)
+    monkeypatch.setattr(giveway, "WAKE_S", 30.0)
+    gw = GiveWay(lambda: False, lambda: False, lambda: 0)
+    looks = [0]
+    busy = gw._busy
+
+    def counted(now: float) -> bool:
+        looks[0] += 1
+        return busy(now)
+
+    gw._busy = counted
+    t = arriving(gw, 0.3)
+    time.sleep(0.01)
+    waiters = [threading.Thread(target=gw.wait, daemon=True) for _ in range(5)]
+    for w in waiters:
+        w.start()
+    t.join()
+    for w in waiters:
+        w.join(timeout=5)
+    assert not any(w.is_alive() for w in waiters), "a waiting thread was never woken"
+    assert gw.status()["waits"] == 5
+    # one look on entry per thread, one per step of the watcher, one each at the end
+    assert looks[0] <= 5 + 2 * 0.3 / giveway.STEP_S + 5 + 5, looks[0]
+
+
+def test_a_thread_giving_way_stops_at_once_when_someone_waits_for_the_flusher(monkeypatch):
+    """``waited_for`` (an fsync, ``acpfs sync``) wakes the threads giving way: they do not
+    sleep out their step (set to 30 s here)."""
+    monkeypatch.setattr(giveway, "STEP_S", 30.0)
+    monkeypatch.setattr(giveway, "WAKE_S", 30.0)
+    gw = GiveWay(lambda: False, lambda: False, lambda: 5)
+    t = arriving(gw, 2.0)
+    time.sleep(0.01)
+    waiters = [threading.Thread(target=gw.wait, daemon=True) for _ in range(2)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.1)
+    assert all(w.is_alive() for w in waiters) and gw.status()["waits"] == 2
+    gw.waited_for(7)
+    for w in waiters:
+        w.join(timeout=1.5)
+    assert not any(w.is_alive() for w in waiters), "waited_for did not end the wait"
+    t.join()

@@ -26,9 +26,9 @@ docs/design.md, "The flusher gives way to requests".
 
 How threads wait: one of them (the watcher) looks at the clock every STEP_S; the others
 sleep until it or ``waited_for`` wakes them (or WAKE_S at the latest). A thread that wakes
-takes the interpreter from the request loop, and on a VM across vCPUs, so six threads
-looking every millisecond cost a burst of creates about a sixth of its speed
-(docs/benchmarks.md, "The flusher gives way").
+takes the interpreter from the request loop, and on a VM across vCPUs, so five threads
+(the uploads and the sequencer) looking every millisecond cost a burst of creates a fifth of
+its speed (docs/benchmarks.md, "The flusher gives way", "One thread watches the clock").
 """
 
 from __future__ import annotations

@@ -41,9 +41,14 @@ class GlobalOrder:
         return self.peers.status(self.held)
 
     def clear(self, op: Op) -> bool:
-        """Whether ``op`` may land now, without waiting (hold the op log's lock): ``hold``
-        would return at once."""
-        return self.peers.cleared(self._stamp(op)) is True
+        """Whether ``op``, queued behind ops applied but not yet popped (a group waiting for
+        its fsync, flusher/groups.py), may land now without waiting (hold the op log's
+        lock): cleared at its own stamp. Not at ``_stamp``: this node's frontier is still
+        that of the ops before it, older than ``op``, and another node's change acknowledged
+        in between would not hold it (a pointer landed before a paused node's shard). Its
+        own stamp is never earlier than what ``hold`` will hold it to once it is the head,
+        so what this clears, ``hold`` would too."""
+        return self.peers.cleared(op.stamp) is True
 
     def _stamp(self, op: Op) -> float:
         """The stamp ``op`` is held to: see ``hold``."""

@@ -98,3 +98,52 @@ def test_a_failing_fsync_keeps_the_group_and_is_retried(core):
     core.drain()
     assert fault.hits == 3 and oplog.applied_seq == oplog.seq
     assert core.flusher.status()["errors_since_mount"]["retries"] >= 3
+
+
+class PausedNode:
+    """Stands in for ``Peers``: another node that acknowledged a change at ``frontier`` and
+    has not persisted it (paused): a change stamped at or after it is not cleared."""
+    lease = 30.0
+
+    def __init__(self) -> None:
+        self.frontier = float("inf")
+
+    def cleared(self, stamp: float) -> bool | None:
+        return True if stamp < self.frontier else None
+
+    def kick(self) -> None:
+        pass
+
+
+def test_a_publish_never_joins_a_group_past_another_nodes_frontier(make_core):
+    """d/shard_a is closed, then (on a paused node) shard_b, then d/.metadata here; both files
+    are uploaded before the sequencer lands shard_a. shard_a may land (nothing of the other
+    node is older), and opens a group; .metadata, into the same directory and uploaded, must
+    not join it: this node's frontier is shard_a's (still queued until the group's fsync), so
+    holding .metadata to that frontier let it land before shard_b (seen in CI:
+    test_global_order.py::test_pointer_never_lands_before_a_paused_nodes_shard)."""
+    paused = PausedNode()
+    core = make_core(peers=paused)
+    cache, back, oplog = core.cache, core.backing, core.oplog
+    root = cache.inodes.root
+    z = cache.names.mkdir(root, b"z", 0o755, 0, 0)
+    d = cache.names.mkdir(root, b"d", 0o755, 0, 0)
+    core.drain()
+    first = back.inject("create_temp", path="z/", hang=True)   # the sequencer waits for x0
+    publish_all(cache, z, [b"x0"])
+    wait_for(first.entered.is_set, "x0 not uploading")
+    publish_all(cache, d, [b"shard_a"])
+    paused.frontier = oplog.next_stamp()   # the other node's shard_b: closed, not persisted
+    publish_all(cache, d, [b".metadata"])
+    last = oplog.seq
+    wait_for(lambda: sum(1 for m, _ in list(back.calls) if m == "finish_temp") >= 2,
+             "shard_a and .metadata are not uploaded meanwhile")
+    first.release()
+    wait_for(lambda: os.path.exists(core.back / "d" / "shard_a"), "shard_a did not land")
+    time.sleep(0.3)
+    assert not os.path.exists(core.back / "d" / ".metadata"), \
+        "a pointer landed before another node's shard"
+    assert oplog.applied_seq < last
+    paused.frontier = float("inf")         # the other node persisted shard_b
+    core.drain(last)
+    assert os.path.exists(core.back / "d" / ".metadata")

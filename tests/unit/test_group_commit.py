@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
-from harness import write_file
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness import Parts, write_file
 
 
 def wait_for(cond, what: str, timeout: float = 10) -> None:
@@ -147,3 +153,48 @@ def test_a_publish_never_joins_a_group_past_another_nodes_frontier(make_core):
     paused.frontier = float("inf")         # the other node persisted shard_b
     core.drain(last)
     assert os.path.exists(core.back / "d" / ".metadata")
+
+
+@given(dirs=st.lists(st.sampled_from([b"d", b"e"]), min_size=2, max_size=12),
+       split=st.integers(min_value=0, max_value=12))
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_nothing_lands_past_a_paused_nodes_frontier_whatever_the_groups(dirs, split):
+    """Property, against the rule's model: files published in a random order into two
+    directories (so that groups form and break at random), another node paused with a change
+    acknowledged between the ``split``-th and the next; the sequencer starts once the first
+    uploads are done. While that node is paused exactly the files closed before its change
+    land; once it goes on, all of them."""
+    split = min(split, len(dirs))
+    root_dir = Path(tempfile.mkdtemp(prefix="acpfs-groups-"))
+    paused = PausedNode()
+    core = Parts(root_dir, blocks=256, peers=paused)
+    try:
+        cache, back, oplog = core.cache, core.backing, core.oplog
+        root = cache.inodes.root
+        made = {name: cache.names.mkdir(root, name, 0o755, 0, 0) for name in (b"z", b"d", b"e")}
+        core.drain()
+        first = back.inject("create_temp", path="z/", hang=True)   # the sequencer waits
+        publish_all(cache, made[b"z"], [b"x0"])
+        wait_for(first.entered.is_set, "x0 not uploading")
+        names = []
+        for i, d in enumerate(dirs):
+            if i == split:
+                paused.frontier = oplog.next_stamp()   # the other node's change
+            name = b"f%02d" % i
+            publish_all(cache, made[d], [name])
+            names.append(os.path.join(os.fsdecode(d), os.fsdecode(name)))
+        last = oplog.seq
+        time.sleep(0.05)   # some uploads finish meanwhile (as many as the flusher launches)
+        first.release()
+        for path in names[:split]:
+            wait_for(lambda: os.path.exists(core.back / path), f"{path} did not land")
+        time.sleep(0.1)
+        landed = [p for p in names if os.path.exists(core.back / p)]
+        assert landed == names[:split], (landed, split)
+        paused.frontier = float("inf")
+        core.drain(last)
+        assert all(os.path.exists(core.back / p) for p in names)
+    finally:
+        paused.frontier = float("inf")   # nothing held: the flusher drains and stops
+        core.close()
+        shutil.rmtree(root_dir, ignore_errors=True)

@@ -124,7 +124,8 @@ class GiveWay:
         woken for the others."""
         with self._lock:
             watcher = not self._watching
-            self._watching = True
+            if watcher:
+                self._watching = True
             try:
                 self._cond.wait(STEP_S if watcher else WAKE_S)
             finally:

@@ -101,7 +101,9 @@ def test_requests_answered_below_python_are_given_way(make_mount, faults, tmp_pa
     # answered in C: not one reached Python's getxattr (the two status reads aside)
     assert after["requests"].get("getxattr", 0) - before["requests"].get("getxattr", 0) <= 2, \
         (before["requests"], after["requests"])
-    assert gave["waits"] > gave_before["waits"], (gave_before, gave)
+    # time given way while only these requests arrived (the count of waits may not move: a
+    # wait begun during the writes lasts as long as requests keep arriving, and the status
+    # read that precedes the loop is answered in Python, 2 ms before the first of them)
     assert gave["given_s"] - gave_before["given_s"] > 0.3, (gave_before, gave)
     shim.set("ok")
     m.sync()

@@ -134,7 +134,8 @@ def test_a_path_opened_in_one_call_is_what_the_walk_opens(back, tmp_path):
     """RootDir: openat2 (RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS) promises what the walk from the
     root does, on random trees with files, symlinks (inside, outside, to files, dangling) and
     missing names: the same directory or file opened, or the same MissingDir (depth,
-    blocked) or errno."""
+    blocked) or errno; and ``stat_entry`` (the entry opened O_PATH in one call) the same lstat
+    as from the directory opened by the walk, or None alike."""
     if not root_mod.HAVE_BENEATH:
         pytest.skip("acpfs.backing._beneath is not built")
     assert back.beneath
@@ -164,6 +165,7 @@ def test_a_path_opened_in_one_call_is_what_the_walk_opens(back, tmp_path):
             os.symlink(tmp_path / "nowhere", p)
     paths = [list(os.fsencode(d.relative_to(root)).split(b"/")) if d != root else [] for d in dirs]
     seen = set()
+    stat_kinds: set = set()
     for _ in range(400):
         comps = list(rng.choice(paths))
         for _ in range(rng.randrange(3)):
@@ -178,7 +180,17 @@ def test_a_path_opened_in_one_call_is_what_the_walk_opens(back, tmp_path):
                 outcomes.append(_outcome(lambda: back.open_in(comps, name, os.O_RDONLY | os.O_NONBLOCK)))
         assert outcomes[0] == outcomes[1], (comps, name)
         seen.add(outcomes[0][0])
+        if name is not None:   # an lstat: the entry opened O_PATH, or the directory walked
+            stats = []
+            for beneath in (True, False):
+                back.beneath = beneath
+                st = back.stat_entry(comps, name)
+                stats.append(None if st is None else (st.st_ino, st.st_mode, st.st_size,
+                                                      st.st_mtime_ns))
+            assert stats[0] == stats[1], (comps, name)
+            stat_kinds.add("missing" if stats[0] is None else stat.S_IFMT(stats[0][1]))
     assert seen == {"opened", "missing", "error"}   # the random trees reached every outcome
+    assert stat_kinds == {"missing", stat.S_IFDIR, stat.S_IFREG, stat.S_IFLNK}, stat_kinds
     back.beneath = True
     with pytest.raises(OSError) as e:
         back.open_dir([b".."])

@@ -227,7 +227,8 @@ class MemFiles:
         return os.pread(self._fd(mf), end - off, off)
 
     def write(self, mf: MemFile, off: int, data) -> MemFile:
-        mf = self.private(mf, os.fstat(self._fd(mf)).st_size)
+        if mf.refs != 1:   # (its size only matters for a copy)
+            mf = self.private(mf, os.fstat(self._fd(mf)).st_size)
         view = memoryview(data)
         fd = self._fd(mf)
         done = 0

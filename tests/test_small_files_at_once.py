@@ -26,6 +26,7 @@ NAMES = 12
 @pytest.mark.parametrize("seed", [1, 2])
 def test_small_file_requests_answered_at_once_keep_the_model(make_mount, seed):
     rng = random.Random(seed)
+    began = time.monotonic()   # (the handlers' time in Python is less than this test's)
     m = make_mount()
     (m.mnt / "d").mkdir()
     names = [f"f{i}" for i in range(NAMES)]
@@ -102,10 +103,19 @@ def test_small_file_requests_answered_at_once_keep_the_model(make_mount, seed):
         assert (m.back / "d" / name).read_bytes() == data, f"{name}: persisted"
     st = m.status()
     at_once = st["at_once"]
+    elapsed = time.monotonic() - began
     for kind in ("lookup", "create", "unlink"):
         assert at_once[kind]["answered"] > 0, (kind, at_once)
         assert at_once[kind]["answered"] <= st["requests"][kind], (kind, at_once)
         assert at_once[kind]["failed"] == 0, (kind, at_once)
+    # the time each kind's handler took in Python (docs/status.md): some, and together less
+    # than the test took
+    assert all(at_once[k]["python_s"] > 0 for k in ("lookup", "create", "unlink", "flush",
+                                                      "release")), at_once
+    in_python = sum(at_once[k]["python_s"] for k in ("lookup", "create", "unlink", "open",
+                                                      "flush", "release"))
+    assert 0 < st["fast_write"]["python_s"] and in_python + st["fast_write"]["python_s"] < elapsed, \
+        (at_once, st["fast_write"], elapsed)
     burst = at_once["burst"]
     assert burst["on"] and burst["extra"] > 0, burst
 

@@ -48,6 +48,7 @@
 #include <stdarg.h>
 #include <fcntl.h>
 #include <string.h>
+#include <time.h>
 
 #include "_atonce.h"
 
@@ -63,6 +64,14 @@ typedef void (*create_op)(fuse_req_t, fuse_ino_t, const char *, mode_t, struct f
 static create_op next_create;
 static PyObject *handler[KINDS];          /* set_at_once(); NULL: all go to pyfuse3 */
 static unsigned long long answered[KINDS], passed[KINDS], failed[KINDS];
+static unsigned long long python_ns[KINDS];   /* time in the handler, whatever it returned */
+
+static unsigned long long monotonic_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (unsigned long long)t.tv_sec * 1000000000ULL + (unsigned long long)t.tv_nsec;
+}
 
 /* Calls handler[kind] (set) with the arguments Py_BuildValue makes of fmt (a tuple's);
  * returns its result (a new reference), or NULL after printing an exception. */
@@ -70,6 +79,7 @@ static PyObject *call(int kind, const char *fmt, ...)
 {
     PyObject *fn = handler[kind];
     Py_INCREF(fn);   /* set_at_once() may run during the call */
+    unsigned long long start = monotonic_ns();
     va_list va;
     va_start(va, fmt);
     PyObject *args = Py_VaBuildValue(fmt, va);
@@ -79,6 +89,7 @@ static PyObject *call(int kind, const char *fmt, ...)
     if (res == NULL)
         PyErr_WriteUnraisable(fn);
     Py_DECREF(fn);
+    python_ns[kind] += monotonic_ns() - start;
     return res;
 }
 
@@ -356,10 +367,10 @@ static PyObject *at_once_stats(PyObject *self, PyObject *unused)
 {
     PyObject *out = PyDict_New();
     for (int k = 0; out != NULL && k < KINDS; k++) {
-        PyObject *one = Py_BuildValue("{s:O,s:K,s:K,s:K}", "on",
+        PyObject *one = Py_BuildValue("{s:O,s:K,s:K,s:K,s:d}", "on",
                                       handler[k] != NULL ? Py_True : Py_False,
                                       "answered", answered[k], "passed", passed[k],
-                                      "failed", failed[k]);
+                                      "failed", failed[k], "python_s", python_ns[k] / 1e9);
         if (one == NULL || PyDict_SetItemString(out, kind_names[k], one) < 0) {
             Py_XDECREF(one);
             Py_DECREF(out);
@@ -376,6 +387,7 @@ PyMethodDef atonce_methods[] = {
      "'release', 'lookup', 'unlink' or 'create' to fn first (see acpfs/fuse/_atonce.c); None unsets."},
     {"at_once_stats", at_once_stats, METH_NOARGS,
      "{kind: {'on': a callable is set, 'answered': requests it answered, 'passed': left to "
-     "pyfuse3, 'failed': answered with an error}} for each kind"},
+     "pyfuse3, 'failed': answered with an error, 'python_s': seconds spent in the callable}} "
+     "for each kind"},
     {NULL, NULL, 0, NULL},
 };

@@ -72,6 +72,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <fcntl.h>
 #include <sys/uio.h>
 #include <sys/utsname.h>
@@ -110,6 +111,7 @@ static write_buf_fn next_write_buf;     /* pyfuse3's handler */
 static PyObject *handler;               /* set_handler(); NULL: every request goes to pyfuse3 */
 static int sessions_hooked;             /* sessions created through the wrapper */
 static unsigned long long fast_writes, passed_on, failed, from_pipe;
+static unsigned long long python_ns;   /* time in the WRITE handler, whatever it returned */
 static char *scratch;                   /* for requests that arrive in a pipe (splice) */
 static size_t scratch_size;
 
@@ -163,8 +165,13 @@ static PyObject *offer(PyObject *fn, struct fuse_file_info *fi, off_t off, char 
         Py_DECREF(slot);
         return NULL;
     }
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     PyObject *res = PyObject_CallFunction(fn, "KLO", (unsigned long long)fi->fh, (long long)off,
                                           view);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    python_ns += (unsigned long long)((t1.tv_sec - t0.tv_sec) * 1000000000LL
+                                      + (t1.tv_nsec - t0.tv_nsec));
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyObject *rel = PyObject_CallMethod(view, "release", NULL);
@@ -685,11 +692,11 @@ static PyObject *set_fallocate_handler(PyObject *self, PyObject *arg)
 
 static PyObject *stats(PyObject *self, PyObject *unused)
 {
-    return Py_BuildValue("{s:i,s:K,s:K,s:K,s:K,s:i,s:K,s:K}", "sessions_hooked", sessions_hooked,
-                         "fast_writes", fast_writes, "passed_on", passed_on, "failed", failed,
-                         "from_pipe", from_pipe, "custom_io", custom_io,
+    return Py_BuildValue("{s:i,s:K,s:K,s:K,s:K,s:i,s:K,s:K,s:d}", "sessions_hooked",
+                         sessions_hooked, "fast_writes", fast_writes, "passed_on", passed_on,
+                         "failed", failed, "from_pipe", from_pipe, "custom_io", custom_io,
                          "kernel_flags", (unsigned long long)kernel_flags,
-                         "noflush_opens", noflush_opens);
+                         "noflush_opens", noflush_opens, "python_s", python_ns / 1e9);
 }
 
 static PyObject *get_direct_io_mmap(PyObject *self, PyObject *unused)
@@ -709,7 +716,8 @@ static PyMethodDef methods[] = {
      "the handler, 'passed_on': WRITEs it passed on to pyfuse3, 'failed': WRITEs answered with "
      "an error, 'from_pipe': WRITEs that arrived in libfuse's splice pipe, 'custom_io': the "
      "session's I/O is ours, 'kernel_flags': the INIT flags the kernel offered, "
-     "'noflush_opens': OPEN replies sent with FOPEN_NOFLUSH}"},
+     "'noflush_opens': OPEN replies sent with FOPEN_NOFLUSH, 'python_s': seconds spent in the "
+     "WRITE handler}"},
     {"set_passthrough", set_passthrough, METH_O,
      "Before the mount: ask for FUSE_PASSTHROUGH in INIT with this max_stack_depth (0: do not)."},
     {"passthrough", get_passthrough, METH_NOARGS,

@@ -48,9 +48,9 @@
 #include <stdarg.h>
 #include <fcntl.h>
 #include <string.h>
-#include <time.h>
 
 #include "_atonce.h"
+#include "_clock.h"
 
 typedef void (*file_op)(fuse_req_t, fuse_ino_t, struct fuse_file_info *);
 
@@ -66,20 +66,13 @@ static PyObject *handler[KINDS];          /* set_at_once(); NULL: all go to pyfu
 static unsigned long long answered[KINDS], passed[KINDS], failed[KINDS];
 static unsigned long long python_ns[KINDS];   /* time in the handler, whatever it returned */
 
-static unsigned long long monotonic_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (unsigned long long)t.tv_sec * 1000000000ULL + (unsigned long long)t.tv_nsec;
-}
-
 /* Calls handler[kind] (set) with the arguments Py_BuildValue makes of fmt (a tuple's);
  * returns its result (a new reference), or NULL after printing an exception. */
 static PyObject *call(int kind, const char *fmt, ...)
 {
     PyObject *fn = handler[kind];
     Py_INCREF(fn);   /* set_at_once() may run during the call */
-    unsigned long long start = monotonic_ns();
+    uint64_t start = monotonic_ns();
     va_list va;
     va_start(va, fmt);
     PyObject *args = Py_VaBuildValue(fmt, va);

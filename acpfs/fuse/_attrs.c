@@ -55,6 +55,7 @@
 #include <unistd.h>
 
 #include "_attrs.h"
+#include "_clock.h"
 
 #define ALIAS_MASK ((1ULL << 40) - 1)   /* acpfs.cache.inodes.ALIAS_SHIFT */
 #define MIN_SLOTS 1024
@@ -87,13 +88,6 @@ typedef void (*getattr_fn)(fuse_req_t, fuse_ino_t, struct fuse_file_info *);
 typedef void (*getxattr_fn)(fuse_req_t, fuse_ino_t, const char *, size_t);
 static getattr_fn next_getattr;
 static getxattr_fn next_getxattr;
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
 
 static size_t home(uint64_t ino)
 {
@@ -154,7 +148,7 @@ static int make_room(void)
 {
     if (nslots != 0 && (used + 1) * 2 <= nslots)
         return 0;
-    uint64_t now = now_ns();
+    uint64_t now = monotonic_ns();
     size_t live = 0;
     for (size_t i = 0; i < nslots; i++)
         live += slots[i].ino != 0 && slots[i].seq > cleared_seq && slots[i].until_ns > now;
@@ -206,7 +200,7 @@ static void answer_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info
         long i = find(ino & ALIAS_MASK);
         if (i >= 0) {
             struct entry *e = &slots[i];
-            uint64_t now = now_ns();
+            uint64_t now = monotonic_ns();
             struct stat mem;
             int usable = e->seq > cleared_seq && e->until_ns > now
                          && (e->fd < 0 || fstat(e->fd, &mem) == 0);
@@ -348,7 +342,7 @@ static PyObject *attrs_put(PyObject *self, PyObject *args)
     e->seen_ctime = seen_ctime;
     e->ino = ino;
     e->seq = ++seq;
-    e->until_ns = now_ns() + (uint64_t)(valid_for * 1e9);
+    e->until_ns = monotonic_ns() + (uint64_t)(valid_for * 1e9);
     e->mode = mode;
     e->nlink = nlink;
     e->uid = uid;

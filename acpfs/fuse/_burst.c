@@ -49,6 +49,7 @@
 #include <time.h>
 
 #include "_burst.h"
+#include "_clock.h"
 
 #define MAX_BURST_NS 2000000LL   /* 2 ms: trio's other tasks wait no longer */
 
@@ -60,7 +61,7 @@ static uint64_t current_unique;    /* the request being dispatched here */
 static int current_answered;       /* ... was answered during its dispatch */
 static struct fuse_buf next_buf;   /* the requests read here (libfuse allocates it) */
 static unsigned long long bursts, extra, caught, polled_ns;
-static long long last_request_ns;  /* CLOCK_MONOTONIC; read by the flusher's threads (GIL) */
+static uint64_t last_request_ns;  /* CLOCK_MONOTONIC; read by the flusher's threads (GIL) */
 
 void burst_note_reply(uint64_t unique)
 {
@@ -72,13 +73,6 @@ void burst_reset(void)
 {
     current_unique = 0;
     current_answered = 0;
-}
-
-static long long now_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
 static uint64_t unique_of(const struct fuse_buf *buf)
@@ -98,7 +92,7 @@ static void note_request(const struct fuse_buf *buf)
     case FUSE_INTERRUPT:
         return;
     default:
-        last_request_ns = now_ns();
+        last_request_ns = monotonic_ns();
     }
 }
 
@@ -123,20 +117,20 @@ static int readable(int fd, long long budget)
     if (n != 0 || budget <= 0)
         return n > 0;
     int ready = 0;
-    long long start, end;
+    uint64_t start, end;
     Py_BEGIN_ALLOW_THREADS
-    start = end = now_ns();
-    while (end - start < budget) {
+    start = end = monotonic_ns();
+    while ((long long)(end - start) < budget) {
         p.revents = 0;
         n = poll(&p, 1, 0);
         if (n != 0) {
             ready = n > 0;
             break;
         }
-        end = now_ns();
+        end = monotonic_ns();
     }
     Py_END_ALLOW_THREADS
-    polled_ns += (unsigned long long)(end - start);
+    polled_ns += end - start;
     caught += ready;
     return ready;
 }
@@ -175,8 +169,8 @@ void fuse_session_process_buf(struct fuse_session *se, const struct fuse_buf *bu
     if (!dispatched(real, se, buf))
         return;
     bursts++;
-    long long deadline = now_ns() + MAX_BURST_NS;
-    for (long n = 1; n < max_burst && now_ns() < deadline; n++) {
+    uint64_t deadline = monotonic_ns() + MAX_BURST_NS;
+    for (long n = 1; n < max_burst && monotonic_ns() < deadline; n++) {
         if (fuse_session_exited(se) || !readable(fuse_session_fd(se), poll_ns))
             return;
         int res = receive(se);

@@ -72,7 +72,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <fcntl.h>
 #include <sys/uio.h>
 #include <sys/utsname.h>
@@ -83,6 +82,7 @@
 #include "_attrs.h"
 #include "_atonce.h"
 #include "_burst.h"
+#include "_clock.h"
 
 #ifndef FUSE_DIRECT_IO_ALLOW_MMAP
 #define FUSE_DIRECT_IO_ALLOW_MMAP (1ULL << 36)   /* Linux 6.6 (as FUSE_DIRECT_IO_RELAX) */
@@ -165,13 +165,10 @@ static PyObject *offer(PyObject *fn, struct fuse_file_info *fi, off_t off, char 
         Py_DECREF(slot);
         return NULL;
     }
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    uint64_t start = monotonic_ns();
     PyObject *res = PyObject_CallFunction(fn, "KLO", (unsigned long long)fi->fh, (long long)off,
                                           view);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    python_ns += (unsigned long long)((t1.tv_sec - t0.tv_sec) * 1000000000LL
-                                      + (t1.tv_nsec - t0.tv_nsec));
+    python_ns += monotonic_ns() - start;
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyObject *rel = PyObject_CallMethod(view, "release", NULL);

@@ -60,6 +60,23 @@ def kill(node: Node) -> None:
     wait_for(gone, what=f"{node.name}'s daemon to die", timeout=10)
 
 
+def read_on(node: Node, rel: str, shared: Path) -> bytes:
+    """``rel`` read through ``node``; a name the node says is missing fails with what helps
+    tell why: whether the backing has it, the node's log lines that name it, its requests
+    and backing calls (CI saw this once: a name another node had persisted, missing on A)."""
+    try:
+        return node.path(rel).read_bytes()
+    except FileNotFoundError:
+        name = os.path.basename(rel)
+        lines = [ln for ln in node.log.read_text(errors="replace").splitlines() if name in ln]
+        st = node.status()
+        raise AssertionError(
+            f"{node.name}: {rel} missing through the mount; in the backing: "
+            f"{(shared / rel).exists()}; log lines naming it: {lines[-10:]}; requests: "
+            f"{st.get('requests')}; at_once lookup: {st.get('at_once', {}).get('lookup')}; "
+            f"backing calls: {st.get('backing_calls')}") from None
+
+
 def settled(node: Node) -> None:
     st = node.status()
     q = st["queue"]
@@ -169,9 +186,9 @@ def test_recovery_never_removes_another_nodes_uploads_in_flight(faults, make_nod
 
             # each node reads the other's files (close-to-open, within the coherence timeout)
             time.sleep(1.1)
-            bad = [p for p, d in b_files.items() if a.path(p).read_bytes() != d]
+            bad = [p for p, d in b_files.items() if read_on(a, p, shared) != d]
             assert bad == [], f"round {r}: A reads other bytes for B's files {bad}"
-            bad = [p for p, d in a_files.items() if b.path(p).read_bytes() != d]
+            bad = [p for p, d in a_files.items() if read_on(b, p, shared) != d]
             assert bad == [], f"round {r}: B reads other bytes for A's files {bad}"
 
         assert not list(shared.rglob(f"{TMP}*")), sorted(map(str, shared.rglob(f"{TMP}*")))

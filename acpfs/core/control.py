@@ -86,6 +86,8 @@ class MountInfo:
     backing_calls: Callable[[], dict] | None = None
     # OPEN, FLUSH and RELEASE answered without a coroutine (fastwrite.at_once_state)
     at_once: Callable[[], dict] | None = None
+    # the cycle collector's collections and when they ran (daemon/collector.py)
+    collector: Callable[[], dict] | None = None
     metrics: str | None = None   # where the Prometheus endpoint listens (metrics_http.py)
     pid: int = dataclasses.field(default_factory=os.getpid)
     owner: int = dataclasses.field(default_factory=os.getuid)   # the mount's owner
@@ -299,6 +301,7 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         {"where": "threads", "fstype": None, "inline": 0, "threaded": 0},
         "at_once": info.at_once() if info.at_once is not None else {"on": False},
         "kernel_held": cache.kernel.held_state(),
+        "collector": info.collector() if info.collector is not None else {"on": False},
         "metrics": info.metrics,
     }
 

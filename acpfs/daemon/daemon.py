@@ -23,6 +23,7 @@ from ..backing.retry import describe
 from .process import (drain, lock_backing, lock_cache_dir, remove_leftover, set_read_ahead,
                       setup_logging, store_place, watch_detached)
 from .sdnotify import STATUS_EVERY, Notifier
+from .collector import Collector
 from . import hugecache
 
 if TYPE_CHECKING:
@@ -303,6 +304,10 @@ class Daemon:
         pyfuse3.init(ops, opts.mountpoint, fuse_opts)
         fastwrite.install(ops.write_now, ops.fallocate_now, AtOnce(ops).hooks())
         attrtable.enable(BLKSIZE)
+        requests = self.info.requests
+        collector = Collector(lambda: (sum(requests.values()), fastwrite.last_request()))
+        self.info.collector = lambda: {"on": True, **collector.status()}
+        collector.start()
         log.info("mounted %s over %s", opts.mountpoint, opts.backing)
         self.notify("ready")
         self.systemd.ready(f"serving {opts.mountpoint}; {self.summary()}")
@@ -325,6 +330,7 @@ class Daemon:
                     set_read_ahead(opts.mountpoint)
                 nursery.start_soon(read_ahead)
                 nursery.start_soon(watch_detached, opts.mountpoint)
+                nursery.start_soon(collector.run)
                 if self.systemd.on:
                     nursery.start_soon(self._tell_systemd)
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
@@ -335,6 +341,7 @@ class Daemon:
         except BaseException:
             log.exception("the FUSE loop failed; persisting what is cached before exiting")
         finally:
+            collector.stop()   # the drain's full collections are the interpreter's again
             pyfuse3.close(unmount=True)
             log.info("unmounted %s", opts.mountpoint)
 

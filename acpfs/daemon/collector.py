@@ -37,7 +37,7 @@ from typing import Callable
 QUIET_S = 1.0      # no request for this long: a full collection delays none
 MIN_GAP_S = 10.0   # between full collections run when quiet
 FORCE_S = 600.0    # a full collection at least this often, quiet or not, where one is due
-CHECK_S = 0.25     # how often the trio task looks
+CHECK_S = 0.25     # how often the trio task looks while one is due
 NEVER = 1 << 30    # a threshold young collections never reach
 
 
@@ -96,10 +96,11 @@ class Collector:
         return False
 
     async def run(self) -> None:
-        """The trio task: ``tick`` every CHECK_S."""
+        """The trio task: ``tick`` every CHECK_S while a full collection is due, else every
+        QUIET_S (an idle daemon is woken no more often than that for it)."""
         import trio
         while True:
-            await trio.sleep(CHECK_S)
+            await trio.sleep(CHECK_S if gc.get_count()[2] else QUIET_S)
             self.tick()
 
     def _timed(self, phase: str, info: dict) -> None:

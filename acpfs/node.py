@@ -119,7 +119,7 @@ class Node:
                  "children", "target", "content", "backing_parent", "backing_name",
                  "writers", "appenders", "opens", "nlink", "lookups", "dirty", "dirty_since",
                  "publish_ops", "last_seq", "xattrs", "staged", "generation", "journal_state",
-                 "journal_content", "passthrough_opens", "open_copy", "truncated", "listed_at", "listed_version", "backing_version", "checked_at", "rdev",
+                 "journal_content", "passthrough_opens", "open_copy", "truncated", "listed_at", "read_at", "listed_version", "backing_version", "checked_at", "rdev",
                  "links", "backing_links", "nodeid", "kernel_ids")
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, parent: Node | None, name: bytes) -> None:
@@ -165,7 +165,13 @@ class Node:
         self.journal_content: Any = None                 # (lock) content held for a FLUSHED record
         self.truncated = False                           # shrunk since its last snapshot
         self.listed_at = 0.0                             # directories: when the listing last
-                                                         # merged in began (monotonic)
+                                                         # merged in, or found unchanged, began
+                                                         # (monotonic): opendir lists again after
+                                                         # the coherence timeout
+        self.read_at = 0.0                               # directories: when the last listing
+                                                         # that read the backing directory began
+                                                         # (a name missing from it was missing
+                                                         # then: Core._lookup)
         self.listed_version: tuple[int, int, int] | None = None   # directories: the backing
                                                          # directory's (ino, mtime, ctime) then
         self.backing_version: tuple[int, int, int] | None = None   # (position lock) files:

@@ -70,7 +70,7 @@ class Coherence:
         entries, node.listed_version, began = listing
         for name, st, target in entries:
             self._attach(node, name, st, target)
-        node.listed_at = began
+        node.listed_at = node.read_at = began
 
     def _attach(self, node: Node, name: bytes, st: os.stat_result, target: bytes | None) -> Node:
         """A child found in the backing. A file with several names there is one node: a
@@ -220,7 +220,7 @@ class Coherence:
             if not self.subtree_quiescent(child, applied):
                 continue    # something of this mount is pending on it, or under it
             self.removed_elsewhere(node, name, child)
-        node.listed_at = began
+        node.listed_at = node.read_at = began
         node.listed_version = version
 
     def quiescent(self, node: Node, applied: int | None = None) -> bool:

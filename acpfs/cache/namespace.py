@@ -88,7 +88,7 @@ class Namespace:
         node.children = Children()
         node.xattrs = {}
         node.nlink = 2
-        node.listed_at = time.monotonic()
+        node.listed_at = node.read_at = time.monotonic()   # empty: this mount's view is whole
         kids[name] = node
         parent.mtime = parent.ctime = node.mtime
         # the mode and owner it was made with: a later chmod is an op of its own, after it

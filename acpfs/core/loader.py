@@ -403,7 +403,7 @@ class Loader:
         """The kernel forgets the name, so that its next lookup compares it with the backing
         as at an open (``Core._lookup``: a name holding another file is split off there), and
         the next opendir lists the directory afresh."""
-        pos[0].listed_at = 0.0
+        pos[0].listed_at = pos[0].read_at = 0.0
         self.kernel_notices.forget_entry(pos[0].ino, pos[1])
 
     async def _check(self, key: object, fn: Callable[[], T], quick: bool = True) -> T:

@@ -139,9 +139,12 @@ class Core:
         # LOOKUP), never the whole directory (that is opendir's, Loader.refreshed).
         began = time.monotonic()
         parent = await self.dir(parent_ino)
-        # a listing begun during this lookup (the directory's first) looked at the name
-        # already: a name missing from it is missing, and its lstat checked a clean file
-        listed = parent.listed_at >= began
+        # a listing that read the directory, begun during this lookup (the directory's
+        # first), looked at the name already: a name missing from it is missing, and its
+        # lstat checked a clean file. Not an opendir that found the directory's version
+        # unchanged meanwhile (Loader.refreshed): that version may be an attribute cache's
+        # (NFS), older than a name another node made since the listing before
+        listed = parent.read_at >= began
         node = parent.entries().get(name)
         if node is None:
             if listed:
@@ -179,7 +182,7 @@ class Core:
         parent = self._loaded_now(parent_ino)
         if parent is None:
             return False, None
-        listed = parent.listed_at >= began   # as _lookup: listed just now, here
+        listed = parent.read_at >= began   # as _lookup: read just now, here
         node = parent.entries().get(name)
         if node is None:
             return (True, None) if listed else self.loader.found_elsewhere_now(parent, name)

@@ -484,6 +484,47 @@ def test_a_name_the_view_lacks_is_looked_up_and_opendir_relists_a_changed_direct
     run(h, test, coherence_timeout=3600.0)
 
 
+def test_a_lookup_met_by_an_opendir_that_found_the_directory_unchanged_still_looks(seeded,
+                                                                                   monkeypatch):
+    """A lookup takes a listing begun during it as the truth of a missing name, but not an
+    opendir that only found the directory's version unchanged meanwhile: that version can
+    be an attribute cache's (NFS keeps a directory's attributes for seconds), older than a
+    name another node made. Modeled as the race it is: the lookup began (its clock read)
+    before the opendir, on both the coroutine path (``find``) and the one answered at once
+    (``find_now``)."""
+    h = seeded({"d/mine": b"m"})
+    versioned = h.backing.versioned_listing
+    # the directory's version as a cache on the way may report it: unchanged
+    monkeypatch.setattr(h.backing, "versioned_listing",
+                        lambda path, unless=None: None if unless is not None
+                        else versioned(path, unless))
+    real = time.monotonic
+
+    async def test(core):
+        d = await core.lookup(ROOT, b"d")
+        fh = await core.handles.opendir(d.ino)   # the listing that reads it
+        core.handles.releasedir(fh)
+        for name in (b"theirs", b"theirs2"):
+            await trio.sleep(0.01)
+            began = real()                        # a lookup begins ...
+            await trio.sleep(0.01)
+            (h.back / "d" / name.decode()).write_bytes(b"t" * 7)   # ... another node makes it ...
+            d.listed_at = 0.0                     # (past the coherence timeout)
+            await core.loader.refreshed(d)        # ... an opendir finds the version unchanged
+            assert d.listed_at > began
+            clock = iter([began])
+            monkeypatch.setattr(acpfs.core.requests.time, "monotonic",
+                                lambda: next(clock, None) or real())
+            if name == b"theirs":
+                node = await core.find(d.ino, name)
+            else:
+                known, node = core.find_now(d.ino, name)
+                assert known
+            monkeypatch.setattr(acpfs.core.requests.time, "monotonic", real)
+            assert node is not None and node.size == 7, name
+    run(h, test, coherence_timeout=3600.0)
+
+
 def test_a_name_is_answered_missing_for_sure_only_where_the_daemon_knows_it(seeded):
     """``Core.find`` answers None (missing for sure: the FUSE adapter lets the kernel keep
     that, docs/semantics.md section 10) for a name that is neither in the view nor in the

@@ -15,13 +15,15 @@ What:
   since the last, and takes 0.1-4 ms.
 - Full collections never start on their own (their threshold is out of reach). ``tick``
   runs one once young collections have moved objects into the old generation since the
-  last full one (``gc.get_count()[2]``) and the mount has been quiet for QUIET_S (no
-  request reached Python or the extension), at most every MIN_GAP_S; or, where requests
-  never stop, once FORCE_S have passed since the last full collection, so that garbage in
-  cycles cannot grow without bound.
+  last full one (``gc.get_count()[2]``: collections of generation 1 since) and the mount
+  has been quiet for QUIET_S (no request reached Python or the extension), at most every
+  MIN_GAP_S; or, where requests never stop, once FORCE_S have passed since the last full
+  collection or FORCE_PENDING collections of generation 1 happened since (each follows
+  about 7,000 objects made and kept), so that garbage in cycles cannot grow without bound.
 - At start (``start``) a full collection runs and what survives it is frozen
-  (``gc.freeze``): the modules and the objects of the mount's setup live as long as the
-  process, and later full collections skip them.
+  (``gc.freeze``): the modules, the mount's setup and what recovery loaded; later full
+  collections skip them (a cycle among them that became garbage later stays: bounded by
+  what there was at mount).
 
 Threads: ``tick`` and ``start`` on the trio thread; the callback ``gc`` calls runs on
 whichever thread triggered a collection, with the GIL held (which is all that guards its
@@ -37,6 +39,7 @@ from typing import Callable
 QUIET_S = 1.0      # no request for this long: a full collection delays none
 MIN_GAP_S = 10.0   # between full collections run when quiet
 FORCE_S = 600.0    # a full collection at least this often, quiet or not, where one is due
+FORCE_PENDING = 500   # ... or once this many collections of generation 1 happened since
 CHECK_S = 0.25     # how often the trio task looks while one is due
 NEVER = 1 << 30    # a threshold young collections never reach
 
@@ -59,6 +62,8 @@ class Collector:
         self.young_s = 0.0
         self.longest_young_s = 0.0
         self.forced = 0                # full collections run while requests kept coming
+        self.on = False                # (start .. stop) full collections are ours
+        self._threshold2 = 10          # the interpreter's, put back by ``stop``
 
     def start(self) -> None:
         """Once the mount is set up: collect, freeze the survivors, and take full
@@ -66,16 +71,19 @@ class Collector:
         gc.callbacks.append(self._timed)
         gc.collect()
         gc.freeze()
-        young0, young1, _ = gc.get_threshold()
+        young0, young1, self._threshold2 = gc.get_threshold()
         gc.set_threshold(young0, young1, NEVER)
         self._last_full = self.now()
+        self.on = True
 
     def stop(self) -> None:
         """Hand full collections back to the interpreter (the daemon is done serving)."""
         if self._timed in gc.callbacks:
             gc.callbacks.remove(self._timed)
-        young0, young1, _ = gc.get_threshold()
-        gc.set_threshold(young0, young1, 10)
+        if self.on:
+            young0, young1, _ = gc.get_threshold()
+            gc.set_threshold(young0, young1, self._threshold2)
+        self.on = False
 
     def tick(self) -> bool:
         """A full collection where one is due (see the module's docstring); whether it ran."""
@@ -83,14 +91,17 @@ class Collector:
         seen = self.activity()
         if seen != self._seen:
             self._seen, self._changed = seen, now
-        if not gc.get_count()[2]:
+        pending = gc.get_count()[2]
+        if not pending:
             return False   # nothing moved into the old generation since the last one
         quiet = now - self._changed >= QUIET_S
         since = now - self._last_full
-        if (quiet and since >= MIN_GAP_S) or since >= FORCE_S:
+        if (quiet and since >= MIN_GAP_S) or since >= FORCE_S or pending >= FORCE_PENDING:
+            gc.collect()
+            if gc.get_count()[2]:
+                return False   # another thread's collection was running: none was made
             if not quiet:
                 self.forced += 1
-            gc.collect()
             self._last_full = self.now()
             return True
         return False
@@ -118,7 +129,7 @@ class Collector:
             self.longest_young_s = max(self.longest_young_s, took)
 
     def status(self) -> dict:
-        return {"full": self.full, "full_s": round(self.full_s, 4),
+        return {"on": self.on, "full": self.full, "full_s": round(self.full_s, 4),
                 "longest_full_s": round(self.longest_full_s, 4), "forced": self.forced,
                 "last_full_ago_s": round(self.now() - self._last_full, 1),
                 "pending": gc.get_count()[2], "young": self.young,

@@ -306,8 +306,7 @@ class Daemon:
         attrtable.enable(BLKSIZE)
         requests = self.info.requests
         collector = Collector(lambda: (sum(requests.values()), fastwrite.last_request()))
-        self.info.collector = lambda: {"on": True, **collector.status()}
-        collector.start()
+        self.info.collector = collector.status
         log.info("mounted %s over %s", opts.mountpoint, opts.backing)
         self.notify("ready")
         self.systemd.ready(f"serving {opts.mountpoint}; {self.summary()}")
@@ -337,6 +336,7 @@ class Daemon:
                 nursery.cancel_scope.cancel()
 
         try:
+            collector.start()
             trio.run(main)
         except BaseException:
             log.exception("the FUSE loop failed; persisting what is cached before exiting")

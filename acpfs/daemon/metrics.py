@@ -81,6 +81,13 @@ FAMILIES: dict[str, tuple[str, str]] = {
                               "backing file now"),
     "acpfs_cache_over_size_bytes": ("gauge", "bytes the cache holds past --cache-size (files "
                                     "written with passthrough that grew), 0 if none"),
+    "acpfs_gc_collections_total": ("counter", "collections of the interpreter's cycle collector, "
+                                   "by generation (young: automatic; full: run when the mount "
+                                   "is quiet)"),
+    "acpfs_gc_seconds_total": ("counter", "seconds the cycle collector stopped the daemon, by "
+                               "generation"),
+    "acpfs_gc_longest_seconds": ("gauge", "the longest the cycle collector stopped the daemon "
+                                 "since start, by generation: requests waited that long"),
     "acpfs_close_to_durable_seconds": ("histogram", "time from a file's last close (its "
                                        "snapshot queued) to that version durable in the backing"),
 }
@@ -175,6 +182,13 @@ def samples(doc: dict[str, Any]) -> Iterator[tuple[str, Sample]]:
                        (at_once.get(kind) or {}).get("answered", 0), kind=kind)
     for decision, n in field(doc, "cache.writer_opens", {}).items():
         yield from one("acpfs_writer_opens_total", n, decision=decision)
+    collector = doc.get("collector") or {}
+    if "full" in collector:   # (a daemon of an older version has none)
+        for gen in ("young", "full"):
+            yield from one("acpfs_gc_collections_total", collector[gen], generation=gen)
+            yield from one("acpfs_gc_seconds_total", collector[f"{gen}_s"], generation=gen)
+            yield from one("acpfs_gc_longest_seconds", collector[f"longest_{gen}_s"],
+                           generation=gen)
     recovery = doc.get("recovery") or {}
     yield from one("acpfs_recovered_files_total", recovery.get("files", 0))
     yield from one("acpfs_recovered_operations_total", recovery.get("replayed_ops", 0))

@@ -77,6 +77,7 @@ def test_a_document_of_an_older_daemon_leaves_out_what_it_lacks(core):
         del doc[key]
     got = families(metrics.render([doc]))
     assert "acpfs_retries" not in got and "acpfs_close_to_durable_seconds" not in got
+    assert "acpfs_gc_collections" not in got   # the harness has no collector: {"on": False}
     assert got["acpfs_persisted_files"][0].value == 0
 
 
@@ -189,3 +190,20 @@ def test_endpoint_answers_and_bounds_the_scrapes_it_serves_at_once():
         socket.create_connection((host, int(port)), timeout=2)
     assert f"at most {METRICS_MAX_SCRAPES} are served at once" in \
         (DOCS / "operations.md").read_text().replace("\n", " ")
+
+
+def test_the_cycle_collector_is_exported_by_generation(core):
+    """``collector`` of the status document (daemon/collector.py) as three families, young
+    and full apart."""
+    from acpfs.daemon.collector import Collector
+    doc = control.status(core.flusher, mount_info(core))
+    col = Collector(lambda: 0)
+    col.full, col.full_s, col.longest_full_s = 3, 0.5, 0.3
+    col.young, col.young_s, col.longest_young_s = 40, 0.1, 0.004
+    doc["collector"] = col.status()
+    got = families(metrics.render([doc]))
+    by_gen = {f: {s.labels["generation"]: s.value for s in got[f]}
+              for f in ("acpfs_gc_collections", "acpfs_gc_seconds", "acpfs_gc_longest_seconds")}
+    assert by_gen == {"acpfs_gc_collections": {"young": 40, "full": 3},
+                      "acpfs_gc_seconds": {"young": 0.1, "full": 0.5},
+                      "acpfs_gc_longest_seconds": {"young": 0.004, "full": 0.3}}

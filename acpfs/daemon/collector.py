@@ -7,12 +7,12 @@ Why: CPython's cycle collector stops the interpreter while it runs, so every req
 for it, and a full collection (generation 2) walks every object the daemon tracks: each
 cached file's node, its memory file, its journal state. With 60,000 small files created
 (in process, docs/benchmarks.md, "The cycle collector"), six full collections took 770 ms
-in all and the longest 261 ms, during which no request was answered; they come rarer but
+in all and the longest 222-300 ms, during which no request was answered; they come rarer but
 longer as the cache grows, and a request that meets one waits for all of it.
 
 What:
 - Young collections (generations 0 and 1) stay automatic: each walks only objects made
-  since the last, and takes 0.1-4 ms.
+  since the last, and takes a few ms at most.
 - Full collections never start on their own (their threshold is out of reach). ``tick``
   runs one once young collections have moved objects into the old generation since the
   last full one (``gc.get_count()[2]``: collections of generation 1 since) and the mount

@@ -40,6 +40,15 @@ class Cycle:
         self.me = self
 
 
+def started() -> tuple[Clock, list[int], Collector]:
+    """A started collector on a clock of the test's, and the request count it watches."""
+    clock = Clock()
+    activity = [0]
+    col = Collector(lambda: activity[0], now=clock)
+    col.start()
+    return clock, activity, col
+
+
 def garbage_in_old_generation() -> weakref.ref:
     """A cycle nothing refers to, moved into the old generation by young collections (which
     also leaves ``gc.get_count()[2]`` above zero: a full collection is due)."""
@@ -99,10 +108,7 @@ def test_quiet_collections_are_min_gap_apart_and_nothing_due_means_none(gc_back)
 
 
 def test_requests_that_never_stop_get_a_collection_every_force_s(gc_back):
-    clock = Clock()
-    activity = [0]
-    col = Collector(lambda: activity[0], now=clock)
-    col.start()
+    clock, activity, col = started()
     ran = []
     rng = random.Random(7)
     while clock.t < 1000.0 + 3 * mod.FORCE_S + 1:
@@ -119,10 +125,7 @@ def test_requests_that_never_stop_get_a_collection_every_force_s(gc_back):
 
 
 def test_requests_that_never_stop_get_one_once_many_young_collections_piled_up(gc_back):
-    clock = Clock()
-    activity = [0]
-    col = Collector(lambda: activity[0], now=clock)
-    col.start()
+    clock, activity, col = started()
     for i in range(mod.FORCE_PENDING):
         gc.collect(1)   # one more collection of generation 1 (the interpreter may add some)
         activity[0] += 1

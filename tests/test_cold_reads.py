@@ -203,6 +203,43 @@ def test_a_file_larger_than_the_cache_reads_whole_and_right(make_mount):
     assert m.status()["cache"]["used_bytes"] <= 64 << 20
 
 
+def test_reads_the_daemon_serves_come_from_the_page_cache_at_once_and_from_the_disk_in_threads(
+        make_mount):
+    """The daemon's path: a READ of a backing file is answered at once where the backing's
+    page cache holds all of it (``Handles.read_now``), and in a worker thread where some of it
+    is not (RWF_NOWAIT reads a part, which must never be answered as the end of the file).
+    Random reads against the bytes, with random ranges dropped from the page cache between
+    them; the file is larger than half the cache, so it is never kept and every read is of
+    the backing file."""
+    m = make_mount(cache_size="64M")
+    if passthrough_on(m):
+        pytest.skip("passthrough: the kernel reads a file the cache does not hold itself")
+    rng = random.Random(11)
+    size = (40 << 20) + 12345
+    data = rng.randbytes(size)
+    put(m, "r.bin", data)
+    back = os.open(m.back / "r.bin", os.O_RDONLY)
+    os.fsync(back)   # the page cache drops clean pages only
+    fd = os.open(m.mnt / "r.bin", os.O_RDONLY)
+    try:
+        before = m.status()["at_once"]["read"]
+        for step in range(120):
+            if step % 10 == 0:   # some of the file leaves the backing's page cache
+                off = rng.randrange(0, size, 4096)
+                os.posix_fadvise(back, off, rng.randrange(1, 8 << 20), os.POSIX_FADV_DONTNEED)
+            off = rng.choice([rng.randrange(size), size - rng.randrange(1, 3 << 20)])
+            n = rng.choice([1, 4096, 131072, 1 << 20, 3 << 20])
+            assert os.pread(fd, n, off) == data[off:off + n], (step, off, n)
+        assert os.pread(fd, 10, size) == b""
+        after = m.status()["at_once"]["read"]
+    finally:
+        os.close(fd)
+        os.close(back)
+    assert after["answered"] > before["answered"], after
+    assert after["passed"] > before["passed"], after   # the dropped ranges: in threads
+    assert after["failed"] == before["failed"], after
+
+
 def test_many_readers_of_one_cold_file_share_one_backing_file(mnt):
     data = random.Random(6).randbytes(4 << 20)
     put(mnt, "shared.bin", data)

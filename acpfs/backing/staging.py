@@ -243,6 +243,19 @@ class StagedFiles:
     def read_into(self, fd: int, buf: memoryview, off: int) -> int:
         return os.preadv(fd, [buf], off)
 
+    def read_cached(self, fd: int, buf: memoryview, off: int) -> int | None:
+        """Bytes read into ``buf`` from what the page cache holds at ``off`` (the read never
+        waits for the disk or the network: RWF_NOWAIT), or None where none of them is there
+        or the filesystem cannot read so."""
+        try:
+            return os.preadv(fd, [buf], off, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                return None
+            raise
+
     def write(self, fd: int, data: bytes | memoryview, off: int) -> int:
         return os.pwrite(fd, data, off)
 

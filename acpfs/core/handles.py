@@ -36,6 +36,7 @@ from .fetch import Fetch
 from .loader import Loader
 from .longopen import LongOpen
 from .passwriters import count_passthrough_writes
+from .readnow import ReadsNow
 from .unshare import unshared
 from ..cache.inodes import Inodes
 from ..cache.namespace import Namespace
@@ -94,6 +95,7 @@ class Handles:
         self.admission = admission   # which writers may be passed through
         self.direct_io_mmap = direct_io_mmap   # asked at each open: the INIT reply decides
         self.handles: dict[int, Handle] = {}
+        self.reads_now = ReadsNow(files, loader.calls)
         self.cold = ColdReads(inodes, files, kernel, loader.calls)   # uncached files read by the kernel
         # copies of backing files into the cache
         self.fetch = Fetch(files, wt, lambda node: node.ino in self.cold.opens_of)
@@ -333,6 +335,10 @@ class Handles:
         self._entered(h)
         self.kernel_opens[node.nodeid] = self.kernel_opens.get(node.nodeid, 0) + 1
         return fh, backing_id
+
+    def read_now(self, fh: int, off: int, size: int) -> bytes | memoryview | None:
+        """A READ answered at once, or None for ``read`` (core/readnow.py)."""
+        return self.reads_now.read(self.handle(fh), off, size)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         h = self.handle(fh)

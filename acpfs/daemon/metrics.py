@@ -73,8 +73,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
                                  "over_size)"),
     "acpfs_cold_read_opens_total": ("counter", "opens of files not in the cache, read from the "
                                     "backing file by the kernel (passthrough) or the daemon"),
-    "acpfs_requests_answered_at_once_total": ("counter", "LOOKUP, CREATE, UNLINK, OPEN, FLUSH, RELEASE "
-                                              "requests answered without a coroutine, by kind"),
+    "acpfs_requests_answered_at_once_total": ("counter", "LOOKUP, CREATE, UNLINK, OPEN, FLUSH, RELEASE, "
+                                              "READ requests answered without a coroutine, by kind"),
     "acpfs_fetched_bytes_total": ("counter", "bytes copied from the backing into the cache: "
                                   "preloads and files kept after a read"),
     "acpfs_cold_read_files": ("gauge", "files not in the cache open for reading from the "
@@ -177,7 +177,7 @@ def samples(doc: dict[str, Any]) -> Iterator[tuple[str, Sample]]:
         yield from one("acpfs_requests_answered_in_c_total", in_c.get(f"{kind}_answered", 0),
                        kind=kind)
     at_once = doc.get("at_once") or {}
-    for kind in ("lookup", "create", "unlink", "open", "flush", "release"):
+    for kind in ("lookup", "create", "unlink", "open", "flush", "release", "read"):
         yield from one("acpfs_requests_answered_at_once_total",
                        (at_once.get(kind) or {}).get("answered", 0), kind=kind)
     for decision, n in field(doc, "cache.writer_opens", {}).items():

@@ -1,12 +1,13 @@
 /*
- * acpfs.fuse._fastwrite, part three: LOOKUP, CREATE, UNLINK, OPEN, FLUSH and RELEASE offered
- * to Python without a coroutine.
+ * acpfs.fuse._fastwrite, part three: LOOKUP, CREATE, UNLINK, OPEN, FLUSH, RELEASE and READ
+ * offered to Python without a coroutine.
  *
  * Every request pyfuse3 hands to Python becomes a coroutine run as a trio task, which costs
  * more than most of these requests need: an OPEN of a reader whose file is in the cache (or
  * passed through to a backing file already) with a close-to-open check of one lstat, the
  * FLUSH of a close (journal the close, stamp it), the RELEASE of a reader or of a writer
- * whose file nothing holds. This part offers each to a callable set with set_at_once(),
+ * whose file nothing holds, the READ the daemon serves from the cache or from a backing
+ * file's page cache. This part offers each to a callable set with set_at_once(),
  * called right here, as the WRITE handler is (_fastwrite.c):
  *
  *     open(ino: int, flags: int) -> tuple | int | None       (read-only OPENs only)
@@ -23,6 +24,11 @@
  *         -errno                           answered with that
  *     unlink(parent: int, name: bytes) -> int | None
  *         0 or -errno       answered with that
+ *     read(fh: int, off: int, size: int) -> buffer | int | None
+ *         an object with the buffer protocol   answered with its bytes (at most size; fewer
+ *                           only at the end of the file: the kernel fills a page-cache
+ *                           page past a short reply with zeros)
+ *         -errno            answered with that
  *     create(parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int,
  *            umask: int) -> tuple | int | None
  *         (fh, backing_id, direct_io, the 14 fields)   created and opened: the reply gives
@@ -54,14 +60,16 @@
 
 typedef void (*file_op)(fuse_req_t, fuse_ino_t, struct fuse_file_info *);
 
-enum { OPEN, FLUSH, RELEASE, LOOKUP, UNLINK, CREATE, KINDS };
+enum { OPEN, FLUSH, RELEASE, LOOKUP, UNLINK, CREATE, READ, KINDS };
 static const char *const kind_names[KINDS] = {"open", "flush", "release", "lookup", "unlink",
-                                              "create"};
+                                              "create", "read"};
 static file_op next_op[KINDS];            /* pyfuse3's handlers (but LOOKUP's:) */
 typedef void (*name_op)(fuse_req_t, fuse_ino_t, const char *);
 static name_op next_lookup, next_unlink;
 typedef void (*create_op)(fuse_req_t, fuse_ino_t, const char *, mode_t, struct fuse_file_info *);
 static create_op next_create;
+typedef void (*read_op)(fuse_req_t, fuse_ino_t, size_t, off_t, struct fuse_file_info *);
+static read_op next_read;
 static PyObject *handler[KINDS];          /* set_at_once(); NULL: all go to pyfuse3 */
 static unsigned long long answered[KINDS], passed[KINDS], failed[KINDS];
 static unsigned long long python_ns[KINDS];   /* time in the handler, whatever it returned */
@@ -299,8 +307,45 @@ static void create_at_once(fuse_req_t req, fuse_ino_t parent, const char *name, 
     fuse_reply_create(req, &e, fi);   /* the interposed one (_fastwrite.c) */
 }
 
+static void read_at_once(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                         struct fuse_file_info *fi)
+{
+    PyObject *res = NULL;
+    if (handler[READ] == NULL
+        || left(READ, res = call(READ, "(KLn)", (unsigned long long)fi->fh, (long long)off,
+                                 (Py_ssize_t)size))) {
+        next_read(req, ino, size, off, fi);
+        return;
+    }
+    int error = EIO;
+    Py_buffer view;
+    if (res != NULL && PyLong_Check(res)) {
+        error = error_of(res);
+        if (error == 0)
+            error = EIO;   /* bytes are answered as a buffer, never as 0 */
+    } else if (res != NULL && PyObject_GetBuffer(res, &view, PyBUF_SIMPLE) == 0) {
+        if ((size_t)view.len <= size) {
+            answered[READ]++;
+            fuse_reply_buf(req, view.buf, (size_t)view.len);   /* copied into the device */
+            PyBuffer_Release(&view);
+            Py_DECREF(res);
+            return;
+        }
+        PyBuffer_Release(&view);
+    } else if (res != NULL) {
+        PyErr_WriteUnraisable(res);
+    }
+    Py_XDECREF(res);
+    failed[READ]++;
+    fuse_reply_err(req, error);
+}
+
 void atonce_hook(struct fuse_lowlevel_ops *ops)
 {
+    if (ops->read != NULL && ops->read != read_at_once) {
+        next_read = ops->read;
+        ops->read = read_at_once;
+    }
     if (ops->unlink != NULL && ops->unlink != unlink_at_once) {
         next_unlink = ops->unlink;
         ops->unlink = unlink_at_once;
@@ -341,7 +386,8 @@ static PyObject *set_at_once(PyObject *self, PyObject *args)
         return NULL;
     }
     int hooked = kind == LOOKUP ? next_lookup != NULL : kind == UNLINK ? next_unlink != NULL
-                 : kind == CREATE ? next_create != NULL : next_op[kind] != NULL;
+                 : kind == CREATE ? next_create != NULL : kind == READ ? next_read != NULL
+                 : next_op[kind] != NULL;
     if (fn != Py_None && !hooked) {
         PyErr_SetString(PyExc_RuntimeError, "no FUSE session was created through the hook");
         return NULL;
@@ -377,7 +423,7 @@ static PyObject *at_once_stats(PyObject *self, PyObject *unused)
 PyMethodDef atonce_methods[] = {
     {"set_at_once", set_at_once, METH_VARARGS,
      "set_at_once(kind, fn): offer each request of kind 'open' (read-only), 'flush', "
-     "'release', 'lookup', 'unlink' or 'create' to fn first (see acpfs/fuse/_atonce.c); None unsets."},
+     "'release', 'lookup', 'unlink', 'create' or 'read' to fn first (see acpfs/fuse/_atonce.c); None unsets."},
     {"at_once_stats", at_once_stats, METH_NOARGS,
      "{kind: {'on': a callable is set, 'answered': requests it answered, 'passed': left to "
      "pyfuse3, 'failed': answered with an error, 'python_s': seconds spent in the callable}} "

@@ -2,7 +2,7 @@
 
 Every request pyfuse3 hands to Python becomes a coroutine run as a trio task, which costs
 more than most of these requests need. The extension offers LOOKUP, CREATE, UNLINK,
-read-only OPEN, FLUSH and RELEASE to the methods below first, called inside libfuse's dispatch with the GIL held;
+read-only OPEN, FLUSH, RELEASE and READ to the methods below first, called inside libfuse's dispatch with the GIL held;
 each does the work of its ``Operations`` handler where none of that work waits, and returns
 None where some would: the handler then takes the request from the start, nothing half done.
 
@@ -15,6 +15,8 @@ None where some would: the handler then takes the request from the start, nothin
 - ``open``: a reader (``core/opennow.py``).
 - ``flush``: journaled and stamped where global order would not wait.
 - ``release``: where nothing is to be waited for (``Handles.release_now``).
+- ``read``: a cached file, or a local backing file's bytes its page cache holds
+  (``Handles.read_now``).
 
 Owns nothing: the counts are the extension's and ``MountInfo.requests``'s. Threads: the trio
 thread.
@@ -45,7 +47,8 @@ class AtOnce:
     def hooks(self) -> dict:
         """For ``fastwrite.install``: the callable of each kind."""
         return {"lookup": self.lookup, "create": self.create, "unlink": self.unlink,
-                "open": self.open, "flush": self.flush, "release": self.release}
+                "open": self.open, "flush": self.flush, "release": self.release,
+                "read": self.read}
 
     def lookup(self, parent: int, name: bytes) -> tuple | int | None:
         """LOOKUP (``Operations.lookup``): the entry's fields, (0, timeout) for a name
@@ -152,6 +155,18 @@ class AtOnce:
             attrtable.clear()
             self._counted("release")
             return -errno_of(e, "release")
+
+    def read(self, fh: int, off: int, size: int) -> bytes | memoryview | int | None:
+        """READ (``Handles.read_now``): the bytes, -errno, or None. A data request: counted,
+        but no sign of programs at work for the flusher (as a WRITE: ``burst_last_request``)."""
+        try:
+            got = self.handles.read_now(fh, off, size)
+        except Exception as e:
+            self.core.info.requests["read"] += 1
+            return -errno_of(e, "read")
+        if got is not None:
+            self.core.info.requests["read"] += 1
+        return got
 
     def _counted(self, kind: str) -> None:
         self.core.info.requests[kind] += 1

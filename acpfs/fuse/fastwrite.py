@@ -98,7 +98,7 @@ def _setting(name: str, default: int) -> int:
 
 
 def at_once_state() -> dict:
-    """For ``acpfs status`` (``at_once``): per kind (lookup, create, unlink, open, flush, release), whether
+    """For ``acpfs status`` (``at_once``): per kind (lookup, create, unlink, open, flush, release, read), whether
     the extension offers it to Python without a coroutine, and how many were answered so,
     passed on to pyfuse3 (``passed``) or answered with an error (``failed``); and the bursts
     (acpfs/fuse/_burst.c): how many requests were read past pyfuse3's (``extra``), how many

@@ -126,6 +126,40 @@ def test_setgid_directories_pass_their_group_on(h):
     run(h, test)
 
 
+def test_reads_answered_at_once_are_the_bytes_of_the_version_opened(seeded):
+    """``Handles.read_now`` (core/readnow.py): a file the cache does not hold is read from its
+    backing file's page cache at once, the version the open holds, short only at its end;
+    where the page cache does not hold a range, or the backing is not local, None (the
+    coroutine and a worker thread take the READ)."""
+    size = 3 * (1 << 20) + 77
+    old = pattern(size, seed=5)
+    h = seeded({"c.bin": old})
+
+    async def test(core):
+        node = await core.lookup(ROOT, b"c.bin")
+        fh, _, _ = await core.handles.open(node.ino, os.O_RDONLY)
+        try:
+            assert core.loader.calls.fstype is not None   # the unit tier's backing is local
+            with open(h.back / "c.bin", "rb") as f:
+                f.read()   # into the page cache
+            for off, n in ((0, 1 << 20), (BS + 3, 200_000), (size - 77, 1 << 20), (size, 4096)):
+                assert bytes(core.handles.read_now(fh, off, n)) == old[off:off + n], (off, n)
+            os.replace(h.back / "c.bin", h.back / "gone")   # another program replaces it...
+            (h.back / "c.bin").write_bytes(b"new")
+            assert bytes(core.handles.read_now(fh, 0, 10)) == old[:10]   # ...the version opened
+            fd = os.open(h.back / "gone", os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # back on the disk only
+            os.close(fd)
+            assert core.handles.read_now(fh, BS, 2 * BS) is None
+            assert await read(core, fh, 2 * BS, off=BS) == old[BS:3 * BS]   # in a worker thread
+            core.loader.calls.fstype = None   # as over NFS: never on the event loop
+            assert core.handles.read_now(fh, 0, 10) is None
+        finally:
+            await core.handles.release(fh)
+    run(h, test)
+
+
 def test_a_reader_of_an_uncached_file_reads_the_backing_and_keeps_its_version(seeded):
     old = pattern(5 * BS, seed=3)
     h = seeded({"ckpt": old, "sub/deep": b"deep"})

@@ -349,11 +349,10 @@ class Handles:
             data = await self.wt.read_staged(node, off, size)
             if data is not None:
                 return data
-        data = self.files.read(node, off, size)
+        data = self.reads_now.from_cache(node, off, size)
         if data is not None:
-            self.files.touch(node)
             return data
-        if h.backing_fd < 0 or (h.generation != node.generation and node.nlink):
+        if self.reads_now.to_reopen(h):
             await self._open_backing(h)
         return await trio.to_thread.run_sync(self.backing.read, h.backing_fd, size, off)
 

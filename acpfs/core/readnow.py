@@ -42,17 +42,29 @@ class ReadsNow:
 
     def read(self, h, off: int, size: int) -> bytes | memoryview | None:
         """READ of handle ``h`` (``Handles.handle``): the bytes, or None."""
-        node = h.node
         if not h.cold:
-            if node.staged is not None:
+            if h.node.staged is not None:
                 return None
-            data = self.files.read(node, off, size)
+            data = self.from_cache(h.node, off, size)
             if data is not None:
-                self.files.touch(node)
                 return data
-            if h.backing_fd < 0 or (h.generation != node.generation and node.nlink):
+            if self.to_reopen(h):
                 return None
         return self._cached_backing(h.backing_fd, off, size)
+
+    def from_cache(self, node, off: int, size: int) -> bytes | memoryview | None:
+        """A cached file's bytes (it moves to the end of the eviction order), or None where
+        only the backing holds them (``Files.read``)."""
+        data = self.files.read(node, off, size)
+        if data is not None:
+            self.files.touch(node)
+        return data
+
+    @staticmethod
+    def to_reopen(h) -> bool:
+        """Whether ``h`` must (re)open its file's backing copy before reading it: none open
+        yet, or the file got a new version since (unless it has no name left)."""
+        return h.backing_fd < 0 or (h.generation != h.node.generation and h.node.nlink)
 
     def _cached_backing(self, fd: int, off: int, size: int) -> memoryview | None:
         """``size`` bytes at ``off`` of backing file ``fd`` (fewer only at its end) where the

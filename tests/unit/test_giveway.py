@@ -87,8 +87,8 @@ def test_no_give_way_while_someone_waits_for_the_flusher():
     """An fsync or ``acpfs sync`` waits for op 7: no thread gives way until op 7 is applied,
     then requests are given way again."""
     applied = [5]
-    gw = GiveWay(lambda: False, lambda: False, lambda: applied[0])
-    t = arriving(gw, 0.5)
+    busy_until = time.monotonic() + 0.5   # requests for 0.5 s, whatever the scheduler does
+    gw = GiveWay(lambda: False, lambda: False, lambda: applied[0], below=lambda: busy_until)
     gw.waited_for(7)
     gw.waited_for(6)   # a lower mark changes nothing
     for _ in range(50):
@@ -96,7 +96,6 @@ def test_no_give_way_while_someone_waits_for_the_flusher():
     assert gw.status()["waits"] == 0 and gw.wanted == 7
     applied[0] = 7
     gw.wait()
-    t.join()
     assert gw.status()["waits"] == 1
 
 
@@ -123,7 +122,8 @@ def test_one_waiting_thread_watches_the_clock_and_wakes_the_others(monkeypatch):
     took the interpreter from the request loop five times as often."""
     monkeypatch.setattr(giveway, "STEP_S", 0.01)
     monkeypatch.setattr(giveway, "WAKE_S", 30.0)
-    gw = GiveWay(lambda: False, lambda: False, lambda: 0)
+    busy_until = time.monotonic() + 0.3   # requests for 0.3 s, whatever the scheduler does
+    gw = GiveWay(lambda: False, lambda: False, lambda: 0, below=lambda: busy_until)
     looks = [0]
     busy = gw._busy
 
@@ -132,12 +132,9 @@ def test_one_waiting_thread_watches_the_clock_and_wakes_the_others(monkeypatch):
         return busy(now)
 
     gw._busy = counted
-    t = arriving(gw, 0.3)
-    time.sleep(0.01)
     waiters = [threading.Thread(target=gw.wait, daemon=True) for _ in range(5)]
     for w in waiters:
         w.start()
-    t.join()
     for w in waiters:
         w.join(timeout=5)
     assert not any(w.is_alive() for w in waiters), "a waiting thread was never woken"
@@ -151,9 +148,11 @@ def test_a_thread_giving_way_stops_at_once_when_someone_waits_for_the_flusher(mo
     sleep out their step (set to 30 s here)."""
     monkeypatch.setattr(giveway, "STEP_S", 30.0)
     monkeypatch.setattr(giveway, "WAKE_S", 30.0)
-    gw = GiveWay(lambda: False, lambda: False, lambda: 5)
-    t = arriving(gw, 2.0)
-    time.sleep(0.01)
+    # requests go on for 2 s (a stamp ahead, as the extension's: a thread telling of one
+    # every 0.5 ms could be descheduled past QUIET_S on a loaded machine, and then the
+    # waiters would not wait at all)
+    busy_until = time.monotonic() + 2.0
+    gw = GiveWay(lambda: False, lambda: False, lambda: 5, below=lambda: busy_until)
     waiters = [threading.Thread(target=gw.wait, daemon=True) for _ in range(2)]
     for w in waiters:
         w.start()
@@ -163,4 +162,3 @@ def test_a_thread_giving_way_stops_at_once_when_someone_waits_for_the_flusher(mo
     for w in waiters:
         w.join(timeout=1.5)
     assert not any(w.is_alive() for w in waiters), "waited_for did not end the wait"
-    t.join()

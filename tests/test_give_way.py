@@ -80,9 +80,12 @@ def test_requests_answered_below_python_are_given_way(make_mount, faults, tmp_pa
     m: Mount = make_mount(mount=False)
     shim = faults.shim(tmp_path / "src", m.back)
     faults.mount(m)
-    shim.set("slow 0.1 create")   # 100 files: 2.5 s of the flusher's 4 threads
+    # 300 files: 7.5 s of the flusher's 4 threads, so that it is still behind after the
+    # loop however fast the machine writes them (with 100, a CI run found the backlog done
+    # before the loop ended)
+    shim.set("slow 0.1 create")
     (m.mnt / "d").mkdir()
-    for i in range(100):
+    for i in range(300):
         (m.mnt / "d" / f"f{i}").write_bytes(b"%d" % i)
     before = m.status()
     end = time.monotonic() + 1.0
@@ -107,5 +110,5 @@ def test_requests_answered_below_python_are_given_way(make_mount, faults, tmp_pa
     assert gave["given_s"] - gave_before["given_s"] > 0.3, (gave_before, gave)
     shim.set("ok")
     m.sync()
-    for i in range(100):
+    for i in range(300):
         assert (m.back / "d" / f"f{i}").read_bytes() == b"%d" % i

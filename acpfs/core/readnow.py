@@ -25,7 +25,6 @@ Threads: the trio thread (the hook runs inside pyfuse3's request loop, with the 
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -75,6 +74,6 @@ class ReadsNow:
             self._buf = bytearray(size)
         view = memoryview(self._buf)[:size]
         n = self.backing.read_cached(fd, view, off)
-        if n is None or (n < size and off + n < os.fstat(fd).st_size):
+        if n is None or (n < size and off + n < self.backing.stat_fd(fd).st_size):
             return None   # some of it is not in the page cache
         return view[:n]

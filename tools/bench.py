@@ -87,6 +87,13 @@ METRICS = {
                      "reading another directly, just before"),
     "slow_8_ranks": ("cold", "x", False, "bytes the slow backing served while 8 processes read "
                      "one such file at once, / those for one reader of another"),
+    "slow_np_memmap": ("cold", "GB/s", True, "np.memmap + touch every page of a file not in the "
+                       "cache over the latency backing; backing: the same on another file there"),
+    "slow_8_ranks_read": ("cold", "GB/s", True, "8 processes read() one file not in the cache at "
+                          "once over the latency backing, all bytes / time to the last; backing: "
+                          "the same 8 on another file there"),
+    "cold_8_ranks": ("cold", "GB/s", True, "8 processes np.memmap + touch one file not in the "
+                     "cache at once, all bytes / time to the last; backing: the same 8 directly"),
     "small_create": ("small", "files/s", True, "small files: create+write+close"),
     "small_stat": ("small", "files/s", True, "small files: stat"),
     "small_unlink": ("small", "files/s", True, "small files: unlink"),
@@ -399,6 +406,30 @@ class WorkerProc:
             self.p.wait(timeout=60)
 
 
+class LoaderRanks:
+    """``n`` worker processes that hold no state dict (``serve 0``), for loads at once: each
+    runs the same command on its path, started together; the seconds until the last is done."""
+
+    def __init__(self, n: int) -> None:
+        self.procs = [WorkerProc(0) for _ in range(n)]
+
+    def at_once(self, cmd: str, path: str, **args) -> float:
+        line = json.dumps({"cmd": cmd, "args": {"path": path, **args}}) + "\n"
+        t0 = time.perf_counter()
+        for w in self.procs:
+            w.p.stdin.write(line)
+            w.p.stdin.flush()
+        for w in self.procs:
+            res = json.loads(w.p.stdout.readline() or "null")
+            if not res or not res["ok"]:
+                raise RuntimeError(f"a rank's {cmd} failed: {res and res['error']}")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for w in self.procs:
+            w.close()
+
+
 # ---------------------------------------------------------------------------------------
 # the benchmark
 
@@ -412,6 +443,7 @@ class Bench:
         self.notes: list[str] = []
         self.extra: dict = {}
         self.rss_max: dict[str, dict] = {}
+        self._ranks: LoaderRanks | None = None
         self.profilers: dict = {}
 
     # -- recording ------------------------------------------------------------------------
@@ -732,10 +764,37 @@ class Bench:
         self.record("cold_st_load", t.name, rep, gb / r["s"])
         self.kept(t)
         self.cold_small(t, rep, d)
+        self.cold_ranks(t, rep, d)
         self.extra.setdefault("cold_reads", {}).setdefault(t.name, []).append(t.status()["cold_reads"])
         t.remove(os.path.join(t.root, f"cold-r{rep}"))
         if t.name in ("acpfs", "acpfs-daemon"):
             self.cold_over_latency(t, rep)
+
+    RANKS = 8
+
+    def ranks_at_once(self) -> LoaderRanks:
+        """The loader processes of the 8-rank rows (torch imported once per run)."""
+        if self._ranks is None:
+            self._ranks = LoaderRanks(self.RANKS)
+        return self._ranks
+
+    def cold_ranks(self, t: Acpfs, rep: int, d: str) -> None:
+        """8 processes load one file the cache does not hold at once (np.memmap + touch: every
+        inference process of a node mapping the same new weights), against the same 8 on the
+        backing file directly (its page cache warm, as for the other loaders)."""
+        back = os.path.join(d, "cold_8_ranks.bin")
+        with open(back, "wb") as f:
+            block = os.urandom(MiB)
+            for _ in range(self.w.size // MiB):
+                f.write(block)
+            os.fsync(f.fileno())
+        gb = self.RANKS * os.path.getsize(back) / 1e9
+        ranks = self.ranks_at_once()
+        ranks.at_once("np_memmap", back)   # untimed: into the backing's page cache
+        self.record("cold_8_ranks", "backing", rep, gb / ranks.at_once("np_memmap", back))
+        through = os.path.join(t.root, f"cold-r{rep}", os.path.basename(back))
+        self.record("cold_8_ranks", t.name, rep, gb / ranks.at_once("np_memmap", through))
+        self.kept(t)
 
     def cold_small(self, t: Acpfs, rep: int, d: str) -> None:
         """Many small files written into the backing (a directory of the cold one), read
@@ -795,7 +854,8 @@ class Bench:
         for d in (src, shim_dir):
             os.makedirs(d)
         block = os.urandom(MiB)
-        for name in ("direct.bin", "read.bin", "preload.bin", "preload-direct.bin", "eight.bin"):
+        for name in ("direct.bin", "read.bin", "preload.bin", "preload-direct.bin", "eight.bin",
+                     "eight-direct.bin", "np.bin", "np-direct.bin"):
             with open(os.path.join(src, name), "wb") as f:
                 for _ in range(size // MiB):
                     f.write(block)
@@ -812,10 +872,11 @@ class Bench:
             r = self.w.call("read_file", path=os.path.join(m.root, "read.bin"))
             self.record("slow_read", t.name, rep, gb / r["s"])
             after_one = self.backing_reads(shim, m)
-            ranks = [subprocess.Popen(["dd", f"if={os.path.join(m.root, 'eight.bin')}", "of=/dev/null",
-                                       "bs=8M", "status=none"]) for _ in range(8)]
-            if any(p.wait() for p in ranks):
-                raise RuntimeError("a reader of eight.bin failed")
+            ranks = self.ranks_at_once()
+            r = ranks.at_once("read_file", os.path.join(shim_dir, "eight-direct.bin"))
+            self.record("slow_8_ranks_read", "backing", rep, self.RANKS * gb / r)
+            r = ranks.at_once("read_file", os.path.join(m.root, "eight.bin"))
+            self.record("slow_8_ranks_read", t.name, rep, self.RANKS * gb / r)
             after_eight = self.backing_reads(shim, m)
             one = [a - b for a, b in zip(after_one, served)]
             eight = [a - b for a, b in zip(after_eight, after_one)]
@@ -823,6 +884,12 @@ class Bench:
             # the requests too: they split where readers meet, so they may grow when bytes do not
             self.extra.setdefault("slow_8_ranks_requests", {}).setdefault(t.name, []).append(
                 {"one": one[0], "eight": eight[0], "one_bytes": one[1], "eight_bytes": eight[1]})
+            # a mapping loader: its page faults read the backing file (passed through)
+            r = self.w.call("np_memmap", path=os.path.join(shim_dir, "np-direct.bin"))
+            self.record("slow_np_memmap", "backing", rep, gb / r["s"])
+            r = self.w.call("np_memmap", path=os.path.join(m.root, "np.bin"))
+            self.record("slow_np_memmap", t.name, rep, gb / r["s"])
+            self.kept(m)
             # the preload's reference right before it: on a VM whose host takes back free
             # memory, both then fill fresh pages in the same state (docs/benchmarks.md)
             r = self.w.call("read_file", path=os.path.join(shim_dir, "preload-direct.bin"))
@@ -1034,6 +1101,8 @@ class Bench:
         finally:
             if hasattr(self, "w"):
                 self.w.close()
+            if self._ranks is not None:
+                self._ranks.close()
         self.daemon_metrics()
         self.save()
         table = self.report()
@@ -1120,6 +1189,9 @@ class Bench:
             r = ratio(metric, "acpfs", "backing")
             add(metric, ">=2x one stream direct", r, None if r is None else r >= 2,
                 f"{r:.2f}x" if r else "-")
+        for metric in ("cold_8_ranks", "slow_np_memmap", "slow_8_ranks_read"):   # no goal named
+            r = ratio(metric, "acpfs", "backing")
+            add(metric, "(backing, direct)", r, None, f"{r:.2f}x" if r else "-")
         v = m("slow_8_ranks", "acpfs")
         add("slow_8_ranks", "<=1.2x one reader", v, None if v is None else v <= 1.2,
             f"{v:.2f}x" if v is not None else "-")

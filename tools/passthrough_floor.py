@@ -2,14 +2,17 @@
 at best, beside what it costs through acpfs.
 
 Builds tools/passthrough_floor.c (a C daemon that passes every open through to the file in a
-directory and answers everything else at once: nothing cached, nothing checked) and mounts it
-and acpfs over one backing directory. Each round writes a checkpoint into a new directory of
+directory and answers everything else at once: nothing cached, nothing checked) and mounts it,
+its Python twin tools/passthrough_floor_py.py (the same requests, answered by Python on
+acpfs's own transport: pyfuse3, trio and acpfs's C extension) and acpfs over one backing
+directory. Each round writes a checkpoint into a new directory of
 the backing (as another node would), reads it there once (so both read a warm page cache, as
 ``tools/bench --workloads cold`` does), and runs each loader on the backing file directly,
-through the floor and through acpfs, side by side in one process (the floor and acpfs in
-alternating order). Ratios are the direct load's time over the mount's (higher is better,
-1.0 = as fast as the backing): the floor's ratio is what this kernel and machine allow any
-daemon; acpfs's distance below it is what its own handling of the requests costs.
+through the floors and through acpfs, side by side in one process (the three mounts in
+rotating order). Ratios are the direct load's time over the mount's (higher is better,
+1.0 = as fast as the backing): the C floor's ratio is what this kernel and machine allow any
+daemon; the Python floor's, what any daemon written as acpfs is (Python on pyfuse3) allows;
+acpfs's distance below that is what its own handling of the requests costs.
 
     .venv/bin/python tools/passthrough_floor.py [--size MIB] [--rounds N]   # as root
 
@@ -110,27 +113,32 @@ def main() -> None:
                          "this process on CPU 0 (apart), or where the kernel puts them (none)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="acpfs-ptfloor-")
-    back, floor_mnt, acpfs_mnt = (os.path.join(tmp, d) for d in ("back", "floor", "acpfs"))
-    for d in (back, floor_mnt, acpfs_mnt):
+    back, floor_mnt, py_mnt, acpfs_mnt = (os.path.join(tmp, d)
+                                          for d in ("back", "floor", "pyfloor", "acpfs"))
+    for d in (back, floor_mnt, py_mnt, acpfs_mnt):
         os.makedirs(d)
     cache = tempfile.mkdtemp(prefix="acpfs-ptfloor-cache-", dir="/dev/shm")
-    floor = None
+    floor = pyfloor = None
     mounted = False
     try:
         floor = subprocess.Popen([build(tmp), floor_mnt, back])
         wait_mounted(floor_mnt, floor)
+        pyfloor = subprocess.Popen([PY, os.path.join(REPO, "tools", "passthrough_floor_py.py"),
+                                    py_mnt, back], cwd=REPO)
+        wait_mounted(py_mnt, pyfloor)
         subprocess.run([PY, "-m", "acpfs", "mount", acpfs_mnt, "--backing", back, "--cache-dir",
                         cache, "--cache-size", f"{2 * args.size + 512}M"], check=True,
                        capture_output=True)
         mounted = True
         if args.pin != "none":
             daemon_cpu = {0} if args.pin == "same" else {1}
-            for pid in (floor.pid, status(acpfs_mnt)["pid"]):
+            for pid in (floor.pid, pyfloor.pid, status(acpfs_mnt)["pid"]):
                 for tid in os.listdir(f"/proc/{pid}/task"):   # every thread, as taskset -a
                     os.sched_setaffinity(int(tid), daemon_cpu)
             os.sched_setaffinity(0, {0})
         sd = {"w": torch.zeros((args.size << 20) // 4)}
-        times: dict[str, dict[str, list[float]]] = {k: {"direct": [], "floor": [], "acpfs": []}
+        kinds = ("direct", "floor", "pyfloor", "acpfs")
+        times: dict[str, dict[str, list[float]]] = {k: {kind: [] for kind in kinds}
                                                     for k in LOADERS}
         per_load: dict[str, float] = {}
         for r in range(args.rounds):
@@ -145,8 +153,8 @@ def main() -> None:
                 settle(acpfs_mnt)
                 fn(os.path.join(back, rel))                      # untimed: warm code paths
                 times[name]["direct"].append(timed(fn, os.path.join(back, rel)))
-                order = [("floor", floor_mnt), ("acpfs", acpfs_mnt)]
-                for kind, mnt in order if r % 2 == 0 else order[::-1]:
+                order = [("floor", floor_mnt), ("pyfloor", py_mnt), ("acpfs", acpfs_mnt)]
+                for kind, mnt in order[r % 3:] + order[:r % 3]:
                     before = requests(acpfs_mnt) if kind == "acpfs" else None
                     times[name][kind].append(timed(fn, os.path.join(mnt, rel)))
                     if before is not None and i == 0:
@@ -156,19 +164,21 @@ def main() -> None:
                                 per_load[k] = per_load.get(k, 0) + (v - before.get(k, 0)) / args.rounds
         print(f"{args.size} MiB, medians of {args.rounds} rounds, pinned: {args.pin}; "
               "ratio = direct time / mount time")
-        print(f"{'loader':34s} {'direct ms':>10s} {'floor ms':>9s} {'acpfs ms':>9s} "
-              f"{'floor':>6s} {'acpfs':>6s}")
+        print(f"{'loader':31s} {'direct ms':>9s} {'C ms':>8s} {'Py ms':>8s} "
+              f"{'acpfs ms':>8s} {'C floor':>8s} {'Py floor':>8s} {'acpfs':>6s}")
         for name, t in times.items():
-            d, f, a = (statistics.median(t[k]) for k in ("direct", "floor", "acpfs"))
-            print(f"{name:34s} {d * 1e3:10.2f} {f * 1e3:9.2f} {a * 1e3:9.2f} {d / f:6.2f} {d / a:6.2f}")
+            d, f, p, a = (statistics.median(t[k]) for k in kinds)
+            print(f"{name:31s} {d * 1e3:9.2f} {f * 1e3:8.2f} {p * 1e3:8.2f} {a * 1e3:8.2f} "
+                  f"{d / f:7.2f}x {d / p:7.2f}x {d / a:5.2f}x")
         print("acpfs requests per torch.load (status):",
               ", ".join(f"{k} {v:.1f}" for k, v in sorted(per_load.items())))
     finally:
         if mounted:
             subprocess.run([PY, "-m", "acpfs", "umount", acpfs_mnt], capture_output=True)
-        if floor is not None:
-            subprocess.run(["fusermount3", "-u", floor_mnt], capture_output=True)
-            floor.wait(timeout=20)
+        for proc, mnt in ((floor, floor_mnt), (pyfloor, py_mnt)):
+            if proc is not None:
+                subprocess.run(["fusermount3", "-u", mnt], capture_output=True)
+                proc.wait(timeout=20)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(cache, ignore_errors=True)
 

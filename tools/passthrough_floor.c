@@ -14,14 +14,25 @@
 
    libfuse before 3.16 cannot ask for passthrough, so the session's I/O is this file's own
    (fuse_session_custom_io, libfuse 3.14+): the INIT reply gets FUSE_PASSTHROUGH and a stack
-   depth, and each OPEN reply the backing id, as acpfs/fuse/_fastwrite.c does.
+   depth, and each OPEN reply the backing id, as acpfs/fuse/_fastwrite.c does. Built against
+   libfuse 3.18 or later (-DFUSE_USE_VERSION=318: the headers define FUSE_CAP_OVER_IO_URING),
+   it asks through libfuse instead, and `-o io_uring` (argument 3) moves the session onto
+   FUSE-over-io_uring: one queue per CPU, each served by a thread pinned to that CPU
+   (libfuse's lib/fuse_uring.c; the kernel needs `enable_uring`).
 
        cc -O2 -o passthrough-floor tools/passthrough_floor.c $(pkg-config --cflags --libs fuse3)
-       ./passthrough-floor MOUNTPOINT DIRECTORY    # foreground; fusermount3 -u MOUNTPOINT ends it
+       ./passthrough-floor MOUNTPOINT DIRECTORY [io_uring]   # foreground; fusermount3 -u ends it
 */
 #define _GNU_SOURCE                         /* asprintf, realpath */
+#ifndef FUSE_USE_VERSION
 #define FUSE_USE_VERSION 34
+#endif
 #include <fuse_lowlevel.h>
+#ifdef FUSE_CAP_OVER_IO_URING
+#define NATIVE 1                            /* libfuse asks for passthrough itself */
+#else
+#define NATIVE 0
+#endif
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/fuse.h>
@@ -50,8 +61,10 @@ static struct fuse_session *se;
 struct node { char *path; int fd; int32_t backing_id; unsigned opens; };
 static struct node *nodes;
 static size_t nnodes, cap;
+#if !NATIVE
 static uint64_t init_unique, kernel_flags;
 static int32_t patching;                    /* the OPEN reply being sent gets this id */
+#endif
 
 static fuse_ino_t add(char *path)
 {
@@ -114,8 +127,12 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
             fuse_reply_err(req, errno);
             return;
         }
+#if NATIVE
+        n->backing_id = fuse_passthrough_open(req, n->fd);
+#else
         struct backing_map map = {.fd = n->fd};
         n->backing_id = ioctl(fuse_session_fd(se), IOC_BACKING_OPEN, &map);
+#endif
         if (n->backing_id <= 0) {
             int e = errno;
             close(n->fd);
@@ -126,9 +143,14 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
     n->opens++;
     fi->fh = ino;
     fi->noflush = 1;
+#if NATIVE
+    fi->backing_id = n->backing_id;
+    fuse_reply_open(req, fi);
+#else
     patching = n->backing_id;
     fuse_reply_open(req, fi);
     patching = 0;
+#endif
 }
 
 static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
@@ -136,8 +158,12 @@ static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     struct node *n = &nodes[fi->fh];
     (void)ino;
     if (--n->opens == 0) {
+#if NATIVE
+        fuse_passthrough_close(req, n->backing_id);
+#else
         uint32_t id = (uint32_t)n->backing_id;
         ioctl(fuse_session_fd(se), IOC_BACKING_CLOSE, &id);
+#endif
         close(n->fd);
     }
     fuse_reply_err(req, 0);
@@ -149,10 +175,28 @@ static void op_flush(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
     fuse_reply_err(req, 0);
 }
 
+#if NATIVE
+static void op_init(void *userdata, struct fuse_conn_info *conn)
+{
+    (void)userdata;
+    if (!fuse_set_feature_flag(conn, FUSE_CAP_PASSTHROUGH)) {
+        fprintf(stderr, "passthrough-floor: the kernel offers no passthrough\n");
+        exit(1);
+    }
+    conn->max_backing_stack_depth = 1;
+    fuse_set_feature_flag(conn, FUSE_CAP_OVER_IO_URING);   /* used only with -o io_uring */
+}
+#endif
+
 static const struct fuse_lowlevel_ops ops = {
+#if NATIVE
+    .init = op_init,
+#endif
     .lookup = op_lookup, .getattr = op_getattr, .open = op_open, .release = op_release,
     .flush = op_flush,
 };
+
+#if !NATIVE
 
 static ssize_t io_read(int fd, void *buf, size_t len, void *userdata)
 {
@@ -198,14 +242,19 @@ static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata)
     return writev(fd, iov, count);
 }
 
+#endif
+
 int main(int argc, char **argv)
 {
-    if (argc != 3) {
-        fprintf(stderr, "usage: %s MOUNTPOINT DIRECTORY\n", argv[0]);
+    int uring = argc == 4 && strcmp(argv[3], "io_uring") == 0;
+    if (argc != 3 && !(uring && NATIVE)) {
+        fprintf(stderr, "usage: %s MOUNTPOINT DIRECTORY%s\n", argv[0],
+                NATIVE ? " [io_uring]" : " (io_uring: build against libfuse 3.18+)");
         return 2;
     }
-    char *opts[] = {argv[0], "-o", "default_permissions,fsname=passthrough-floor"};
-    struct fuse_args args = FUSE_ARGS_INIT(3, opts);
+    char *opts[] = {argv[0], "-o", "default_permissions,fsname=passthrough-floor", "-o",
+                    "io_uring"};
+    struct fuse_args args = FUSE_ARGS_INIT(uring ? 5 : 3, opts);
     add(NULL);                                                /* node id 0: none */
     add(realpath(argv[2], NULL));                             /* FUSE_ROOT_ID */
     if (nodes[FUSE_ROOT_ID].path == NULL) {
@@ -215,9 +264,11 @@ int main(int argc, char **argv)
     se = fuse_session_new(&args, &ops, sizeof(ops), NULL);
     if (se == NULL || fuse_session_mount(se, argv[1]) != 0)
         return 1;
+#if !NATIVE
     static const struct fuse_custom_io io = {.writev = io_writev, .read = io_read};
     if (fuse_session_custom_io(se, &io, fuse_session_fd(se)) != 0)
         return 1;
+#endif
     int res = fuse_session_loop(se);
     fuse_session_unmount(se);
     fuse_session_destroy(se);

@@ -15,6 +15,11 @@ daemon; the Python floor's, what any daemon written as acpfs is (Python on pyfus
 acpfs's distance below that is what its own handling of the requests costs.
 
     .venv/bin/python tools/passthrough_floor.py [--size MIB] [--rounds N]   # as root
+        [--pin none|same|apart] [--io-uring LIBFUSE_BUILD]
+
+``--io-uring`` builds the C floor against a libfuse 3.18+ build directory (meson's, from
+libfuse's sources: its headers under include/ and lib/, the library in lib/) and serves it
+over FUSE-over-io_uring (the fuse module's ``enable_uring`` is set for the run and put back).
 
 Also prints the FUSE requests acpfs saw per load (``status``'s ``requests``).
 """
@@ -38,10 +43,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 
 
-def build(tmp: str) -> str:
+URING = "/sys/module/fuse/parameters/enable_uring"
+
+
+def build(tmp: str, libfuse: str | None) -> str:
+    """The C floor, against the system's libfuse or (io_uring) a libfuse 3.18+ build."""
     exe = os.path.join(tmp, "passthrough-floor")
-    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"], check=True,
-                           capture_output=True, text=True).stdout.split()
+    if libfuse is None:
+        flags = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"], check=True,
+                               capture_output=True, text=True).stdout.split()
+    else:
+        flags = ["-DFUSE_USE_VERSION=318", f"-I{libfuse}", f"-I{libfuse}/lib",
+                 f"-I{os.path.dirname(os.path.abspath(libfuse))}/include", f"-L{libfuse}/lib",
+                 f"-Wl,-rpath,{os.path.abspath(libfuse)}/lib", "-lfuse3", "-lpthread"]
     subprocess.run(["cc", "-O2", "-o", exe, os.path.join(REPO, "tools", "passthrough_floor.c"),
                     *flags], check=True)
     return exe
@@ -111,7 +125,16 @@ def main() -> None:
     ap.add_argument("--pin", choices=["none", "same", "apart"], default="none",
                     help="daemons and this process on CPU 0 (same), the daemons on CPU 1 and "
                          "this process on CPU 0 (apart), or where the kernel puts them (none)")
+    ap.add_argument("--io-uring", metavar="LIBFUSE_BUILD",
+                    help="the C floor over FUSE-over-io_uring, built against this libfuse 3.18+ "
+                         "build directory (meson's)")
     args = ap.parse_args()
+    uring_was = None
+    if args.io_uring:
+        with open(URING) as f:
+            uring_was = f.read().strip()
+        with open(URING, "w") as f:
+            f.write("Y")
     tmp = tempfile.mkdtemp(prefix="acpfs-ptfloor-")
     back, floor_mnt, py_mnt, acpfs_mnt = (os.path.join(tmp, d)
                                           for d in ("back", "floor", "pyfloor", "acpfs"))
@@ -121,7 +144,8 @@ def main() -> None:
     floor = pyfloor = None
     mounted = False
     try:
-        floor = subprocess.Popen([build(tmp), floor_mnt, back])
+        floor = subprocess.Popen([build(tmp, args.io_uring), floor_mnt, back]
+                                 + (["io_uring"] if args.io_uring else []))
         wait_mounted(floor_mnt, floor)
         pyfloor = subprocess.Popen([PY, os.path.join(REPO, "tools", "passthrough_floor_py.py"),
                                     py_mnt, back], cwd=REPO)
@@ -132,7 +156,9 @@ def main() -> None:
         mounted = True
         if args.pin != "none":
             daemon_cpu = {0} if args.pin == "same" else {1}
-            for pid in (floor.pid, pyfloor.pid, status(acpfs_mnt)["pid"]):
+            # over io_uring libfuse pins each queue's thread to its CPU: left where it is
+            daemons = [pyfloor.pid, status(acpfs_mnt)["pid"]] + ([] if args.io_uring else [floor.pid])
+            for pid in daemons:
                 for tid in os.listdir(f"/proc/{pid}/task"):   # every thread, as taskset -a
                     os.sched_setaffinity(int(tid), daemon_cpu)
             os.sched_setaffinity(0, {0})
@@ -162,7 +188,8 @@ def main() -> None:
                         for k, v in after.items():
                             if k != "getxattr" and v != before.get(k, 0):
                                 per_load[k] = per_load.get(k, 0) + (v - before.get(k, 0)) / args.rounds
-        print(f"{args.size} MiB, medians of {args.rounds} rounds, pinned: {args.pin}; "
+        print(f"{args.size} MiB, medians of {args.rounds} rounds, pinned: {args.pin}, "
+              f"C floor over {'io_uring' if args.io_uring else '/dev/fuse'}; "
               "ratio = direct time / mount time")
         print(f"{'loader':31s} {'direct ms':>9s} {'C ms':>8s} {'Py ms':>8s} "
               f"{'acpfs ms':>8s} {'C floor':>8s} {'Py floor':>8s} {'acpfs':>6s}")
@@ -181,6 +208,9 @@ def main() -> None:
                 proc.wait(timeout=20)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(cache, ignore_errors=True)
+        if uring_was is not None:
+            with open(URING, "w") as f:
+                f.write(uring_was)
 
 
 if __name__ == "__main__":

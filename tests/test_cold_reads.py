@@ -493,17 +493,20 @@ def test_a_readers_close_sends_no_flush_and_still_drops_its_locks(mnt):
     assert subprocess.run(probe, capture_output=True).returncode == 0, "the lock outlived close()"
 
 
-def test_the_passthrough_floor_tool_loads_through_a_c_daemon_and_acpfs():
+def test_the_passthrough_floor_tool_loads_through_a_c_daemon_a_python_daemon_and_acpfs():
     """tools/passthrough_floor.py (docs/benchmarks.md, "The floor of a cold load") builds its C
-    daemon, mounts it and acpfs over one directory, loads through both and unmounts both."""
+    daemon, mounts it, its Python twin (tools/passthrough_floor_py.py) and acpfs over one
+    directory, loads through all three (every file read through the floors is passed through:
+    they have no READ handler) and unmounts them."""
     out = subprocess.run([sys.executable, "tools/passthrough_floor.py", "--size", "8", "--rounds", "1"],
                          capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr
-    rows = {line[:34].strip(): line[34:].split() for line in out.stdout.splitlines()
+    rows = {line[:31].strip(): line[31:].split() for line in out.stdout.splitlines()
             if line.startswith(("torch.load", "np.memmap", "read()"))}
     assert len(rows) == 3, out.stdout
-    for name, cells in rows.items():
-        assert len(cells) == 5 and all(float(c) > 0 for c in cells), (name, cells)
+    for name, cells in rows.items():   # ms: direct, C, Python, acpfs; then the three ratios
+        assert len(cells) == 7 and all(float(c.rstrip("x")) > 0 for c in cells), (name, cells)
+        assert all(c.endswith("x") for c in cells[4:]), (name, cells)
     assert "lookup" in out.stdout.splitlines()[-1] and "open 2.0" in out.stdout, out.stdout
     assert "acpfs-ptfloor" not in open("/proc/mounts").read(), "a mount was left behind"

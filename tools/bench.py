@@ -378,6 +378,15 @@ class Rclone(Target):
         return os.path.join(self.backing, os.path.relpath(path, self.root))
 
 
+def fill(path: str, size: int, block: bytes, fsync: bool = False) -> None:
+    """A file of ``size`` bytes (whole blocks) made of ``block`` repeated."""
+    with open(path, "wb") as f:
+        for _ in range(size // len(block)):
+            f.write(block)
+        if fsync:
+            os.fsync(f.fileno())
+
+
 # ---------------------------------------------------------------------------------------
 # the worker process
 
@@ -390,8 +399,15 @@ class WorkerProc:
         self.size = hello["size"]
 
     def call(self, cmd: str, **args) -> dict:
+        self.send(cmd, **args)
+        return self.answer(cmd)
+
+    def send(self, cmd: str, **args) -> None:
         self.p.stdin.write(json.dumps({"cmd": cmd, "args": args}) + "\n")
         self.p.stdin.flush()
+
+    def answer(self, cmd: str) -> dict:
+        """The result of the command sent last (``cmd``: for the error)."""
         line = self.p.stdout.readline()
         if not line:
             raise RuntimeError("worker died")
@@ -414,15 +430,11 @@ class LoaderRanks:
         self.procs = [WorkerProc(0) for _ in range(n)]
 
     def at_once(self, cmd: str, path: str, **args) -> float:
-        line = json.dumps({"cmd": cmd, "args": {"path": path, **args}}) + "\n"
         t0 = time.perf_counter()
         for w in self.procs:
-            w.p.stdin.write(line)
-            w.p.stdin.flush()
+            w.send(cmd, path=path, **args)
         for w in self.procs:
-            res = json.loads(w.p.stdout.readline() or "null")
-            if not res or not res["ok"]:
-                raise RuntimeError(f"a rank's {cmd} failed: {res and res['error']}")
+            w.answer(cmd)
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -783,11 +795,7 @@ class Bench:
         inference process of a node mapping the same new weights), against the same 8 on the
         backing file directly (its page cache warm, as for the other loaders)."""
         back = os.path.join(d, "cold_8_ranks.bin")
-        with open(back, "wb") as f:
-            block = os.urandom(MiB)
-            for _ in range(self.w.size // MiB):
-                f.write(block)
-            os.fsync(f.fileno())
+        fill(back, self.w.size, os.urandom(MiB), fsync=True)
         gb = self.RANKS * os.path.getsize(back) / 1e9
         ranks = self.ranks_at_once()
         ranks.at_once("np_memmap", back)   # untimed: into the backing's page cache
@@ -856,9 +864,7 @@ class Bench:
         block = os.urandom(MiB)
         for name in ("direct.bin", "read.bin", "preload.bin", "preload-direct.bin", "eight.bin",
                      "eight-direct.bin", "np.bin", "np-direct.bin"):
-            with open(os.path.join(src, name), "wb") as f:
-                for _ in range(size // MiB):
-                    f.write(block)
+            fill(os.path.join(src, name), size, block)
         shim = Shim(Path(src), Path(shim_dir), Path(base + ".ctl"))
         m = Acpfs(base + "-mnt", shim_dir, os.path.join(self.shm, f"slow-{t.name}-cache"),
                   self.args.cache_size, base + ".log", name=t.name, env=t.env)

@@ -32,9 +32,9 @@ setup(ext_modules=[Extension(
 ), Extension(
     "acpfs.fuse._fastwrite",
     ["acpfs/fuse/_fastwrite.c", "acpfs/fuse/_attrs.c", "acpfs/fuse/_atonce.c",
-     "acpfs/fuse/_burst.c"],
+     "acpfs/fuse/_burst.c", "acpfs/fuse/_idlepoll.c"],
     depends=["acpfs/fuse/_attrs.h", "acpfs/fuse/_atonce.h", "acpfs/fuse/_burst.h",
-             "acpfs/fuse/_clock.h"],
+             "acpfs/fuse/_clock.h", "acpfs/fuse/_idlepoll.h"],
     extra_compile_args=[*cflags, "-Wall", "-Wextra", "-Wno-unused-parameter"],
     extra_link_args=[*libs, "-ldl"],
     optional=True,

@@ -65,6 +65,13 @@ BACKING_CALLS = {   # --backing-calls: where a lookup's or an open's call to the
             "(mounttable.local_fstype), else in worker threads",
     "threads": "always in worker threads (a local disk that can stall for long)",
 }
+DEFAULT_IDLE_POLL = "auto"   # --idle-poll (IDLE_POLL)
+IDLE_POLL = {   # --idle-poll: whether idle CPUs poll while requests arrive
+    "auto": "while programs send requests, and 50 ms after, idle CPUs poll instead of "
+            "halting, so the daemon's replies wake them at once (a CPU latency request of "
+            "0 us; needs root)",
+    "off": "idle CPUs halt as the system decides",
+}
 PASSTHROUGH_CHOICES = {   # --passthrough, one per mode
     "auto": "where possible",
     "on": "fail the mount where not",
@@ -218,6 +225,7 @@ class Options:
     peer_lease: float = DEFAULT_PEER_LEASE
     passthrough: str = DEFAULT_PASSTHROUGH   # PASSTHROUGH_MODES
     backing_calls: str = DEFAULT_BACKING_CALLS   # BACKING_CALLS
+    idle_poll: str = DEFAULT_IDLE_POLL       # IDLE_POLL
     metrics: str = DEFAULT_METRICS           # --metrics HOST:PORT, "" for none
 
     def as_status(self) -> dict[str, Any]:
@@ -227,7 +235,7 @@ class Options:
                 "cache_full_timeout_s": self.cache_full_timeout,
                 "persist_open_after_s": self.persist_open_after,
                 "coherence_timeout_s": self.coherence_timeout,
-                "backing_calls": self.backing_calls}
+                "backing_calls": self.backing_calls, "idle_poll": self.idle_poll}
 
 
 # -- reading the options -------------------------------------------------------------------
@@ -306,8 +314,11 @@ def settings(a: Any) -> dict[str, Any]:
     calls = text_setting(a, "backing_calls", DEFAULT_BACKING_CALLS).lower()
     if calls not in BACKING_CALLS:
         raise UsageError(f"invalid --backing-calls {calls!r}: use auto or threads")
+    idle = text_setting(a, "idle_poll", DEFAULT_IDLE_POLL).lower()
+    if idle not in IDLE_POLL:
+        raise UsageError(f"invalid --idle-poll {idle!r}: use auto or off")
     settings.update(block_size=block_size, foreground=foreground, passthrough=pt_mode,
-                    backing_calls=calls)
+                    backing_calls=calls, idle_poll=idle)
     metrics = text_setting(a, "metrics", DEFAULT_METRICS).strip()
     if metrics:
         parse_address(metrics)

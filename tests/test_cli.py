@@ -52,6 +52,7 @@ def test_mount_help_gives_the_defaults_that_config_holds():
             ("--peer-lease", f"(default {config.DEFAULT_PEER_LEASE:g})"),
             ("--passthrough", f"'{config.DEFAULT_PASSTHROUGH}' (default)"),
             ("--backing-calls", f"'{config.DEFAULT_BACKING_CALLS}' (default)"),
+            ("--idle-poll", f"'{config.DEFAULT_IDLE_POLL}' (default)"),
             ("--fsync", f"'{config.DEFAULT_FSYNC}' (default:"),
             ("--block-size", f"(default {config.short_size(config.DEFAULT_BLOCK_SIZE)};"),
             ("--log-level", f"{config.DEFAULT_LOG_LEVEL} (default)"),
@@ -85,7 +86,7 @@ def test_mount_options_come_from_the_command_line_then_the_environment_then_conf
                     peer_heartbeat=config.DEFAULT_PEER_HEARTBEAT, peer_lease=config.DEFAULT_PEER_LEASE,
                     block_size=config.DEFAULT_BLOCK_SIZE, foreground=False,
                     passthrough=config.DEFAULT_PASSTHROUGH, metrics=config.DEFAULT_METRICS,
-                    backing_calls=config.DEFAULT_BACKING_CALLS)
+                    backing_calls=config.DEFAULT_BACKING_CALLS, idle_poll=config.DEFAULT_IDLE_POLL)
     assert settings == defaults
     flags = {"allow_other": False, "noexec": False, "mlock": False}   # read with the places
     for field in dataclasses.fields(config.Options):
@@ -98,9 +99,15 @@ def test_mount_options_come_from_the_command_line_then_the_environment_then_conf
     monkeypatch.setenv("ACPFS_PASSTHROUGH", "off")
     monkeypatch.setenv("ACPFS_METRICS", ":9710")
     monkeypatch.setenv("ACPFS_BACKING_CALLS", "threads")
+    monkeypatch.setenv("ACPFS_IDLE_POLL", "off")
     settings = config.settings(parse(["mount", "/mnt", "--backing", "/b", "--peer-lease", "50"]))
     assert (settings["peer_lease"], settings["block_size"], settings["passthrough"]) == (50, 1 << 20, "off")
     assert settings["metrics"] == ":9710" and settings["backing_calls"] == "threads"
+    assert settings["idle_poll"] == "off"
+    monkeypatch.setenv("ACPFS_IDLE_POLL", "never")
+    with pytest.raises(config.UsageError, match="invalid --idle-poll 'never': use auto or off"):
+        config.settings(parse(["mount", "/mnt", "--backing", "/b"]))
+    monkeypatch.delenv("ACPFS_IDLE_POLL")
     monkeypatch.setenv("ACPFS_BACKING_CALLS", "sometimes")
     with pytest.raises(config.UsageError, match="invalid --backing-calls 'sometimes'"):
         config.settings(parse(["mount", "/mnt", "--backing", "/b"]))

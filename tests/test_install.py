@@ -282,6 +282,9 @@ def test_system_install_serves_a_user_other_than_root(fuse_for_users):
         try:
             st = json.loads(as_user(user, home, str(acpfs_bin), "status", str(mnt), "--json").stdout)
             assert st["passthrough"]["on"] is False
+            # --idle-poll auto: the latency device is root's alone; the mount serves anyway
+            assert st["idle_poll"] == {"on": False, "why_not": "cannot open /dev/cpu_dma_latency "
+                                       "(Permission denied; only root may)"}, st["idle_poll"]
             assert Path(st["cache_dir"]) == shm / "cache"
             as_user(user, home, "sh", "-c", f"head -c 3000000 /dev/urandom > {mnt}/model.pt && "
                     f"echo model.pt > {mnt}/latest")

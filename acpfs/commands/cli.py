@@ -16,10 +16,10 @@ from .. import __version__
 from ..config import (BACKING_CALLS, CACHE_AREA, DEFAULT_BACKING_CALLS, DEFAULT_BLOCK_SIZE,
                       DEFAULT_CACHE_FRACTION, DEFAULT_CACHE_FULL_TIMEOUT,
                       DEFAULT_COHERENCE_TIMEOUT, DEFAULT_FLUSH_WORKERS, DEFAULT_FSYNC,
-                      DEFAULT_GLOBAL_ORDER, DEFAULT_LOG_LEVEL,
+                      DEFAULT_GLOBAL_ORDER, DEFAULT_IDLE_POLL, DEFAULT_LOG_LEVEL,
                       DEFAULT_MAX_CLOCK_SKEW, DEFAULT_PASSTHROUGH, DEFAULT_PEER_HEARTBEAT,
                       DEFAULT_PEER_LEASE, DEFAULT_PERSIST_OPEN_AFTER, DEFAULT_TEMPS_OLDER_THAN,
-                      DEFAULT_WATCH_INTERVAL, FSYNC_CHOICES, LOG_LEVELS, METRICS_HOST,
+                      DEFAULT_WATCH_INTERVAL, FSYNC_CHOICES, IDLE_POLL, LOG_LEVELS, METRICS_HOST,
                       PASSTHROUGH_CHOICES, PASSTHROUGH_MODES, ROOT_LOG_DIR, USER_STATE_DIR, safe,
                       seconds, short_size, spoken)
 from ..errors import Failure, UsageError
@@ -126,6 +126,10 @@ def add_daemon_options(m: argparse.ArgumentParser) -> None:
                    help="where the backing is asked at a lookup or an open: " + "; ".join(
                        f"'{mode}'{' (default)' if mode == DEFAULT_BACKING_CALLS else ''}: "
                        f"{why}" for mode, why in BACKING_CALLS.items()))
+    m.add_argument("--idle-poll", choices=tuple(IDLE_POLL),
+                   help="whether idle CPUs poll while programs send requests: " + "; ".join(
+                       f"'{mode}'{' (default)' if mode == DEFAULT_IDLE_POLL else ''}: "
+                       f"{why}" for mode, why in IDLE_POLL.items()))
     m.add_argument("--block-size", help="cache block size, a power of two "
                    f"(default {short_size(DEFAULT_BLOCK_SIZE)}; the daemon's path only)")
     m.add_argument("--mlock", action="store_true", help="lock the cache pool in RAM")

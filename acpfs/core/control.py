@@ -88,6 +88,8 @@ class MountInfo:
     at_once: Callable[[], dict] | None = None
     # the cycle collector's collections and when they ran (daemon/collector.py)
     collector: Callable[[], dict] | None = None
+    # idle CPUs polling while requests arrive (fastwrite.idle_poll_state, --idle-poll)
+    idle_poll: Callable[[], dict] | None = None
     metrics: str | None = None   # where the Prometheus endpoint listens (metrics_http.py)
     pid: int = dataclasses.field(default_factory=os.getpid)
     owner: int = dataclasses.field(default_factory=os.getuid)   # the mount's owner
@@ -302,6 +304,8 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         "at_once": info.at_once() if info.at_once is not None else {"on": False},
         "kernel_held": cache.kernel.held_state(),
         "collector": info.collector() if info.collector is not None else {"on": False},
+        "idle_poll": info.idle_poll() if info.idle_poll is not None else
+        {"on": False, "why_not": "not asked for"},
         "metrics": info.metrics,
     }
 

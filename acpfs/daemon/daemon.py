@@ -304,6 +304,8 @@ class Daemon:
         pyfuse3.init(ops, opts.mountpoint, fuse_opts)
         fastwrite.install(ops.write_now, ops.fallocate_now, AtOnce(ops).hooks())
         attrtable.enable(BLKSIZE)
+        fastwrite.start_idle_poll(opts.idle_poll)
+        self.info.idle_poll = fastwrite.idle_poll_state
         requests = self.info.requests
         collector = Collector(lambda: (sum(requests.values()), fastwrite.last_request()))
         self.info.collector = collector.status
@@ -342,6 +344,7 @@ class Daemon:
             log.exception("the FUSE loop failed; persisting what is cached before exiting")
         finally:
             collector.stop()   # the drain's full collections are the interpreter's again
+            fastwrite.stop_idle_poll()   # no request comes any more
             pyfuse3.close(unmount=True)
             log.info("unmounted %s", opts.mountpoint)
 

@@ -88,6 +88,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
                                "generation"),
     "acpfs_gc_longest_seconds": ("gauge", "the longest the cycle collector stopped the daemon "
                                  "since start, by generation: requests waited that long"),
+    "acpfs_idle_poll_holds_total": ("counter", "times the daemon asked idle CPUs to poll "
+                                    "because requests began to arrive (--idle-poll)"),
+    "acpfs_idle_poll_held_seconds_total": ("counter", "seconds idle CPUs were asked to poll "
+                                           "instead of halting (--idle-poll)"),
     "acpfs_close_to_durable_seconds": ("histogram", "time from a file's last close (its "
                                        "snapshot queued) to that version durable in the backing"),
 }
@@ -189,6 +193,10 @@ def samples(doc: dict[str, Any]) -> Iterator[tuple[str, Sample]]:
             yield from one("acpfs_gc_seconds_total", collector[f"{gen}_s"], generation=gen)
             yield from one("acpfs_gc_longest_seconds", collector[f"longest_{gen}_s"],
                            generation=gen)
+    idle = doc.get("idle_poll") or {}
+    if idle.get("on"):
+        yield from one("acpfs_idle_poll_holds_total", idle["holds"])
+        yield from one("acpfs_idle_poll_held_seconds_total", idle["held_s"])
     recovery = doc.get("recovery") or {}
     yield from one("acpfs_recovered_files_total", recovery.get("files", 0))
     yield from one("acpfs_recovered_operations_total", recovery.get("replayed_ops", 0))

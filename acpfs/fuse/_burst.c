@@ -50,6 +50,7 @@
 
 #include "_burst.h"
 #include "_clock.h"
+#include "_idlepoll.h"
 
 #define MAX_BURST_NS 2000000LL   /* 2 ms: trio's other tasks wait no longer */
 
@@ -161,6 +162,7 @@ void fuse_session_process_buf(struct fuse_session *se, const struct fuse_buf *bu
         real(se, buf);
         return;
     }
+    idlepoll_note_request();
     if (max_burst <= 1) {
         note_request(buf);
         real(se, buf);
@@ -178,6 +180,7 @@ void fuse_session_process_buf(struct fuse_session *se, const struct fuse_buf *bu
             return;   /* none after all, a signal, or what pyfuse3's next read sees too (an
                        * unmount: ENODEV) */
         extra++;
+        idlepoll_note_request();
         if (!dispatched(real, se, &next_buf))
             return;   /* a coroutine of pyfuse3's holds it: pyfuse3 awaits it next */
     }

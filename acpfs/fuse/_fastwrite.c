@@ -82,6 +82,7 @@
 #include "_attrs.h"
 #include "_atonce.h"
 #include "_burst.h"
+#include "_idlepoll.h"
 #include "_clock.h"
 
 #ifndef FUSE_DIRECT_IO_ALLOW_MMAP
@@ -744,7 +745,8 @@ PyMODINIT_FUNC PyInit__fastwrite(void)
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddFunctions(m, attrs_methods) < 0
                       || PyModule_AddFunctions(m, atonce_methods) < 0
-                      || PyModule_AddFunctions(m, burst_methods) < 0)) {
+                      || PyModule_AddFunctions(m, burst_methods) < 0
+                      || PyModule_AddFunctions(m, idlepoll_methods) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 BURST_REQUESTS = 64
 BURST_POLL_US = 50
 
+# --idle-poll: the CPU latency request held while requests arrive (acpfs/fuse/_idlepoll.c),
+# and how long after the last request it is let go
+IDLE_POLL_DEVICE = "/dev/cpu_dma_latency"
+IDLE_POLL_TAIL_MS = 50
+
 NT_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
 NT_THRESHOLD = 256 << 10
 REEXEC_MARK = "ACPFS_REEXECUTED"   # set in the rerun: never run again twice
@@ -85,6 +90,49 @@ def install(handler: Callable[[int, int, memoryview], Optional[int]],
     _ext.burst_config(_setting("ACPFS_BURST", BURST_REQUESTS),
                       _setting("ACPFS_BURST_POLL_US", BURST_POLL_US) * 1000)
     return True
+
+
+_idle_why_not = "not asked for"
+
+
+def start_idle_poll(mode: str) -> bool:
+    """``--idle-poll auto``: while requests arrive, idle CPUs poll instead of halting
+    (acpfs/fuse/_idlepoll.c; docs/design.md, "Idle CPUs poll while requests arrive");
+    whether it is on. Off (and why, logged at INFO) with ``off``, without the extension, or
+    where the daemon may not open /dev/cpu_dma_latency (only root may)."""
+    global _idle_why_not
+    if mode == "off":
+        _idle_why_not = "off (--idle-poll off)"
+    elif _ext is None:
+        _idle_why_not = f"needs the C extension ({_why_not})"
+    else:
+        try:
+            _ext.idle_poll_start(IDLE_POLL_DEVICE, IDLE_POLL_TAIL_MS * 1_000_000)
+            _idle_why_not = ""
+        except OSError as e:
+            _idle_why_not = f"cannot open {IDLE_POLL_DEVICE} ({e.strerror}; only root may)"
+    if _idle_why_not:
+        log.info("idle CPUs halt between requests: %s", _idle_why_not)
+        return False
+    log.info("idle CPUs poll while requests arrive, until %d ms after the last (%s held at 0 us)",
+             IDLE_POLL_TAIL_MS, IDLE_POLL_DEVICE)
+    return True
+
+
+def stop_idle_poll() -> None:
+    """The daemon is done serving: let go of the latency request."""
+    if _ext is not None and not _idle_why_not:
+        _ext.idle_poll_stop()
+
+
+def idle_poll_state() -> dict:
+    """For ``acpfs status`` (``idle_poll``, docs/status.md)."""
+    if _idle_why_not:
+        return {"on": False, "why_not": _idle_why_not}
+    s = _ext.idle_poll_stats()
+    return {"on": s["on"], "held": s["held"], "holds": s["holds"],
+            "held_s": round(s["held_s"], 3), "tail_ms": s["tail_ns"] // 1_000_000,
+            "errors": s["errors"]}
 
 
 def _setting(name: str, default: int) -> int:

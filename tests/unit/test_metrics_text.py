@@ -215,3 +215,17 @@ def test_the_cycle_collector_is_exported_by_generation(core):
     assert by_gen == {"acpfs_gc_collections": {"young": 40, "full": 3},
                       "acpfs_gc_seconds": {"young": 0.1, "full": 0.5},
                       "acpfs_gc_longest_seconds": {"young": 0.004, "full": 0.3}}
+
+
+def test_idle_polling_is_exported_where_it_is_on(core):
+    """``idle_poll`` of the status document (--idle-poll) as two counters, and none where it
+    is off (an unprivileged daemon: nothing was ever held)."""
+    doc = control.status(core.flusher, mount_info(core))
+    assert doc["idle_poll"] == {"on": False, "why_not": "not asked for"}
+    assert not {"acpfs_idle_poll_holds", "acpfs_idle_poll_held_seconds"} & \
+        set(families(metrics.render([doc])))
+    doc["idle_poll"] = {"on": True, "held": False, "holds": 7, "held_s": 1.25, "tail_ms": 50,
+                        "errors": 0}
+    got = families(metrics.render([doc]))
+    assert [s.value for s in got["acpfs_idle_poll_holds"]] == [7]
+    assert [s.value for s in got["acpfs_idle_poll_held_seconds"]] == [1.25]

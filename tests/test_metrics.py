@@ -163,14 +163,16 @@ def test_endpoint_counts_what_was_written_and_persisted(make_mount):
 
 def test_status_prometheus_agrees_with_the_endpoint(make_mount):
     """``acpfs status --prometheus [MOUNT]`` prints the endpoint's series (a quiet mount:
-    everything but the uptime and the FUSE requests that status itself makes is equal);
+    everything but the uptime, the FUSE requests that status itself makes and the idle
+    polling those requests hold, ``--idle-poll``, is equal);
     with no mount point, every mount's, ours among them; a stale mount is acpfs_up 0 and
     exit status 1."""
     m = make_mount(extra=("--metrics", "127.0.0.1:0"))
     (m.mnt / "ckpt").mkdir()
     (m.mnt / "ckpt" / "a").write_bytes(b"a" * 100_000)
     m.sync()
-    moving = {"acpfs_uptime_seconds", "acpfs_requests_total", "acpfs_requests_answered_in_c_total"}
+    moving = {"acpfs_uptime_seconds", "acpfs_requests_total", "acpfs_requests_answered_in_c_total",
+              "acpfs_idle_poll_holds_total", "acpfs_idle_poll_held_seconds_total"}
     named = parse(acpfs("status", "--prometheus", str(m.mnt)).stdout)
     _, scraped = scrape(m.status()["metrics"])
     everyone = of_mount(parse(every_mount()), m)

@@ -227,6 +227,7 @@ class Options:
     backing_calls: str = DEFAULT_BACKING_CALLS   # BACKING_CALLS
     idle_poll: str = DEFAULT_IDLE_POLL       # IDLE_POLL
     metrics: str = DEFAULT_METRICS           # --metrics HOST:PORT, "" for none
+    peers_listen: str = ""                   # --peers-listen HOST:PORT, "" for no peer plane
 
     def as_status(self) -> dict[str, Any]:
         """The options the status document shows (docs/status.md, ``options``)."""
@@ -323,6 +324,16 @@ def settings(a: Any) -> dict[str, Any]:
     if metrics:
         parse_address(metrics)
     settings.update(metrics=metrics)
+    peers = text_setting(a, "peers_listen", "").strip()
+    if peers:
+        host, sep, port = peers.rpartition(":")
+        if not sep or not host.strip("[]") or not port.isdigit() or int(port) > 65535:
+            raise UsageError(f"invalid --peers-listen {peers!r}: use HOST:PORT or [IPV6]:PORT "
+                             "(port 0: any free port)")
+        if not settings["global_order"]:
+            raise UsageError("--peers-listen needs global order: the nodes find each other's "
+                             "peer plane in the node records (drop --global-order off)")
+    settings.update(peers_listen=peers)
     return settings
 
 

@@ -14,8 +14,10 @@ It counts the requests it gets, by handler, and the bytes its READs returned ("r
 in CONTROL.counts (JSON, rewritten every 0.1 s while they change): what the filesystem below
 saw, as a network filesystem's server would.
 
-Stopping the process (SIGSTOP) is the other way to hang it. Inode numbers are our own,
-mapped to the (device, inode) of the source files, each with its current path; renames move
+Stopping the process (SIGSTOP) is the other way to hang it. Inode numbers are mapped to the
+(device, inode) of the source files, each with its current path: the source's own number
+where it is free (two views of one directory show a file under one number, as the clients
+of one NFS export do), else one from ``OWN_INOS`` up; renames move
 the paths of everything under the renamed name. Every attribute timeout is 0, so the kernel
 asks again each time and sees faults at once.
 
@@ -34,6 +36,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+OWN_INOS = 1 << 48   # inode numbers given where the source's own is taken (or the root's)
 
 try:
     import pyfuse3
@@ -71,7 +75,7 @@ if pyfuse3 is not None:
             self.inos = {(st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode)): pyfuse3.ROOT_INODE}
             self.paths = {pyfuse3.ROOT_INODE: source}
             self.keys: dict[int, tuple] = {}   # inode -> (dev, ino, type) it stands for
-            self.next_ino = pyfuse3.ROOT_INODE + 1
+            self.next_ino = OWN_INOS
             self.dirs: dict[int, tuple[int, list]] = {}
             self.next_dh = 1
 
@@ -158,9 +162,15 @@ if pyfuse3 is not None:
             key = (st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode))
             ino = self.inos.get(key)
             if ino is None:
-                ino = self.inos[key] = self.next_ino
+                # the source's own number where it is free here, so that two views of one
+                # directory (two nodes' backings) show a file under one inode number, as NFS
+                # clients do; another from a range of its own where it is taken
+                ino = st.st_ino
+                if ino in self.keys or ino <= pyfuse3.ROOT_INODE or ino >= OWN_INOS:
+                    ino = self.next_ino
+                    self.next_ino += 1
+                self.inos[key] = ino
                 self.keys[ino] = key
-                self.next_ino += 1
             self.paths[ino] = path
             e = pyfuse3.EntryAttributes()
             for a in ("st_mode", "st_nlink", "st_uid", "st_gid", "st_rdev", "st_size",

@@ -88,6 +88,51 @@ class NodeRecords:
         self._stale_retry(lambda: os.rename(NODES_DIR + b"/" + name, NODES_DIR + b"/" + new,
                                             src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd))
 
+    def read_secret(self, name: bytes) -> tuple[bytes, os.stat_result] | None:
+        """The bytes of the peer plane's secret ``name`` in the records directory and its
+        fstat (owner, mode), read through one descriptor, not following a link; None if
+        there is none."""
+        check_name(name)
+
+        def read() -> tuple[bytes, os.stat_result] | None:
+            try:
+                fd = os.open(NODES_DIR + b"/" + name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                             | os.O_NONBLOCK, dir_fd=self.root_fd)
+            except FileNotFoundError:
+                return None
+            try:
+                st = os.fstat(fd)
+                return os.read(fd, 4096), st
+            finally:
+                os.close(fd)
+        return self._stale_retry(read)
+
+    def create_secret(self, name: bytes, temp: bytes, data: bytes) -> bool:
+        """Make the secret ``name`` with ``data``, readable by its owner alone (0600): written
+        whole and synced under ``temp``, then linked to ``name``, so that no reader ever sees
+        it half written. False if another node made it first (then theirs counts)."""
+        check_name(name)
+        check_name(temp)
+
+        def make() -> bool:
+            fd = os.open(NODES_DIR + b"/" + temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                         0o600, dir_fd=self.root_fd)
+            try:
+                os.fchmod(fd, 0o600)   # whatever the umask and the directory's defaults say
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(NODES_DIR + b"/" + temp, NODES_DIR + b"/" + name,
+                        src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd, follow_symlinks=False)
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(NODES_DIR + b"/" + temp, dir_fd=self.root_fd)
+        return self._stale_retry(make)
+
     def remove_record(self, name: bytes) -> bool:
         """Remove the record ``name``; False if it was gone already."""
         check_name(name)

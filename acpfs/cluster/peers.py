@@ -92,6 +92,7 @@ class Peers:
         self.dir = self.records.dir          # for messages
         self.instance = instance
         self.label = safe_label(f"{socket.gethostname()}:{mountpoint}")
+        self.address = ""   # HOST:PORT of this node's peer plane, in its record (set before enter)
         # the op log's lock (the sequencer waits on it), and this node's frontier
         # (``frontier()``, lock held: the frontier, and whether anything acknowledged is
         # pending; OpLog.frontier); without them, nothing is ever pending
@@ -233,6 +234,10 @@ class Peers:
         return [p for p in self.peers.values()
                 if p.record.state != LEFT and now - p.record.heartbeat <= self.lease]
 
+    def serving(self) -> list[RecordName]:
+        """The records of the live peers that serve a peer plane (an address in the record)."""
+        return [p.record for p in self.live() if p.record.address]
+
     def cleared(self, stamp: float) -> Peer | None | bool:
         """True if a change stamped ``stamp`` may reach the backing now; otherwise the peer
         it waits for (None: a fresh enough listing of the peers)."""
@@ -363,7 +368,8 @@ class Peers:
     def _write(self, front: float, state: str, create: bool = False) -> None:
         now = self.clock()
         old = self.mine
-        new = RecordName(self.instance, old.version + 1 if old else 1, front, now, state, self.label)
+        new = RecordName(self.instance, old.version + 1 if old else 1, front, now, state, self.label,
+                         self.address)
         name = new.encode()
         back = self.backing()
         if old is not None and not create:
@@ -456,6 +462,7 @@ class Peers:
             age = now - r.heartbeat
             state = r.state if r.state == LEFT else ("expired" if age > self.lease else r.state)
             peers.append({"node": r.label, "instance": r.instance, "state": state,
+                          "address": r.address or None,
                           "frontier_lag": round(max(0.0, now - r.frontier), 3),
                           "last_heartbeat": round(age, 3),
                           "frontier": r.frontier, "listed": p.listed})

@@ -4,7 +4,8 @@ reads it; what the records mean (the rule, leases, promises) is ``peers.Peers``'
 
 - The format: each node keeps one record in ``<backing>/.acpfs-nodes/``, an empty file whose
   *name* holds everything (``RecordName``: instance, version, frontier, heartbeat, state,
-  label), renamed to a new name to update it. The states: ``UP`` (changes pending), ``IDLE``
+  label, and the address of its peer plane where it serves one: acpfs/cluster/plane.py),
+  renamed to a new name to update it. The states: ``UP`` (changes pending), ``IDLE``
   (nothing pending), ``LEFT`` (unmounted after persisting everything). Times in a name are
   whole microseconds (``whole_us``); the label is for humans (``safe_label``).
 - Whose records count (``RecordsDir``): the records directory is 1777, so that every user's
@@ -45,34 +46,46 @@ from ..userdirs import owner_name
 log = logging.getLogger(__name__)
 
 UP, IDLE, LEFT = "up", "idle", "left"    # pending changes / nothing pending / unmounted
-RECORD = re.compile(rb"([0-9a-f]{12})\.(\d+)\.(\d+)\.(\d+)\.(up|idle|left)\.(.*)", re.S)
+RECORD = re.compile(rb"([0-9a-f]{12})\.(\d+)\.(\d+)\.(\d+)\.(up|idle|left)\.(?:@([0-9a-f]{2,120})\.)?(.*)",
+                    re.S)
 LABEL_MAX = 120
+ADDRESS_MAX = 60   # characters of HOST:PORT in a record (120 hex digits)
 
 
 @dataclasses.dataclass(frozen=True)
 class RecordName:
     """One node's record, as the name of an empty file in ``.acpfs-nodes``:
-    ``<instance>.<version>.<frontier us>.<heartbeat us>.<state>.<label>``."""
+    ``<instance>.<version>.<frontier us>.<heartbeat us>.<state>.[@<address>.]<label>``, the
+    address (``HOST:PORT`` of its peer plane, in hex: a host name has dots) only where it
+    serves one (a label written by ``safe_label`` has no dot, so it never reads as one)."""
     instance: str
     version: int
     frontier: float    # the writer's clock: everything it acknowledged before is durable
     heartbeat: float   # the writer's clock when it wrote this record
     state: str
     label: str         # for humans: host name and mount point
+    address: str = ""  # HOST:PORT of its peer plane (--peers-listen), "" where it has none
 
     def encode(self) -> bytes:
-        return b"%s.%d.%d.%d.%s.%s" % (self.instance.encode(), self.version,
+        where = b"@%s." % self.address.encode().hex().encode() if self.address else b""
+        head = b"%s.%d.%d.%d.%s.%s" % (self.instance.encode(), self.version,
                                        round(self.frontier * 1e6), round(self.heartbeat * 1e6),
-                                       self.state.encode(), self.label.encode()[:LABEL_MAX])
+                                       self.state.encode(), where)
+        # the label gives way to the address: a name is at most NAME_MAX (255) bytes
+        return head + self.label.encode()[:min(LABEL_MAX, 255 - len(head))]
 
     @classmethod
     def parse(cls, name: bytes) -> RecordName | None:
         m = RECORD.fullmatch(name)
         if m is None:
             return None
-        inst, ver, front, beat, state, label = m.groups()
+        inst, ver, front, beat, state, where, label = m.groups()
+        try:
+            address = bytes.fromhex(where.decode()).decode() if where else ""
+        except ValueError:   # odd digits, not UTF-8: a record that serves nothing
+            address = ""
         return cls(inst.decode(), int(ver), int(front) / 1e6, int(beat) / 1e6, state.decode(),
-                   label.decode(errors="replace"))
+                   label.decode(errors="replace"), address)
 
 
 def whole_us(t: float) -> float:

@@ -143,6 +143,10 @@ def add_daemon_options(m: argparse.ArgumentParser) -> None:
     m.add_argument("--metrics", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (PORT or :PORT: on "
                    f"{METRICS_HOST}; another address only when named; default: off)")
+    m.add_argument("--peers-listen", metavar="HOST:PORT",
+                   help="serve this node's cached files to the other nodes of the backing at "
+                   "HOST:PORT, and read files from theirs before the backing (docs/operations.md, "
+                   "\"Nodes serve each other\"; port 0: any free port; default: off)")
     m.add_argument("--foreground", "-f", action="store_true",
                    help="do not daemonize; log to stderr too (for systemd and debugging)")
 

@@ -90,6 +90,8 @@ class MountInfo:
     collector: Callable[[], dict] | None = None
     # idle CPUs polling while requests arrive (fastwrite.idle_poll_state, --idle-poll)
     idle_poll: Callable[[], dict] | None = None
+    # the peer plane (--peers-listen; core/peerreads.PeerReads.status): why it is off, if so
+    peer_plane: Callable[[], dict] | None = None
     metrics: str | None = None   # where the Prometheus endpoint listens (metrics_http.py)
     pid: int = dataclasses.field(default_factory=os.getpid)
     owner: int = dataclasses.field(default_factory=os.getuid)   # the mount's owner
@@ -306,6 +308,8 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         "collector": info.collector() if info.collector is not None else {"on": False},
         "idle_poll": info.idle_poll() if info.idle_poll is not None else
         {"on": False, "why_not": "not asked for"},
+        "peer_plane": info.peer_plane() if info.peer_plane is not None else
+        {"on": False, "why_not": "not asked for (--peers-listen)"},
         "metrics": info.metrics,
     }
 

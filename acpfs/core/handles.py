@@ -36,6 +36,7 @@ from .fetch import Fetch
 from .loader import Loader
 from .longopen import LongOpen
 from .passwriters import count_passthrough_writes
+from .peerreads import PeerReads
 from .readnow import ReadsNow
 from .unshare import unshared
 from ..cache.inodes import Inodes
@@ -106,6 +107,8 @@ class Handles:
         self.page_cached: dict[int, int] = {}
         self.dirs: dict[int, list[tuple[bytes, Node]]] = {}
         self._next_fh = 1
+        # files read from other nodes' RAM before the backing (``peerreads``); set by Core
+        self.peer_reads: PeerReads | None = None
 
     def start(self, nursery: trio.Nursery) -> None:
         self.fetch.start(nursery)
@@ -150,6 +153,11 @@ class Handles:
         # error there takes the usual way, a stat first (Loader.revalidated)
         checked = writable or bool(node.links) \
             or not self.cold.first(ino, node, self.kernel_opens.get(ino, 0))
+        if not checked and self.peer_reads is not None and self.peer_reads.wants(node):
+            # another node may hold the version the backing shows: from its RAM, if so
+            node = await self.loader.revalidated(node, at_open=True)
+            await self.peer_reads.fetch(node)
+            checked = True
         while True:
             if checked:
                 node = await self.loader.revalidated(node, at_open=True)

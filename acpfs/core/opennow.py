@@ -49,8 +49,9 @@ class OpensNow:
                 or not kernel.granted() or not node.is_reg or node.links \
                 or node.staged is not None or node.ino in h.wt.slots \
                 or h.page_cached.get(node.ino) \
-                or (node.parent is None and node.content is None and node.backing_parent is None):
-            return None
+                or (node.parent is None and node.content is None and node.backing_parent is None) \
+                or (h.peer_reads is not None and h.peer_reads.wants(node)):
+            return None   # (another node's RAM may hold it: ``Handles.open`` asks)
         opens = h.kernel_opens.get(ino, 0)
         first = h.cold.first(ino, node, opens)
         if not first and not h.loader.unchanged_now(node):

@@ -38,6 +38,7 @@ from .handles import PRIV_BITS, Handles, Kernel
 from .loader import Loader
 from .longopen import LongOpen
 from .opennow import OpensNow
+from .peerreads import PeerPlane, PeerReads
 from .unshare import unshared
 from ..node import Node, err, node_path
 from .writethrough import Background, WriteThrough
@@ -66,7 +67,8 @@ class Core:
     def __init__(self, flusher: Flusher, info: control.MountInfo, *,
                  order: GlobalOrder | None = None, kernel: Kernel | None = None,
                  direct_io_mmap: Callable[[], bool] = lambda: False,
-                 invalidate_attrs: Callable[[int], None] = lambda ino: None) -> None:
+                 invalidate_attrs: Callable[[int], None] = lambda ino: None,
+                 peer_plane: PeerPlane | None = None) -> None:
         self.flusher = flusher   # status and the control attributes
         self.cache = cache = flusher.cache
         self.oplog = cache.oplog
@@ -88,6 +90,12 @@ class Core:
         fetch = self.handles.fetch
         info.cold_reads = lambda: {**self.handles.cold.status(), **fetch.status()}
         info.backing_calls = self.loader.calls.status
+        # files read from other nodes' RAM, and served to them (--peers-listen)
+        self.peer_reads = PeerReads(cache.files, cache.inodes, self.wt, peer_plane) \
+            if peer_plane is not None else None
+        self.handles.peer_reads = self.peer_reads
+        if self.peer_reads is not None:
+            info.peer_plane = self.peer_reads.status
         self.opens_now = OpensNow(self.handles)   # read-only OPENs answered without a coroutine
         self._statfs: os.statvfs_result | None = self.backing.statvfs()   # answers at mount
         self._statfs_call: trio.Event | None = None
@@ -101,6 +109,8 @@ class Core:
         nursery.start_soon(self._queue_late_acks)
         nursery.start_soon(self.cache.kernel.run, self.cache.coherence.quiescent)
         self.handles.start(nursery)
+        if self.peer_reads is not None:
+            self.peer_reads.start()
 
     # -- resolving ids ---------------------------------------------------------------------
     def node(self, ino: int) -> Node:

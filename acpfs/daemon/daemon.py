@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, TypeVar
 
 from ..config import Options, format_size, ram_filesystem
 from .metrics_http import Endpoint, Unavailable
+from ..cluster.plane import Plane
 from ..userdirs import secure_dir, write_mount_record
 from ..backing.retry import describe
 from .process import (drain, lock_backing, lock_cache_dir, remove_leftover, set_read_ahead,
@@ -28,6 +29,7 @@ from . import hugecache
 
 if TYPE_CHECKING:
     from ..cluster.peers import Peers
+    from ..core.peerreads import PeerPlane
 
 log = logging.getLogger("acpfs")
 T = TypeVar("T")
@@ -57,6 +59,7 @@ class Daemon:
         self.left = None
         self._last_progress = 0.0
         self.endpoint: Endpoint | None = None   # --metrics, bound first thing (_start)
+        self.plane: Plane | None = None         # --peers-listen, bound first thing (_start)
         self._loop = None            # the FUSE loop's trio token, once it runs (serve)
         self._quiet = threading.Lock()   # the drain's last change of the files vs. a scrape
 
@@ -75,6 +78,8 @@ class Daemon:
         if opts.metrics:   # first: a port in use refuses the mount before anything is made
             self.endpoint = Endpoint(opts.metrics, self._metrics_text)
             self.endpoint.start()
+        if opts.peers_listen:   # bound now, served once its secret is read (_peer_plane)
+            self.plane = Plane(opts.peers_listen, None, None)
         os.umask(0o077)
         self.lock_fd = lock_backing(opts.backing, opts.mountpoint)
         write_mount_record(opts.mountpoint, {"mountpoint": opts.mountpoint, "backing": opts.backing,
@@ -204,9 +209,42 @@ class Daemon:
                               metrics=self.endpoint.address if self.endpoint else None)
         self.core = Core(self.flusher, self.info, order=order, kernel=self.kernel,
                          direct_io_mmap=fastwrite.direct_io_mmap,
-                         invalidate_attrs=invalidate_attrs_now)
+                         invalidate_attrs=invalidate_attrs_now,
+                         peer_plane=self._peer_plane(instance))
         if self.peers is not None:
             self._join(self.peers, front, predecessor)
+
+    def _peer_plane(self, instance: str) -> PeerPlane | None:
+        """The peer plane's parts (--peers-listen): its secret read (or made) in the records
+        directory, its address put in this node's record (written next: ``_join``). Without
+        a usable secret it serves and reads nothing; the mount goes on, and status says why."""
+        from ..cluster.auth import Refused, Secret
+        from ..cluster.remote import Remote
+        from ..core.peerreads import PeerPlane
+        if self.plane is None or self.peers is None:
+            return None
+        out: list = []
+
+        def load() -> None:
+            try:
+                out.append(Secret.load(self.peers.records, instance))
+            except (OSError, Refused) as e:
+                out.append(e)
+        t = threading.Thread(target=load, name="acpfs-secret-at-mount", daemon=True)
+        t.start()
+        t.join(RECORDS_AT_MOUNT)
+        got = out[0] if out else None
+        if isinstance(got, Secret):
+            self.plane.secret = got
+            self.peers.address = self.plane.address
+            self.plane.start()
+            return PeerPlane(self.peers, self.plane, Remote(got))
+        why = ("the backing does not answer" if got is None else describe(got)
+               if isinstance(got, OSError) else str(got))
+        log.warning("peer plane: off (%s); files are read from the backing alone, and this "
+                    "node serves none", why)
+        self.plane.start()   # it answers 401 to every request: a peer learns at once
+        return PeerPlane(self.peers, self.plane, None, why)
 
     def _join(self, peers: Peers, front: float | None, predecessor: str | None) -> None:
         """Write this node's record among the other nodes' (global order, peers.py)."""
@@ -404,6 +442,8 @@ class Daemon:
         opts = self.opts
         if self.endpoint is not None:
             self.endpoint.close()
+        if self.plane is not None:
+            self.plane.close()
         self.journal.close()
         self.store.close()
         if self.peers is not None:

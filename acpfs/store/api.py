@@ -57,6 +57,10 @@ class Store(Protocol):
         several ranges at once where it is slow (``in_ranges``; ``fast``: known already;
         ``progress``: told the bytes of each range copied; ``drop``: asked after each range
         whether the source's page cache over it is dropped: ``in_ranges``)."""
+    def sink(self, c: Content, size: int) -> ContextManager[Callable[[int, memoryview], None]]:
+        """Worker thread: ``put(off, bytes)`` writes bytes at ``off`` of ``c`` (room for
+        ``size``, from ``alloc``), from any number of threads at disjoint offsets, until the
+        block ends (how a copy from another node's RAM lands: core/peerreads.py)."""
     def need(self, c: Content, off: int, end: int) -> int:
         """Bytes a write of [off, end) would take from the free space."""
     def need_truncate(self, c: Content, size: int, new: int) -> int:

@@ -215,6 +215,17 @@ class MemFiles:
             in_ranges(size, lambda off, n: copy_range(src_fd, fd, off, n), fast=fast,
                       progress=progress, src=src_fd, drop=drop)
 
+    @contextlib.contextmanager
+    def sink(self, mf: MemFile, size: int) -> Iterator[Callable[[int, memoryview], None]]:
+        with self._opened(mf) as fd:
+            os.ftruncate(fd, size)
+
+            def put(off: int, data: memoryview) -> None:
+                done = 0
+                while done < len(data):
+                    done += os.pwrite(fd, data[done:], off + done)
+            yield put
+
     def need(self, mf: MemFile, off: int, end: int) -> int:
         size = os.fstat(self._fd(mf)).st_size
         grow = max(0, _pages(end) - max(mf.charged, _pages(size)))

@@ -203,6 +203,24 @@ class Pool:
         in_ranges(min(size, len(blocks) * bs), blocks_of, unit=bs, fast=fast, progress=progress,
                   src=src_fd, drop=drop)
 
+    @contextlib.contextmanager
+    def sink(self, blocks: list[int], size: int) -> Iterator[Callable[[int, memoryview], None]]:
+        bs = self.block_size
+        view = self.view
+
+        def put(off: int, data: memoryview) -> None:
+            pos = 0
+            while pos < len(data):
+                i, within = divmod(off + pos, bs)
+                n = min(bs - within, len(data) - pos)
+                at = blocks[i] * bs + within
+                view[at:at + n] = data[pos:pos + n]
+                pos += n
+        yield put
+        if size % bs and size // bs < len(blocks):   # past the end of the file: zeros
+            b = blocks[size // bs]
+            self.mem[b * bs + size % bs:(b + 1) * bs] = 0
+
     def need(self, blocks: list[int], off: int, end: int) -> int:
         bs = self.block_size
         first, last = off // bs, (end - 1) // bs

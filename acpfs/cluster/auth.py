@@ -1,0 +1,144 @@
+"""The peer plane's secret, and the signatures that prove it without sending it
+(docs/design.md, "Nodes serve each other from RAM").
+
+Owns the secret of one backing (``Secret``): 32 random bytes in
+``<backing>/.acpfs-nodes/.peer-secret``, made with the records directory's first peer plane,
+mode 0600, so that only the backing's owner (the user whose daemons keep records there) can
+read it; a mount over another backing holds another secret. ``load`` reads it, or makes it
+when there is none (``NodeRecords.create_secret``: written whole, then linked into place,
+so that two nodes starting at once end with one secret). A secret that others may read
+(group or world bits), that is not a regular file, that belongs to a user whose records do
+not count (``RecordsDir.owners``), or that is not 64 hex digits is refused: ``Refused``,
+and the daemon serves no peer plane (status says why).
+
+A request carries ``Authorization: ACPFS1 node=<instance> ts=<unix time> nonce=<hex>
+mac=<hex>``, the HMAC-SHA256 under the secret of the method, the target, the range, the
+time and the nonce (``sign``). The server believes it only when the MAC matches, the time is
+within ``WINDOW`` of its own clock, and the nonce was not seen in that window (``check``: a
+request copied off the wire cannot be sent again). Its answer carries ``X-Acpfs-Mac``, the
+HMAC of the request's nonce, the status, the version it serves and the range
+(``answer``), which the client checks (``believe``): an answer from anything without the
+secret (another backing's node, a stray server on the port) is not believed. The secret
+itself never crosses the network, with or without TLS; the bytes of a file do, in the clear
+(the backing's own protocol, NFS without krb5p, sends them so too).
+
+Threads: any; the nonces seen are guarded by ``_lock``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import stat
+import threading
+import time
+
+from .records import RecordsDir
+
+log = logging.getLogger(__name__)
+
+SECRET_NAME = b".peer-secret"
+SCHEME = "ACPFS1"
+WINDOW = 300.0       # s: a signed request is believed this long around the server's clock
+NONCES_MAX = 100_000   # nonces remembered at most (each request has one)
+
+
+class Refused(Exception):
+    """A request or an answer not believed, or a secret not used: why, in one line."""
+
+
+class Secret:
+    """The secret of one backing, and the nonces its server has seen."""
+
+    def __init__(self, key: bytes, instance: str) -> None:
+        self.key = key
+        self.instance = instance
+        self._seen: dict[str, float] = {}   # nonce -> when seen (this clock)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, records: RecordsDir, instance: str) -> Secret:
+        """The secret of the records directory ``records`` (made there if there is none);
+        ``Refused`` if the one there may not be used, ``OSError`` if it cannot be read."""
+        back = records.backing()
+        got = back.read_secret(SECRET_NAME)
+        if got is None:
+            made = back.create_secret(SECRET_NAME, b".peer-secret." + instance.encode(),
+                                      secrets.token_hex(32).encode())
+            if made:
+                log.info("peer plane: made the secret %s/%s (mode 0600)", records.dir,
+                         SECRET_NAME.decode())
+            got = back.read_secret(SECRET_NAME)
+            if got is None:
+                raise Refused(f"the secret {records.dir}/{SECRET_NAME.decode()} vanished as it "
+                              "was made")
+        data, st = got
+        where = f"{records.dir}/{SECRET_NAME.decode()}"
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused(f"{where} is not a regular file")
+        if st.st_mode & 0o077:
+            raise Refused(f"{where} is readable by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+                          "make it 0600 (chmod 600), or remove it and mount again")
+        if st.st_uid not in records.owners:
+            raise Refused(f"{where} belongs to uid {st.st_uid}, whose node records do not count")
+        text = data.strip()
+        if len(text) != 64 or any(c not in b"0123456789abcdef" for c in text):
+            raise Refused(f"{where} is not 64 hex digits; remove it and mount again")
+        return cls(bytes.fromhex(text.decode()), instance)
+
+    # -- requests ---------------------------------------------------------------------------
+    def _mac(self, *parts: str) -> str:
+        return hmac.new(self.key, "\n".join(parts).encode(), hashlib.sha256).hexdigest()
+
+    def sign(self, method: str, target: str, rng: str) -> tuple[str, str]:
+        """(the Authorization header of a request, its nonce)."""
+        ts = f"{time.time():.3f}"
+        nonce = secrets.token_hex(16)
+        mac = self._mac(SCHEME, method, target, rng, ts, nonce)
+        return f"{SCHEME} node={self.instance} ts={ts} nonce={nonce} mac={mac}", nonce
+
+    def check(self, header: str | None, method: str, target: str, rng: str) -> str:
+        """The nonce of a request whose Authorization header proves the secret; ``Refused``
+        otherwise (none, another scheme, a wrong MAC, out of the window, seen before)."""
+        if not header:
+            raise Refused("no Authorization header")
+        scheme, _, rest = header.partition(" ")
+        if scheme != SCHEME:
+            raise Refused(f"not the {SCHEME} scheme")
+        fields = dict(part.partition("=")[::2] for part in rest.split())
+        ts, nonce, mac = fields.get("ts", ""), fields.get("nonce", ""), fields.get("mac", "")
+        if not (ts and nonce and mac) or len(nonce) > 64:
+            raise Refused("an incomplete signature")
+        if not hmac.compare_digest(mac, self._mac(SCHEME, method, target, rng, ts, nonce)):
+            raise Refused(f"a wrong signature (from node {fields.get('node', '?')[:16]!r}: "
+                          "another secret, another backing)")
+        try:
+            age = abs(time.time() - float(ts))
+        except ValueError:
+            raise Refused("a signature with no time") from None
+        if age > WINDOW:
+            raise Refused(f"a signature {age:.0f} s away from this node's clock (at most "
+                          f"{WINDOW:.0f} s)")
+        now = time.monotonic()
+        with self._lock:
+            if nonce in self._seen:
+                raise Refused("a signature used before (a request sent again)")
+            if len(self._seen) >= NONCES_MAX:
+                self._seen = {n: t for n, t in self._seen.items() if now - t <= 2 * WINDOW}
+                if len(self._seen) >= NONCES_MAX:
+                    raise Refused("too many requests in the window")
+            self._seen[nonce] = now
+        return nonce
+
+    # -- answers ----------------------------------------------------------------------------
+    def answer(self, nonce: str, status: int, version: str, rng: str) -> str:
+        """The X-Acpfs-Mac of an answer to the request of ``nonce``."""
+        return self._mac(SCHEME, "answer", nonce, str(status), version, rng)
+
+    def believe(self, mac: str | None, nonce: str, status: int, version: str, rng: str) -> None:
+        """``Refused`` unless ``mac`` proves the answer came from a holder of the secret."""
+        if not mac or not hmac.compare_digest(mac, self.answer(nonce, status, version, rng)):
+            raise Refused("an answer not signed with this backing's secret")
+

@@ -1,0 +1,277 @@
+"""The peer plane's server (``acpfs mount --peers-listen HOST:PORT``): this node serves the
+files its cache holds to the other nodes of its backing (docs/design.md, "Nodes serve each
+other from RAM").
+
+The protocol is HTTP/1.1, which every operator can read with curl and tcpdump:
+
+- ``HEAD /v1/files/<path>?v=<ino>.<size>.<mtime_ns>``: 200 when this node holds the file at
+  ``<path>`` (relative to the backing, percent-encoded) in that version of the backing (the
+  inode, size and mtime the client's open revalidated), clean; else 404.
+- ``GET`` of the same with ``Range: bytes=A-B``: 206 and those bytes, sent with
+  ``sendfile`` from the memory file (or the pool) that holds them, no copy through Python.
+
+Every request must be signed (``auth.Secret.check``); one that is not gets 401 and no body,
+and the connection is closed. Every answer is signed back, over the version it serves and
+its range (``X-Acpfs-Mac``), and says the version (``X-Acpfs-Version``).
+
+What is served is the holder's business (``Holder``, core/peerreads.py): ``hold`` finds the
+file and takes a reference to its bytes as they are (a writer that opens it later writes a
+copy: ``Store.share``), on the FUSE loop's thread; ``runs`` gives the descriptor and the
+runs of it that hold the bytes; ``let_go`` gives the reference back.
+
+Owns the listening socket, bound when the daemon starts (a port in use refuses the mount in
+one line, as ``--metrics`` does), the address the node records carry (``address``: the bound
+address, or the host name where it binds every address), and the threads that serve, one
+per connection, at most ``MAX_CONNECTIONS`` (a connection beyond them is closed
+unanswered). Counters (``served_bytes``, ``requests``, ``refused``) are guarded by ``_lock``.
+"""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import socket
+import socketserver
+import threading
+import urllib.parse
+from typing import Any, ContextManager, Iterator, Protocol
+
+from ..backing.retry import describe
+from .auth import Refused, Secret
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/v1/files/"
+MAX_CONNECTIONS = 64
+CLIENT_TIMEOUT = 30.0   # s a connection may stay silent
+Version = tuple[int, int, int]   # (inode, size, mtime_ns) in the backing
+
+
+class Holder(Protocol):
+    def hold(self, path: bytes, version: Version) -> tuple[Any, int] | None:
+        """(a reference to the bytes, the size) of the file at ``path`` in ``version``,
+        clean; None where this node does not hold it so."""
+    def runs(self, ref: Any, size: int) -> ContextManager[tuple[int, Iterator[tuple[int, int, int]]]]:
+        """A descriptor and its runs (file offset, offset in the descriptor, length)."""
+    def let_go(self, ref: Any) -> None: ...
+
+
+def version_text(v: Version) -> str:
+    return "%d.%d.%d" % v
+
+
+def parse_version(text: str) -> Version | None:
+    parts = text.split(".")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def target_of(path: bytes, version: Version) -> str:
+    """The request target for ``path`` (relative to the backing) in ``version``."""
+    return PREFIX + urllib.parse.quote(path, safe="/") + "?v=" + version_text(version)
+
+
+def parse_address(text: str, what: str = "--peers-listen") -> tuple[str, int]:
+    """(host, port) of ``HOST:PORT`` or ``[IPV6]:PORT``; ValueError with one line."""
+    host, sep, port = text.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"invalid {what} {text!r}: use HOST:PORT or [IPV6]:PORT, the port a "
+                         "number from 0 to 65535 (0: any free port)")
+    return host, int(port)
+
+
+class Plane:
+    """The bound socket of the peer plane and its serving thread (``start``, ``close``)."""
+
+    def __init__(self, text: str, secret: Secret | None, holder: Holder | None) -> None:
+        host, port = parse_address(text)
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                        flags=socket.AI_PASSIVE)[0][0]
+            self.server = Server(family, (host, port), self)
+        except socket.gaierror as e:
+            raise RuntimeError(f"--peers-listen {text}: cannot resolve {host!r}: {e.strerror}") from None
+        except OSError as e:
+            raise RuntimeError(f"--peers-listen {text}: cannot listen on {host} port {port}: "
+                               f"{describe(e)}") from None
+        bound = self.server.server_address
+        # where the others reach it: the host as bound, or this host's name where every
+        # address is bound (0.0.0.0, ::)
+        name = socket.gethostname() if bound[0] in ("0.0.0.0", "::") else bound[0]
+        self.address = f"[{name}]:{bound[1]}" if ":" in name else f"{name}:{bound[1]}"
+        self.secret = secret    # None: it refuses everything (no secret usable: why_not)
+        self.holder = holder    # None until the FUSE loop runs: 404 meanwhile
+        self._lock = threading.Lock()
+        self.served_bytes = 0
+        self.requests = 0
+        self.refused = 0
+        self.thread = threading.Thread(target=self.server.serve_forever, name="acpfs-plane",
+                                       daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        log.info("peer plane: serving the files of this cache to the other nodes at %s",
+                 self.address)
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.server.shutdown()
+        self.server.server_close()
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"served_bytes": self.served_bytes, "served_requests": self.requests,
+                    "refused_requests": self.refused}
+
+    def count(self, served: int = 0, refused: bool = False) -> None:
+        with self._lock:
+            self.served_bytes += served
+            self.requests += not refused
+            self.refused += refused
+
+
+class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, family: socket.AddressFamily, address: tuple[str, int], plane: Plane) -> None:
+        self.address_family = family
+        self.plane = plane
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, Handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            log.warning("peer plane: %d connections open; closing the one of %s",
+                        MAX_CONNECTIONS, client_address[0])
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+class _At:
+    """A descriptor as ``socket.sendfile`` wants a file (its position is never used)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def seek(self, *_: object) -> None:
+        pass
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "acpfs-peer"
+    timeout = CLIENT_TIMEOUT
+    server: Server
+
+    def do_HEAD(self) -> None:
+        self._serve(False)
+
+    def do_GET(self) -> None:
+        self._serve(True)
+
+    def _serve(self, body: bool) -> None:
+        plane = self.server.plane
+        rng = self.headers.get("Range", "")
+        try:
+            if plane.secret is None:
+                raise Refused("this node has no usable secret")
+            nonce = plane.secret.check(self.headers.get("Authorization"), self.command,
+                                       self.path, rng)
+        except Refused as e:
+            plane.count(refused=True)
+            log.warning("peer plane: refused %s %s from %s: %s", self.command,
+                        self.path[:200], self.client_address[0], e)
+            self.close_connection = True
+            self._answer(401, {"Connection": "close"})
+            return
+        split = urllib.parse.urlsplit(self.path)
+        version = parse_version(urllib.parse.parse_qs(split.query).get("v", [""])[0])
+        if not split.path.startswith(PREFIX) or version is None:
+            self._signed(400, nonce, "", "")
+            return
+        path = urllib.parse.unquote_to_bytes(split.path[len(PREFIX):])
+        holder = plane.holder
+        held = holder.hold(path, version) if holder is not None else None
+        if held is None:
+            self._signed(404, nonce, "", "")
+            plane.count()
+            return
+        ref, size = held
+        vtext = version_text(version)
+        try:
+            if not body:
+                self._signed(200, nonce, vtext, "", {"Content-Length": str(size)})
+                plane.count()
+                return
+            first, last = _range(rng, size)
+            if first < 0:
+                self._signed(416, nonce, vtext, "", {"Content-Range": f"bytes */{size}"})
+                return
+            crange = f"bytes {first}-{last}/{size}"
+            self._signed(206, nonce, vtext, crange, {"Content-Range": crange,
+                                                     "Content-Length": str(last + 1 - first)})
+            self.wfile.flush()
+            sent = self._send(holder, ref, size, first, last + 1)
+            plane.count(sent)
+        finally:
+            holder.let_go(ref)
+
+    def _send(self, holder: Holder, ref: Any, size: int, start: int, end: int) -> int:
+        sent = 0
+        with holder.runs(ref, size) as (fd, runs):
+            at = _At(fd)
+            for off, src, n in runs:
+                lo, hi = max(off, start), min(off + n, end)
+                if lo >= hi:
+                    continue
+                sent += self.connection.sendfile(at, src + lo - off, hi - lo)
+        if sent != end - start:   # the client must not take a short body for the whole
+            self.close_connection = True
+        return sent
+
+    def _signed(self, code: int, nonce: str, vtext: str, crange: str,
+                headers: dict[str, str] | None = None) -> None:
+        secret = self.server.plane.secret
+        assert secret is not None
+        extra = {"X-Acpfs-Version": vtext, "X-Acpfs-Mac": secret.answer(nonce, code, vtext, crange)}
+        self._answer(code, {**extra, **(headers or {})})
+
+    def _answer(self, code: int, headers: dict[str, str]) -> None:
+        self.send_response(code)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        if "Content-Length" not in headers:
+            self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:   # noqa: A002 (the base's name)
+        log.debug("peer plane: %s %s", self.address_string(), format % args)
+
+
+def _range(text: str, size: int) -> tuple[int, int]:
+    """(first, last) of ``bytes=A-B`` within a file of ``size`` bytes; (-1, -1) if not."""
+    unit, _, spec = text.partition("=")
+    first, _, last = spec.partition("-")
+    if unit.strip() != "bytes" or not first.isdigit() or not last.isdigit():
+        return -1, -1
+    a, b = int(first), min(int(last), size - 1)
+    return (a, b) if a <= b else (-1, -1)
+

@@ -129,3 +129,148 @@ def test_a_checkpoint_is_read_from_the_ram_of_the_node_that_wrote_it(cluster):
     pb = plane(b)
     assert pb["fetched_files"] == 3 and pb["fallbacks"] >= 1, pb
     assert addr_a in pb["failed_peers"], pb
+
+
+def secret_of(backing: Path) -> Secret:
+    key = (backing / ".acpfs-nodes" / SECRET_NAME.decode()).read_text()
+    return Secret(bytes.fromhex(key), "0e57e57e57e5")
+
+
+def ask(address: str, method: str, target: str, headers: dict[str, str]) -> http.client.HTTPResponse:
+    host, port = address.rsplit(":", 1)
+    c = http.client.HTTPConnection(host, int(port), timeout=10)
+    c.request(method, target, headers=headers)
+    resp = c.getresponse()
+    resp.body = resp.read()
+    c.close()
+    return resp
+
+
+def test_requests_without_the_backing_secret_get_nothing(cluster, make_mount, tmp_path):
+    """Only a request signed with the backing's own secret, once, gets bytes: none without
+    a signature, with another secret (another backing's), sent again, or for another
+    version. The secret is the owner's alone (0600) and never travels."""
+    a = cluster.node("a", view=False)
+    data = random.Random(1).randbytes(2 * MIB)
+    checkpoint(a, {"x.bin": data})
+    secret_file = cluster.shared / ".acpfs-nodes" / SECRET_NAME.decode()
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    st = os.stat(cluster.shared / "x.bin")
+    version = (st.st_ino, st.st_size, st.st_mtime_ns)
+    target, rng = target_of(b"x.bin", version), "bytes=0-1023"
+    addr = plane(a)["address"]
+    good = secret_of(cluster.shared)
+
+    def signed(secret: Secret, method: str = "GET", tgt: str = target) -> tuple[dict, str]:
+        auth, nonce = secret.sign(method, tgt, rng)
+        return {"Authorization": auth, "Range": rng}, nonce
+
+    r = ask(addr, "GET", target, {"Range": rng})
+    assert r.status == 401 and r.body == b""
+    # another backing's mount: its own secret, which A does not take
+    other = make_mount("other", extra=PEERS)
+    other_secret = secret_of(other.back)
+    assert other_secret.key != good.key
+    r = ask(addr, "GET", target, signed(other_secret)[0])
+    assert r.status == 401 and r.body == b""
+    headers, nonce = signed(good)
+    r = ask(addr, "GET", target, headers)
+    assert r.status == 206 and r.body == data[:1024]
+    vtext = version_text(version)
+    good.believe(r.getheader("X-Acpfs-Mac"), nonce, 206, vtext, f"bytes 0-1023/{len(data)}")
+    r = ask(addr, "GET", target, headers)   # the same request sent again
+    assert r.status == 401 and r.body == b""
+    stale = target_of(b"x.bin", (version[0], version[1], version[2] - 1))
+    r = ask(addr, "GET", stale, signed(good, tgt=stale)[0])
+    assert r.status == 404 and r.body == b""
+    r = ask(addr, "GET", target, {"Authorization": headers["Authorization"].replace("mac=", "mac=0"),
+                                  "Range": rng})
+    assert r.status == 401
+    assert plane(a)["refused_requests"] == 4
+    text = a.log.read_text()
+    assert "peer plane: refused GET" in text and "a request sent again" in text
+    assert good.key.hex() not in text
+
+
+class Liar(http.server.ThreadingHTTPServer):
+    """A peer with the secret that lies about what it sends (``how``): another version,
+    fewer bytes than it says, or an answer it does not sign."""
+
+    def __init__(self, secret: Secret, how: str) -> None:
+        self.secret, self.how = secret, how
+        super().__init__(("127.0.0.1", 0), LiarHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+class LiarHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: Liar
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self.answer(200, "")
+
+    def do_GET(self) -> None:
+        self.answer(206, self.headers["Range"])
+
+    def answer(self, code: int, rng: str) -> None:
+        s = self.server
+        nonce = self.headers["Authorization"].split("nonce=")[1].split()[0]
+        vtext = self.path.split("?v=")[1]
+        ino, size, mtime = vtext.split(".")
+        first, last = (int(x) for x in rng[6:].split("-")) if rng else (0, int(size) - 1)
+        crange = f"bytes {first}-{last}/{size}" if rng else ""
+        n = last + 1 - first
+        if code == 206 and s.how == "version":
+            vtext = f"{ino}.{size}.{int(mtime) + 1}"
+        mac = s.secret.answer(nonce, code, vtext, crange)
+        if code == 206 and s.how == "unsigned":
+            mac = "0" * 64
+        self.send_response(code)
+        self.send_header("X-Acpfs-Version", vtext)
+        self.send_header("X-Acpfs-Mac", mac)
+        self.send_header("Content-Length", str(n))
+        if rng:
+            self.send_header("Content-Range", crange)
+        self.end_headers()
+        if code == 206:
+            self.wfile.write(b"\xee" * (n // 2 if s.how == "short" else n))
+            if s.how == "short":
+                self.close_connection = True
+
+
+@pytest.mark.parametrize("how", ["version", "short", "unsigned"])
+def test_a_peer_that_lies_is_not_believed(cluster, how):
+    """A peer with the secret that sends another version, a short body, or an unsigned
+    answer: the reader takes none of its bytes, reads the backing, and says which peer."""
+    a = cluster.node("a", view=False, extra=())   # no plane: the liar is the only holder
+    data = random.Random(2).randbytes(3 * MIB)
+    checkpoint(a, {"w.bin": data})
+    liar = Liar(secret_of_soon(cluster.shared, a), how)
+    where = f"127.0.0.1:{liar.server_address[1]}"
+    now = time.time()
+    record = RecordName("0bad0bad0bad", 1, now + 3600, now + 3600, "idle", "liar", where)
+    (cluster.shared / ".acpfs-nodes" / record.encode().decode()).touch()
+    b = cluster.node("b", view=True)
+    known_peers(b, 1)
+    before = cluster.backing_reads("b")
+    assert sha(b.path("w.bin")) == hashlib.sha256(data).hexdigest()
+    assert cluster.backing_reads("b") - before >= len(data)
+    pb = plane(b)
+    assert pb["fetched_files"] == 0 and pb["fallbacks"] == 1, pb
+    why = {"version": "it serves version", "short": "the body ended after",
+           "unsigned": "not signed with this backing's secret"}[how]
+    assert why in pb["failed_peers"][where], pb
+    liar.shutdown()
+
+
+def secret_of_soon(backing: Path, node: Node) -> Secret:
+    """The backing's secret: made by the first node with a plane; here none has one yet."""
+    from acpfs.cluster.records import RecordsDir
+    records = RecordsDir(str(backing))
+    try:
+        return Secret.load(records, "0e57e57e57e5")
+    finally:
+        records.close()

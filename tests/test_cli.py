@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -86,7 +87,8 @@ def test_mount_options_come_from_the_command_line_then_the_environment_then_conf
                     peer_heartbeat=config.DEFAULT_PEER_HEARTBEAT, peer_lease=config.DEFAULT_PEER_LEASE,
                     block_size=config.DEFAULT_BLOCK_SIZE, foreground=False,
                     passthrough=config.DEFAULT_PASSTHROUGH, metrics=config.DEFAULT_METRICS,
-                    backing_calls=config.DEFAULT_BACKING_CALLS, idle_poll=config.DEFAULT_IDLE_POLL)
+                    backing_calls=config.DEFAULT_BACKING_CALLS, idle_poll=config.DEFAULT_IDLE_POLL,
+                    peers_listen="")
     assert settings == defaults
     flags = {"allow_other": False, "noexec": False, "mlock": False}   # read with the places
     for field in dataclasses.fields(config.Options):
@@ -108,6 +110,17 @@ def test_mount_options_come_from_the_command_line_then_the_environment_then_conf
     with pytest.raises(config.UsageError, match="invalid --idle-poll 'never': use auto or off"):
         config.settings(parse(["mount", "/mnt", "--backing", "/b"]))
     monkeypatch.delenv("ACPFS_IDLE_POLL")
+    monkeypatch.setenv("ACPFS_PEERS_LISTEN", "10.0.0.7:7070")
+    assert config.settings(parse(["mount", "/mnt", "--backing", "/b"]))["peers_listen"] == "10.0.0.7:7070"
+    assert config.settings(parse(["mount", "/mnt", "--backing", "/b", "--peers-listen",
+                                  "[::1]:0"]))["peers_listen"] == "[::1]:0"
+    for bad in ("7070", "host:", "host:port", "host:70000"):
+        with pytest.raises(config.UsageError, match=f"invalid --peers-listen '{re.escape(bad)}': use "
+                           "HOST:PORT"):
+            config.settings(parse(["mount", "/mnt", "--backing", "/b", "--peers-listen", bad]))
+    with pytest.raises(config.UsageError, match="--peers-listen needs global order"):
+        config.settings(parse(["mount", "/mnt", "--backing", "/b", "--global-order", "off"]))
+    monkeypatch.delenv("ACPFS_PEERS_LISTEN")
     monkeypatch.setenv("ACPFS_BACKING_CALLS", "sometimes")
     with pytest.raises(config.UsageError, match="invalid --backing-calls 'sometimes'"):
         config.settings(parse(["mount", "/mnt", "--backing", "/b"]))

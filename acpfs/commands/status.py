@@ -119,6 +119,22 @@ def data_path(d: dict[str, Any]) -> str:
     return f"through the daemon, {store} ({pt.get('why_not') or 'passthrough not asked for'})"
 
 
+def peer_plane_lines(pp: dict[str, Any]) -> list[str]:
+    """The peer plane's lines (``--peers-listen``): none where it was not asked for."""
+    if pp.get("address") is None:
+        return []
+    if not pp.get("on"):
+        return [f"  peers      plane OFF at {pp['address']}: {pp.get('why_not')}; files are read "
+                "from the backing alone"]
+    lines = [f"  peers      serving at {pp['address']}: {format_size(pp['served_bytes'])} served, "
+             f"{format_size(pp['fetched_bytes'])} fetched ({pp['fetched_files']} files; "
+             f"{pp['fallbacks']} opens read the backing after asking)"
+             + (f"; {pp['refused_requests']} requests REFUSED" if pp.get("refused_requests") else "")]
+    lines += [f"  peer       {addr} failed: {why}" for addr, why in
+              sorted((pp.get("failed_peers") or {}).items())[:4]]
+    return lines
+
+
 def render_status(d: dict[str, Any]) -> str:
     if d.get("stale"):
         return f"{d['mountpoint']}  STALE: the daemon is gone; run 'acpfs umount {d['mountpoint']}'"
@@ -143,6 +159,7 @@ def render_status(d: dict[str, Any]) -> str:
            f"mount ({cr['kept']} files kept after a read"
            + (f", {cr['keeping']} to keep" if cr.get("keeping") else "") + ")"]
           if cr.get("fetched_bytes") else []),
+        *peer_plane_lines(d.get("peer_plane") or {}),
         *([f"  backing    asked by lookups and opens on the event loop ({bc['fstype']}, a local "
            f"filesystem): {bc['inline']} calls, {bc['threaded']} in worker threads (the "
            f"flusher held the backing)"] if (bc := d.get("backing_calls") or {}).get("where") == "inline"

@@ -92,6 +92,18 @@ FAMILIES: dict[str, tuple[str, str]] = {
                                     "because requests began to arrive (--idle-poll)"),
     "acpfs_idle_poll_held_seconds_total": ("counter", "seconds idle CPUs were asked to poll "
                                            "instead of halting (--idle-poll)"),
+    "acpfs_peer_fetched_bytes_total": ("counter", "bytes of files read from other nodes' RAM "
+                                       "instead of the backing (--peers-listen)"),
+    "acpfs_peer_fetched_files_total": ("counter", "files read from other nodes' RAM instead of "
+                                       "the backing"),
+    "acpfs_peer_fallbacks_total": ("counter", "opens that asked the other nodes and read the "
+                                   "backing after all (none held the file, or one failed)"),
+    "acpfs_peer_served_bytes_total": ("counter", "bytes this node served to other nodes from "
+                                      "its cache"),
+    "acpfs_peer_refused_requests_total": ("counter", "requests to this node's peer plane "
+                                          "refused: unsigned, another secret, sent again"),
+    "acpfs_peer_failed_peers": ("gauge", "peers whose last answer could not be used (their "
+                                "files were read from the backing)"),
     "acpfs_close_to_durable_seconds": ("histogram", "time from a file's last close (its "
                                        "snapshot queued) to that version durable in the backing"),
 }
@@ -197,6 +209,14 @@ def samples(doc: dict[str, Any]) -> Iterator[tuple[str, Sample]]:
     if idle.get("on"):
         yield from one("acpfs_idle_poll_holds_total", idle["holds"])
         yield from one("acpfs_idle_poll_held_seconds_total", idle["held_s"])
+    plane = doc.get("peer_plane") or {}
+    if plane.get("on"):
+        yield from one("acpfs_peer_fetched_bytes_total", plane["fetched_bytes"])
+        yield from one("acpfs_peer_fetched_files_total", plane["fetched_files"])
+        yield from one("acpfs_peer_fallbacks_total", plane["fallbacks"])
+        yield from one("acpfs_peer_served_bytes_total", plane["served_bytes"])
+        yield from one("acpfs_peer_refused_requests_total", plane["refused_requests"])
+        yield from one("acpfs_peer_failed_peers", len(plane["failed_peers"]))
     recovery = doc.get("recovery") or {}
     yield from one("acpfs_recovered_files_total", recovery.get("files", 0))
     yield from one("acpfs_recovered_operations_total", recovery.get("replayed_ops", 0))

@@ -229,3 +229,20 @@ def test_idle_polling_is_exported_where_it_is_on(core):
     got = families(metrics.render([doc]))
     assert [s.value for s in got["acpfs_idle_poll_holds"]] == [7]
     assert [s.value for s in got["acpfs_idle_poll_held_seconds"]] == [1.25]
+
+
+def test_the_peer_plane_is_exported_where_it_is_on(core):
+    """``peer_plane`` of the status document (--peers-listen) as five counters and a gauge
+    of the peers that failed, and none where it is off."""
+    doc = control.status(core.flusher, mount_info(core))
+    assert doc["peer_plane"] == {"on": False, "why_not": "not asked for (--peers-listen)"}
+    assert not {f for f in families(metrics.render([doc])) if f.startswith("acpfs_peer_")}
+    doc["peer_plane"] = {"on": True, "why_not": None, "address": "n1:7070", "asked": 4,
+                         "fetched_files": 3, "fetched_bytes": 3 << 30, "fallbacks": 1,
+                         "served_bytes": 5 << 30, "served_requests": 400, "refused_requests": 2,
+                         "failed_peers": {"n2:7070": "12:00:00 peer n2:7070: refused"}}
+    got = {f: [s.value for s in v] for f, v in families(metrics.render([doc])).items()
+           if f.startswith("acpfs_peer_")}
+    assert got == {"acpfs_peer_fetched_bytes": [3 << 30], "acpfs_peer_fetched_files": [3],
+                   "acpfs_peer_fallbacks": [1], "acpfs_peer_served_bytes": [5 << 30],
+                   "acpfs_peer_refused_requests": [2], "acpfs_peer_failed_peers": [1]}

@@ -1,0 +1,158 @@
+"""The peer plane without mounts (acpfs/cluster/auth.py, plane.py, remote.py): the records'
+address field, the secret and its signatures, and a plane serving a memory file to the
+client over loopback, ranges and refusals checked byte for byte."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import stat
+import time
+
+import pytest
+
+from acpfs.cluster import auth
+from acpfs.cluster.auth import SECRET_NAME, Refused, Secret
+from acpfs.cluster.plane import Plane
+from acpfs.cluster.records import RecordName, RecordsDir
+from acpfs.cluster.remote import PeerError, Remote
+
+
+def test_a_record_carries_its_plane_address():
+    for address in ("10.0.0.7:7070", "[fe80::1]:9", "node-17.cluster.example.com:65535"):
+        r = RecordName("0123456789ab", 3, 1795593897.5, 1795593898.25, "idle", "h:_ckpt", address)
+        assert RecordName.parse(r.encode()) == r
+    old = RecordName("0123456789ab", 3, 1.0, 2.0, "up", "host.a:_ckpt")   # a label with a dot
+    assert RecordName.parse(old.encode()) == old and RecordName.parse(old.encode()).address == ""
+    # the label gives way to a long address: the name stays a name
+    long = RecordName("0123456789ab", 10**9, 1795593897.5, 1795593898.25, "up", "x" * 120, "h" * 55 + ":7070")
+    name = long.encode()
+    assert len(name) <= 255 and RecordName.parse(name).address == long.address
+    assert RecordName.parse(b"0123456789ab.1.1.2.up.@zz.label").label == "@zz.label"
+
+
+def test_signatures_prove_the_secret_once_and_within_the_window(monkeypatch):
+    key = os.urandom(32)
+    client, server = Secret(key, "0000000000aa"), Secret(key, "0000000000bb")
+    header, nonce = client.sign("GET", "/v1/files/a?v=1.2.3", "bytes=0-9")
+    assert server.check(header, "GET", "/v1/files/a?v=1.2.3", "bytes=0-9") == nonce
+    with pytest.raises(Refused, match="used before"):
+        server.check(header, "GET", "/v1/files/a?v=1.2.3", "bytes=0-9")
+    for method, target, rng in (("HEAD", "/v1/files/a?v=1.2.3", "bytes=0-9"),
+                                ("GET", "/v1/files/b?v=1.2.3", "bytes=0-9"),
+                                ("GET", "/v1/files/a?v=1.2.3", "bytes=0-10")):
+        h, _ = client.sign("GET", "/v1/files/a?v=1.2.3", "bytes=0-9")
+        with pytest.raises(Refused, match="wrong signature"):
+            server.check(h, method, target, rng)
+    other = Secret(os.urandom(32), "0000000000cc")
+    with pytest.raises(Refused, match="another secret"):
+        server.check(other.sign("GET", "/", "")[0], "GET", "/", "")
+    for bad in (None, "", "Basic dXNlcjpwYXNz", "ACPFS1 node=x ts=1"):
+        with pytest.raises(Refused):
+            server.check(bad, "GET", "/", "")
+    late = time.time() - auth.WINDOW - 5
+    monkeypatch.setattr(auth.time, "time", lambda: late)
+    old, _ = client.sign("GET", "/", "")
+    monkeypatch.undo()
+    with pytest.raises(Refused, match="away from this node's clock"):
+        server.check(old, "GET", "/", "")
+    mac = server.answer(nonce, 206, "1.2.3", "bytes 0-9/2")
+    client.believe(mac, nonce, 206, "1.2.3", "bytes 0-9/2")
+    for args in ((nonce, 206, "1.2.4", "bytes 0-9/2"), (nonce, 200, "1.2.3", "bytes 0-9/2"),
+                 ("f" * 32, 206, "1.2.3", "bytes 0-9/2")):
+        with pytest.raises(Refused, match="not signed"):
+            client.believe(mac, *args)
+    with pytest.raises(Refused):
+        other.believe(mac, nonce, 206, "1.2.3", "bytes 0-9/2")
+
+
+def test_the_secret_is_made_once_for_its_owner_alone(tmp_path):
+    records = RecordsDir(str(tmp_path))
+    records.ensure_dir()
+    one = Secret.load(records, "0000000000aa")
+    two = Secret.load(records, "0000000000bb")
+    assert one.key == two.key and len(one.key) == 32
+    path = tmp_path / ".acpfs-nodes" / SECRET_NAME.decode()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in path.parent.iterdir()] == [SECRET_NAME.decode()]   # no temp left
+    path.chmod(0o644)
+    with pytest.raises(Refused, match=r"readable by other users \(mode 0644\); make it 0600"):
+        Secret.load(records, "0000000000aa")
+    path.chmod(0o600)
+    path.write_text("not hex")
+    with pytest.raises(Refused, match="not 64 hex digits"):
+        Secret.load(records, "0000000000aa")
+    path.unlink()
+    path.symlink_to("/etc/hostname")
+    with pytest.raises(OSError):
+        Secret.load(records, "0000000000aa")
+    records.close()
+
+
+class MemHolder:
+    """A holder of one file (a memory file), as core/peerreads.py holds cached ones."""
+
+    def __init__(self, data: bytes, version: tuple[int, int, int]) -> None:
+        self.fd = os.memfd_create("held")
+        os.write(self.fd, data)
+        self.version, self.size = version, len(data)
+        self.held = 0
+
+    def hold(self, path: bytes, version):
+        if path != b"dir/f.bin" or version != self.version:
+            return None
+        self.held += 1
+        return "ref", self.size
+
+    @contextlib.contextmanager
+    def runs(self, ref, size):
+        piece = 1 << 20
+        yield self.fd, iter([(off, off, min(piece, size - off)) for off in range(0, size, piece)])
+
+    def let_go(self, ref) -> None:
+        self.held -= 1
+
+
+def test_a_plane_serves_exact_ranges_to_a_client_with_the_secret():
+    data = random.Random(3).randbytes((5 << 20) + 12345)
+    version = (77, len(data), 1795593897123456789)
+    key = os.urandom(32)
+    holder = MemHolder(data, version)
+    plane = Plane("127.0.0.1:0", Secret(key, "0000000000aa"), holder)
+    plane.start()
+    try:
+        remote = Remote(Secret(key, "0000000000bb"))
+        assert remote.has(plane.address, b"dir/f.bin", version)
+        assert not remote.has(plane.address, b"dir/f.bin", (77, len(data), 1))
+        assert not remote.has(plane.address, b"dir/g.bin", version)
+        got = bytearray(len(data))
+
+        def put(off: int, view: memoryview) -> None:
+            got[off:off + len(view)] = view
+        buf = memoryview(bytearray(1 << 16))
+        for off, n in ((0, 1), (1, 3 << 20), ((3 << 20) + 1, len(data) - (3 << 20) - 1)):
+            remote.get(plane.address, b"dir/f.bin", version, off, n, put, buf)
+        assert got == data and holder.held == 0
+        with pytest.raises(PeerError, match="answered 404"):
+            remote.get(plane.address, b"dir/f.bin", (77, len(data), 1), 0, 10, put, buf)
+        stranger = Remote(Secret(os.urandom(32), "0000000000cc"))
+        with pytest.raises(PeerError, match="refused this node's signature"):
+            stranger.has(plane.address, b"dir/f.bin", version)
+        assert plane.status() == {"served_bytes": len(data), "served_requests": 7,
+                                  "refused_requests": 1}
+        remote.close()
+    finally:
+        plane.close()
+    with pytest.raises(PeerError, match="ECONNREFUSED"):
+        Remote(Secret(key, "0000000000bb")).has(plane.address, b"dir/f.bin", version)
+
+
+def test_a_plane_address_in_use_refuses_in_one_line():
+    first = Plane("127.0.0.1:0", None, None)
+    try:
+        with pytest.raises(RuntimeError, match=r"--peers-listen 127.0.0.1:\d+: cannot listen on "
+                           r"127.0.0.1 port \d+: EADDRINUSE"):
+            Plane(first.address, None, None)
+    finally:
+        first.close()

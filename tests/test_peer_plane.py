@@ -15,6 +15,7 @@ import http.server
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ import pytest
 from acpfs.cluster.auth import SECRET_NAME, Secret
 from acpfs.cluster.plane import target_of, version_text
 from acpfs.cluster.records import RecordName
-from conftest import Node, wait_for, wait_gone
+from conftest import ACPFS, Node, wait_for, wait_gone
 
 PEERS = ("--peers-listen", "127.0.0.1:0")
 MIB = 1 << 20
@@ -97,6 +98,7 @@ def test_a_checkpoint_is_read_from_the_ram_of_the_node_that_wrote_it(cluster):
     assert plane(a)["on"] and plane(a)["address"].startswith("127.0.0.1:")
     b = cluster.node("b", view=True)
     c = cluster.node("c", view=True)
+    c_instance = c.status()["peers"]["instance"]
     known_peers(b, 2)
     big = sum(len(d) for d in files.values() if len(d) >= MIB)
     before = cluster.backing_reads("b")
@@ -117,17 +119,21 @@ def test_a_checkpoint_is_read_from_the_ram_of_the_node_that_wrote_it(cluster):
     # read again: from the cache
     assert sha(b.path("step_100/shard0.bin")) == hashlib.sha256(files["step_100/shard0.bin"]).hexdigest()
     assert plane(b)["fetched_files"] == 3
-    # A gone before its record expires: what only A holds comes from the backing
+    # A gone before its record expires, C unmounted: what only A held comes from the
+    # backing, by B itself (the one node that answers)
     only_a = rnd.randbytes(6 * MIB)
     checkpoint(a, {"step_200/model.bin": only_a})
     addr_a = plane(a)["address"]
     os.kill(a.pid, signal.SIGKILL)
     assert wait_gone(a.pid, 30)
+    c.run(*ACPFS, "umount", str(c.mnt))
+    wait_for(lambda: not [p for p in b.status()["peers"]["peers"]
+                          if p["instance"] == c_instance and p["state"] != "left"], 30, "C left")
     before = cluster.backing_reads("b")
     assert sha(b.path("step_200/model.bin")) == hashlib.sha256(only_a).hexdigest()
     assert cluster.backing_reads("b") - before >= len(only_a)
     pb = plane(b)
-    assert pb["fetched_files"] == 3 and pb["fallbacks"] >= 1, pb
+    assert pb["fetched_files"] == 3 and pb["pulled_files"] + pb["fallbacks"] == 1, pb
     assert addr_a in pb["failed_peers"], pb
 
 
@@ -274,3 +280,31 @@ def secret_of_soon(backing: Path, node: Node) -> Secret:
         return Secret.load(records, "0e57e57e57e5")
     finally:
         records.close()
+
+
+def test_nodes_loading_a_file_none_holds_read_the_backing_once(cluster):
+    """A checkpoint written straight into the backing (by a node before a restart) that no
+    node holds: three nodes load it at once; one of them (its leader) copies it from the
+    backing, the others wait and copy it from that node's RAM. The backing serves its bytes
+    once, not three times, and every node reads them exact."""
+    data = random.Random(4).randbytes(24 * MIB + 11)
+    (cluster.shared / "resume").mkdir()
+    (cluster.shared / "resume" / "model.bin").write_bytes(data)
+    nodes = [cluster.node(name, view=True, extra=PEERS + ("--peer-heartbeat", "1"))
+             for name in ("b", "c", "d")]
+    for node in nodes:
+        known_peers(node, 2)
+    before = {n.name: cluster.backing_reads(n.name) for n in nodes}
+    readers = [n.popen("sha256sum", str(n.mnt / "resume" / "model.bin"), stdout=subprocess.PIPE,
+                       text=True) for n in nodes]
+    sums = {r.communicate(timeout=120)[0].split()[0] for r in readers}
+    assert sums == {hashlib.sha256(data).hexdigest()}
+    served = {n.name: cluster.backing_reads(n.name) - before[n.name] for n in nodes}
+    planes = {n.name: plane(n) for n in nodes}
+    assert sum(served.values()) <= 1.25 * len(data), (served, planes)
+    assert sum(p["pulled_files"] for p in planes.values()) == 1, planes
+    assert sum(p["fetched_files"] for p in planes.values()) == 2, planes
+    assert sum(p["fallbacks"] for p in planes.values()) == 0, planes
+    # the leader is the node whose backing served the file
+    first = max(served, key=served.get)
+    assert planes[first]["pulled_files"] == 1 and served[first] >= len(data)

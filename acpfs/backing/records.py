@@ -107,30 +107,26 @@ class NodeRecords:
                 os.close(fd)
         return self._stale_retry(read)
 
-    def create_secret(self, name: bytes, temp: bytes, data: bytes) -> bool:
-        """Make the secret ``name`` with ``data``, readable by its owner alone (0600): written
-        whole and synced under ``temp``, then linked to ``name``, so that no reader ever sees
-        it half written. False if another node made it first (then theirs counts)."""
+    def create_secret(self, name: bytes, data: bytes) -> bool:
+        """Make the secret ``name`` with ``data``, readable by its owner alone (0600),
+        exclusively (no hard link: some backings have none; a reader that meets it before
+        its bytes are written reads again: ``auth.Secret.load``). False if another node made
+        it first (then theirs counts)."""
         check_name(name)
-        check_name(temp)
 
         def make() -> bool:
-            fd = os.open(NODES_DIR + b"/" + temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                         0o600, dir_fd=self.root_fd)
+            try:
+                fd = os.open(NODES_DIR + b"/" + name, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                             | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=self.root_fd)
+            except FileExistsError:
+                return False
             try:
                 os.fchmod(fd, 0o600)   # whatever the umask and the directory's defaults say
                 os.write(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            try:
-                os.link(NODES_DIR + b"/" + temp, NODES_DIR + b"/" + name,
-                        src_dir_fd=self.root_fd, dst_dir_fd=self.root_fd, follow_symlinks=False)
-                return True
-            except FileExistsError:
-                return False
-            finally:
-                os.unlink(NODES_DIR + b"/" + temp, dir_fd=self.root_fd)
+            return True
         return self._stale_retry(make)
 
     def remove_record(self, name: bytes) -> bool:

@@ -5,8 +5,9 @@ Owns the secret of one backing (``Secret``): 32 random bytes in
 ``<backing>/.acpfs-nodes/.peer-secret``, made with the records directory's first peer plane,
 mode 0600, so that only the backing's owner (the user whose daemons keep records there) can
 read it; a mount over another backing holds another secret. ``load`` reads it, or makes it
-when there is none (``NodeRecords.create_secret``: written whole, then linked into place,
-so that two nodes starting at once end with one secret). A secret that others may read
+when there is none (``NodeRecords.create_secret``, exclusively: two nodes starting at once
+end with one secret; one that reads it before its maker wrote it reads again, for up to
+``SETTLE`` seconds). A secret that others may read
 (group or world bits), that is not a regular file, that belongs to a user whose records do
 not count (``RecordsDir.owners``), or that is not 64 hex digits is refused: ``Refused``,
 and the daemon serves no peer plane (status says why).
@@ -43,6 +44,7 @@ SECRET_NAME = b".peer-secret"
 SCHEME = "ACPFS1"
 WINDOW = 300.0       # s: a signed request is believed this long around the server's clock
 NONCES_MAX = 100_000   # nonces remembered at most (each request has one)
+SETTLE = 2.0         # s a secret just made by another node may stay empty
 
 
 class Refused(Exception):
@@ -65,15 +67,17 @@ class Secret:
         back = records.backing()
         got = back.read_secret(SECRET_NAME)
         if got is None:
-            made = back.create_secret(SECRET_NAME, b".peer-secret." + instance.encode(),
-                                      secrets.token_hex(32).encode())
-            if made:
+            if back.create_secret(SECRET_NAME, secrets.token_hex(32).encode()):
                 log.info("peer plane: made the secret %s/%s (mode 0600)", records.dir,
                          SECRET_NAME.decode())
             got = back.read_secret(SECRET_NAME)
-            if got is None:
-                raise Refused(f"the secret {records.dir}/{SECRET_NAME.decode()} vanished as it "
-                              "was made")
+        deadline = time.monotonic() + SETTLE
+        while got is not None and len(got[0]) < 64 and time.monotonic() < deadline:
+            time.sleep(0.05)   # made by another node a moment ago: its bytes come next
+            got = back.read_secret(SECRET_NAME)
+        if got is None:
+            raise Refused(f"the secret {records.dir}/{SECRET_NAME.decode()} vanished as it "
+                          "was made")
         data, st = got
         where = f"{records.dir}/{SECRET_NAME.decode()}"
         if not stat.S_ISREG(st.st_mode):

@@ -4,9 +4,11 @@ other from RAM").
 
 The protocol is HTTP/1.1, which every operator can read with curl and tcpdump:
 
-- ``HEAD /v1/files/<path>?v=<ino>.<size>.<mtime_ns>``: 200 when this node holds the file at
-  ``<path>`` (relative to the backing, percent-encoded) in that version of the backing (the
-  inode, size and mtime the client's open revalidated), clean; else 404.
+- ``HEAD /v1/files/<path>?v=<ino>.<size>.<mtime_ns>[&pull=1]``: 200 when this node holds
+  the file at ``<path>`` (relative to the backing, percent-encoded) in that version of the
+  backing (the inode, size and mtime the client's open revalidated), clean; 202 while it
+  copies that version from the backing for the job (``X-Acpfs-Progress``: bytes so far),
+  which ``pull=1`` asks it to start; else 404.
 - ``GET`` of the same with ``Range: bytes=A-B``: 206 and those bytes, sent with
   ``sendfile`` from the memory file (or the pool) that holds them, no copy through Python.
 
@@ -48,6 +50,9 @@ Version = tuple[int, int, int]   # (inode, size, mtime_ns) in the backing
 
 
 class Holder(Protocol):
+    def state(self, path: bytes, version: Version, pull: bool) -> tuple[int, int]:
+        """(200, size) held, (202, bytes so far) being copied from the backing (``pull``:
+        start that), or (404, 0)."""
     def hold(self, path: bytes, version: Version) -> tuple[Any, int] | None:
         """(a reference to the bytes, the size) of the file at ``path`` in ``version``,
         clean; None where this node does not hold it so."""
@@ -67,9 +72,10 @@ def parse_version(text: str) -> Version | None:
     return int(parts[0]), int(parts[1]), int(parts[2])
 
 
-def target_of(path: bytes, version: Version) -> str:
+def target_of(path: bytes, version: Version, pull: bool = False) -> str:
     """The request target for ``path`` (relative to the backing) in ``version``."""
-    return PREFIX + urllib.parse.quote(path, safe="/") + "?v=" + version_text(version)
+    return PREFIX + urllib.parse.quote(path, safe="/") + "?v=" + version_text(version) \
+        + ("&pull=1" if pull else "")
 
 
 def parse_address(text: str, what: str = "--peers-listen") -> tuple[str, int]:
@@ -203,24 +209,32 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self._answer(401, {"Connection": "close"})
             return
         split = urllib.parse.urlsplit(self.path)
-        version = parse_version(urllib.parse.parse_qs(split.query).get("v", [""])[0])
+        query = urllib.parse.parse_qs(split.query)
+        version = parse_version(query.get("v", [""])[0])
         if not split.path.startswith(PREFIX) or version is None:
             self._signed(400, nonce, "", "")
             return
         path = urllib.parse.unquote_to_bytes(split.path[len(PREFIX):])
         holder = plane.holder
+        vtext = version_text(version)
+        if not body:
+            code, n = holder.state(path, version, query.get("pull") == ["1"]) \
+                if holder is not None else (404, 0)
+            plane.count()
+            if code == 200:
+                self._signed(200, nonce, vtext, "", {"Content-Length": str(n)})
+            elif code == 202:
+                self._signed(202, nonce, vtext, f"progress {n}", {"X-Acpfs-Progress": str(n)})
+            else:
+                self._signed(404, nonce, "", "")
+            return
         held = holder.hold(path, version) if holder is not None else None
         if held is None:
             self._signed(404, nonce, "", "")
             plane.count()
             return
         ref, size = held
-        vtext = version_text(version)
         try:
-            if not body:
-                self._signed(200, nonce, vtext, "", {"Content-Length": str(size)})
-                plane.count()
-                return
             first, last = _range(rng, size)
             if first < 0:
                 self._signed(416, nonce, vtext, "", {"Content-Range": f"bytes */{size}"})

@@ -56,8 +56,8 @@ class Remote:
             self._drop(address)
 
     def _request(self, address: str, method: str, path: bytes, version: Version,
-                 rng: str = "") -> tuple[http.client.HTTPResponse, str]:
-        target = target_of(path, version)
+                 rng: str = "", pull: bool = False) -> tuple[http.client.HTTPResponse, str]:
+        target = target_of(path, version, pull)
         auth, nonce = self.secret.sign(method, target, rng)
         headers = {"Authorization": auth, **({"Range": rng} if rng else {})}
         for attempt in (0, 1):   # a kept connection the peer closed meanwhile: once more
@@ -75,20 +75,28 @@ class Remote:
                     from None
         raise AssertionError("unreachable")
 
-    def has(self, address: str, path: bytes, version: Version) -> bool:
-        """Whether the peer at ``address`` holds ``path`` in ``version`` (HEAD)."""
-        resp, nonce = self._request(address, "HEAD", path, version)
+    def ask(self, address: str, path: bytes, version: Version, pull: bool = False) -> tuple[str, int]:
+        """What the peer at ``address`` has of ``path`` in ``version`` (HEAD): ("held",
+        size), ("pulling", bytes copied from the backing so far), or ("", 0); ``pull``: ask
+        it to copy the file from the backing for the job if it neither holds nor copies it."""
+        resp, nonce = self._request(address, "HEAD", path, version, pull=pull)
         resp.read()
         if resp.status == 404:
             self._believe(address, resp, nonce, "", "")
-            return False
+            return "", 0
         vtext = version_text(version)
+        if resp.status == 202:
+            n = resp.getheader("X-Acpfs-Progress", "")
+            self._believe(address, resp, nonce, vtext, f"progress {n}")
+            if not n.isdigit() or int(n) > version[1]:
+                raise PeerError(f"peer {address}: copying {n!r} bytes of a file of {version[1]}")
+            return "pulling", int(n)
         self._believe(address, resp, nonce, vtext, "")
         if resp.status != 200 or resp.getheader("Content-Length") != str(version[1]):
             self._drop(address)
             raise PeerError(f"peer {address}: answered {resp.status} with "
                             f"{resp.getheader('Content-Length')} bytes for a file of {version[1]}")
-        return True
+        return "held", version[1]
 
     def get(self, address: str, path: bytes, version: Version, off: int, n: int,
             put: Callable[[int, memoryview], None], buf: memoryview) -> None:

@@ -227,12 +227,14 @@ class Fetch:
         return {"kept": self.kept, "keeping": self.keeping, "fetched_bytes": self.fetched}
 
     async def copy_in(self, node: Node, fd: int = -1, version: int | None = None,
-                      fast: bool | None = None, idle: bool = False) -> bool:
+                      fast: bool | None = None, idle: bool = False,
+                      progress: Callable[[int], None] | None = None) -> bool:
         """Copy the backing version of a file that is neither cached nor staged into the
         cache (raises CacheFull, or OSError from the backing); ``fd``: a descriptor of
         version ``version`` (``Node.generation``), copied only while the node shows it;
         ``fast``: whether the backing is, known already; ``idle``: on idle CPU alone
-        (``when_idle``). Whether this call copied it."""
+        (``when_idle``); ``progress(n)``: told of each range copied (any thread). Whether this
+        call copied it."""
         files = self.files
         await self.wt.settle(node)
         if node.content is not None or node.staged is not None:
@@ -245,7 +247,8 @@ class Fetch:
             content = files.copy_up(node)
             try:
                 def fill() -> None:
-                    files.read_backing_into(node, content, fd, fast, self._copied,
+                    files.read_backing_into(node, content, fd, fast, self._copied if progress is None
+                                            else lambda n: (self._copied(n), progress(n)),
                                             lambda: not self.reading(node))
                 await trio.to_thread.run_sync(functools.partial(when_idle, fill) if idle else fill,
                                               limiter=self._fills)

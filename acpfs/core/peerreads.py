@@ -1,50 +1,52 @@
-"""Files read from another node's RAM before the backing, and this node's files served to
-the others (``--peers-listen``; docs/design.md, "Nodes serve each other from RAM").
+"""Files read from other nodes' RAM before the backing (``--peers-listen``; docs/design.md,
+"Nodes serve each other from RAM"); what this node serves them is ``peerserve``'s.
 
-Owns the peer plane's two sides as the core sees them (``PeerReads``):
+Owns the reading side (``PeerReads``): an open for reading of a file this node does not
+hold (neither cached nor staged, at least ``PEER_MIN`` bytes, at most the share of the
+cache a kept file may take), after the open revalidated it against the backing, asks the
+live nodes that serve a plane (their records carry the address: ``Peers.serving``) at once
+what they have of it in the version the backing shows (inode, size, mtime):
 
-- **Reading.** An open for reading of a file this node does not hold (neither cached nor
-  staged, at least ``PEER_MIN`` bytes, at most the share of the cache a kept file may take),
-  after the open revalidated it against the backing, asks the live nodes that serve a plane
-  (their records carry the address: ``Peers.serving``) at once which of them holds it in the
-  version the backing shows (inode, size, mtime). The file is copied from one of them into
-  the cache, in ``PEER_STREAMS`` ranges at once, and the open then reads it from the cache;
-  the next peer is tried if one fails, and the backing (the usual cold path) if all do, or
-  if none holds it. A copy is attached only if the node still shows the version asked for.
-  So the backing serves each byte of a file about once however many nodes load it: a node
-  that copied it serves it in turn, and a node that asks picks among the holders at random,
-  so later readers spread over the earlier ones.
-- **Serving.** ``hold`` (a plane thread, through the FUSE loop) finds a file by its path in
-  the backing among the loaded directories, with no backing I/O, and takes a reference to
-  its bytes (``Store.share``) only when it is clean in the version asked for: persisted, no
-  writer, nothing queued. ``let_go`` gives it back.
+- one or more *hold* it: it is copied from one of them, picked at random (later readers
+  spread over the earlier ones, each of which serves in turn), ``PEER_STREAMS`` ranges at
+  once, into the cache; the open then reads it from the cache.
+- none holds it: one node, the file's *leader* (``leader``: the same on every node),
+  copies it from the backing in parallel ranges for the job, and the others wait for that
+  copy (``_wait``, while it makes progress) and then copy it from the leader's RAM. So the
+  backing serves each byte of a checkpoint about once however many nodes load it.
 
-Counters for status and metrics (``status``): files and bytes fetched from peers, opens that
-fell back to the backing, and the last failure of each peer.
+A copy is attached only if the node still shows the version asked for. A peer that fails
+(no answer within the client's timeout, a refusal, an answer that is not signed or names
+another version or range, a short body, a pull that stalls for ``STALL`` seconds) costs a
+fallback: the next holder, then the backing (the usual cold path), never a wrong byte.
 
-Runs on the trio thread; the copies and the questions in worker threads.
+Counters for status and metrics (``status``): opens that asked, waited, fetched and fell
+back; bytes fetched; the last failure of each peer (``FAILURES_KEPT`` at most).
+
+Runs on the trio thread; the questions and the copies in worker threads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import hashlib
 import logging
 import random
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import trio
 
 from ..cache.files import Files
 from ..cache.inodes import Inodes
 from ..cluster.peers import Peers
-from ..cluster.plane import Plane, Version
+from ..cluster.plane import Plane, Version, version_text
 from ..cluster.remote import PeerError, Remote
 from ..node import Node, node_path
 from ..store.api import CacheFull, in_ranges
 from .fetch import KEEP_SHARE
+from .peerserve import PeerServing
 from .writethrough import WriteThrough
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ log = logging.getLogger(__name__)
 PEER_MIN = 1 << 20        # bytes: a smaller file is read from the backing (one round trip)
 PEER_STREAMS = 4          # ranges of one file fetched from a peer at once
 FAILURES_KEPT = 16        # peers whose last failure status shows
+STALL = 10.0              # s a leader's copy from the backing may make no progress
+WAIT_POLL = 0.02          # s between two questions to a leader copying a file for the job
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +70,8 @@ class PeerPlane:
 
 
 class PeerReads:
-    def __init__(self, files: Files, inodes: Inodes, wt: WriteThrough, parts: PeerPlane) -> None:
+    def __init__(self, files: Files, inodes: Inodes, wt: WriteThrough, parts: PeerPlane,
+                 serving: PeerServing) -> None:
         self.files = files
         self.inodes = inodes
         self.wt = wt
@@ -74,19 +79,20 @@ class PeerReads:
         self.plane = parts.plane
         self.remote = parts.remote    # None: files are neither read from peers nor served
         self.why_not = parts.why_not
-        self._token: trio.lowlevel.TrioToken | None = None
+        self.serving = serving        # this node's side: what it holds, what it pulls
         self.fetched_files = 0
         self.fetched_bytes = 0
         self.fallbacks = 0      # opens that asked peers and read the backing after all
         self.asked = 0          # opens that asked peers
+        self.waited = 0         # opens that waited for another node's pull
         self.failures: dict[str, str] = {}   # peer address -> its last failure
-        self._lock = threading.Lock()        # fetched_bytes (copy threads)
+        self._lock = threading.Lock()        # fetched_bytes, failures (worker threads)
 
-    def start(self) -> None:
+    def start(self, nursery: trio.Nursery) -> None:
         """On the FUSE loop: the plane may now find files (before, it answers 404)."""
-        self._token = trio.lowlevel.current_trio_token()
+        self.serving.start(nursery)
         if self.remote is not None:
-            self.plane.holder = self
+            self.plane.holder = self.serving
 
     # -- reading from peers (trio thread) ---------------------------------------------------
     def wants(self, node: Node) -> bool:
@@ -101,9 +107,11 @@ class PeerReads:
             return [r.address for r in self.peers.serving()]
 
     async def fetch(self, node: Node) -> bool:
-        """Copy ``node`` (revalidated just before) from a peer that holds the version the
-        backing shows into the cache; whether it is cached now. Never raises for a peer:
-        the caller reads the backing where this returns False."""
+        """Bring ``node`` (revalidated just before) into the cache from a peer that holds the
+        version the backing shows, or, where none does, by its leader's one copy from the
+        backing (this node's own ``serving.pull``, or another's, waited for); whether it is
+        cached now. Never raises for a peer: the caller reads the backing where this
+        returns False."""
         version = node.backing_version
         addresses = self._serving()
         if version is None or not addresses or not self.wants(node):
@@ -111,10 +119,21 @@ class PeerReads:
         with self.inodes.position_lock:
             path = b"/".join(self.inodes.backing_path(node.backing_parent) + [node.backing_name])
         self.asked += 1
-        holders = await trio.to_thread.run_sync(self._holders, addresses, path, version)
-        if not holders:
-            self.fallbacks += 1
-            return False
+        holders, pulling, answered = await trio.to_thread.run_sync(self._ask_all, addresses,
+                                                                    path, version)
+        if not holders:   # the leader among the nodes that answered (a dead one cannot pull)
+            first = leader(path, version, answered + [self.plane.address])
+            if first == self.plane.address and not pulling:
+                if await self.serving.pull(node, path, version):
+                    return True
+                self.fallbacks += 1
+                return False
+            self.waited += 1
+            where = pulling[0] if pulling else first
+            if not await trio.to_thread.run_sync(self._wait, where, path, version):
+                self.fallbacks += 1
+                return False
+            holders = [where]
         await self.wt.settle(node)
         async with self.wt.copying(node):
             generation = node.generation
@@ -141,16 +160,20 @@ class PeerReads:
             log.debug("%s: %d bytes from the RAM of %s", node_path(node), node.size, got)
             return True
 
-    def _holders(self, addresses: list[str], path: bytes, version: Version) -> list[str]:
-        """Worker thread: the peers of ``addresses`` that hold ``path`` in ``version``, asked
-        at once, in random order (so that readers spread over the holders)."""
+    def _ask_all(self, addresses: list[str], path: bytes,
+                 version: Version) -> tuple[list[str], list[str], list[str]]:
+        """Worker thread: the peers of ``addresses`` that hold ``path`` in ``version``, those
+        copying it from the backing now (each list in random order, so that readers spread
+        over them), and all that answered, asked at once."""
         assert self.remote is not None
-        found: list[str] = []
+        found: dict[str, list[str]] = {"held": [], "pulling": [], "": []}
+        answered: list[str] = []
 
         def ask(address: str) -> None:
             try:
-                if self.remote.has(address, path, version):
-                    found.append(address)
+                state, _ = self.remote.ask(address, path, version)
+                found[state].append(address)
+                answered.append(address)
             except PeerError as e:
                 self._failed(address, e)
             finally:
@@ -161,8 +184,32 @@ class PeerReads:
             t.start()
         for t in threads:
             t.join()
-        random.shuffle(found)
-        return found
+        for got in found.values():
+            random.shuffle(got)
+        return found["held"], found["pulling"], answered
+
+    def _wait(self, address: str, path: bytes, version: Version) -> bool:
+        """Worker thread: until the peer at ``address`` holds ``path`` in ``version``, asking
+        it to copy it from the backing (it is the leader); False if it does not, or its copy
+        makes no progress for STALL seconds."""
+        assert self.remote is not None
+        last, since = -1, time.monotonic()
+        try:
+            while True:
+                state, n = self.remote.ask(address, path, version, pull=True)
+                if state != "pulling":
+                    return state == "held"
+                if n != last:
+                    last, since = n, time.monotonic()
+                elif time.monotonic() - since > STALL:
+                    raise PeerError(f"peer {address}: its copy from the backing stalled at {n} "
+                                    f"of {version[1]} bytes for {STALL:.0f} s")
+                time.sleep(WAIT_POLL)
+        except PeerError as e:
+            self._failed(address, e)
+            return False
+        finally:
+            self.remote.close()
 
     def _copy(self, holders: list[str], path: bytes, version: Version, content: Any) -> str | None:
         """Worker thread: the bytes of ``path`` into ``content`` from the first of
@@ -197,45 +244,20 @@ class PeerReads:
             while len(self.failures) > FAILURES_KEPT:
                 self.failures.pop(next(iter(self.failures)))
 
-    # -- serving the others (plane threads) -------------------------------------------------
-    def hold(self, path: bytes, version: Version) -> tuple[Any, int] | None:
-        token = self._token
-        if token is None:
-            return None
-        try:
-            return trio.from_thread.run_sync(self._hold, path, version, trio_token=token)
-        except trio.RunFinishedError:
-            return None
-
-    def _hold(self, path: bytes, version: Version) -> tuple[Any, int] | None:
-        node: Node | None = self.inodes.root
-        for name in path.split(b"/"):
-            children = node.children if node is not None else None
-            node = children.get(name) if children is not None else None
-        if node is None or not node.is_reg or node.content is None or node.staged is not None \
-                or node.dirty or node.publish_ops or node.writers or node.nlink < 1 \
-                or node.backing_version != version or node.size != version[1]:
-            return None
-        store = self.files.store
-        with self.files.oplog.lock:
-            ref = store.share(node.content)
-        self.files.touch(node)
-        return ref, node.size
-
-    @contextlib.contextmanager
-    def runs(self, ref: Any, size: int) -> Iterator[tuple[int, Iterator[tuple[int, int, int]]]]:
-        with self.files.store.source(ref, size) as got:
-            yield got
-
-    def let_go(self, ref: Any) -> None:
-        with self.files.oplog.lock:
-            self.files.store.drop(ref)
-
     def status(self) -> dict:
         with self._lock:
             failures = dict(self.failures)
             fetched = self.fetched_bytes
         return {"on": self.remote is not None, "why_not": self.why_not,
-                "address": self.plane.address, "asked": self.asked,
+                "address": self.plane.address, "asked": self.asked, "waited": self.waited,
                 "fetched_files": self.fetched_files, "fetched_bytes": fetched,
-                "fallbacks": self.fallbacks, **self.plane.status(), "failed_peers": failures}
+                "fallbacks": self.fallbacks, **self.serving.status(), **self.plane.status(),
+                "failed_peers": failures}
+
+
+def leader(path: bytes, version: Version, addresses: list[str]) -> str:
+    """The node that copies ``path`` in ``version`` from the backing for the job when none
+    holds it: the same on every node that sees the same planes (rendezvous hashing: each
+    file its own leader, spread over the nodes)."""
+    key = b"%s\0%s" % (path, version_text(version).encode())
+    return max(addresses, key=lambda a: hashlib.sha256(key + b"\0" + a.encode()).digest())

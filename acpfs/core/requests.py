@@ -39,6 +39,7 @@ from .loader import Loader
 from .longopen import LongOpen
 from .opennow import OpensNow
 from .peerreads import PeerPlane, PeerReads
+from .peerserve import PeerServing
 from .unshare import unshared
 from ..node import Node, err, node_path
 from .writethrough import Background, WriteThrough
@@ -91,7 +92,9 @@ class Core:
         info.cold_reads = lambda: {**self.handles.cold.status(), **fetch.status()}
         info.backing_calls = self.loader.calls.status
         # files read from other nodes' RAM, and served to them (--peers-listen)
-        self.peer_reads = PeerReads(cache.files, cache.inodes, self.wt, peer_plane) \
+        self.peer_reads = PeerReads(cache.files, cache.inodes, self.wt, peer_plane,
+                                    PeerServing(cache.files, cache.inodes, self.handles.fetch,
+                                                self.find)) \
             if peer_plane is not None else None
         self.handles.peer_reads = self.peer_reads
         if self.peer_reads is not None:
@@ -110,7 +113,7 @@ class Core:
         nursery.start_soon(self.cache.kernel.run, self.cache.coherence.quiescent)
         self.handles.start(nursery)
         if self.peer_reads is not None:
-            self.peer_reads.start()
+            self.peer_reads.start(nursery)
 
     # -- resolving ids ---------------------------------------------------------------------
     def node(self, ino: int) -> Node:

@@ -75,7 +75,7 @@ def test_the_secret_is_made_once_for_its_owner_alone(tmp_path):
     assert one.key == two.key and len(one.key) == 32
     path = tmp_path / ".acpfs-nodes" / SECRET_NAME.decode()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert [p.name for p in path.parent.iterdir()] == [SECRET_NAME.decode()]   # no temp left
+    assert [p.name for p in path.parent.iterdir()] == [SECRET_NAME.decode()]
     path.chmod(0o644)
     with pytest.raises(Refused, match=r"readable by other users \(mode 0644\); make it 0600"):
         Secret.load(records, "0000000000aa")
@@ -98,6 +98,16 @@ class MemHolder:
         os.write(self.fd, data)
         self.version, self.size = version, len(data)
         self.held = 0
+        self.pulls: list[bytes] = []
+
+    def state(self, path: bytes, version, pull: bool):
+        if self.hold(path, version) is not None:
+            self.held -= 1
+            return 200, self.size
+        if pull:
+            self.pulls.append(path)
+            return 202, 4096
+        return 404, 0
 
     def hold(self, path: bytes, version):
         if path != b"dir/f.bin" or version != self.version:
@@ -123,9 +133,11 @@ def test_a_plane_serves_exact_ranges_to_a_client_with_the_secret():
     plane.start()
     try:
         remote = Remote(Secret(key, "0000000000bb"))
-        assert remote.has(plane.address, b"dir/f.bin", version)
-        assert not remote.has(plane.address, b"dir/f.bin", (77, len(data), 1))
-        assert not remote.has(plane.address, b"dir/g.bin", version)
+        assert remote.ask(plane.address, b"dir/f.bin", version) == ("held", len(data))
+        assert remote.ask(plane.address, b"dir/f.bin", (77, len(data), 1)) == ("", 0)
+        assert remote.ask(plane.address, b"dir/g.bin", version) == ("", 0)
+        assert remote.ask(plane.address, b"dir/g.bin", version, pull=True) == ("pulling", 4096)
+        assert holder.pulls == [b"dir/g.bin"]
         got = bytearray(len(data))
 
         def put(off: int, view: memoryview) -> None:
@@ -138,14 +150,14 @@ def test_a_plane_serves_exact_ranges_to_a_client_with_the_secret():
             remote.get(plane.address, b"dir/f.bin", (77, len(data), 1), 0, 10, put, buf)
         stranger = Remote(Secret(os.urandom(32), "0000000000cc"))
         with pytest.raises(PeerError, match="refused this node's signature"):
-            stranger.has(plane.address, b"dir/f.bin", version)
-        assert plane.status() == {"served_bytes": len(data), "served_requests": 7,
+            stranger.ask(plane.address, b"dir/f.bin", version)
+        assert plane.status() == {"served_bytes": len(data), "served_requests": 8,
                                   "refused_requests": 1}
         remote.close()
     finally:
         plane.close()
     with pytest.raises(PeerError, match="ECONNREFUSED"):
-        Remote(Secret(key, "0000000000bb")).has(plane.address, b"dir/f.bin", version)
+        Remote(Secret(key, "0000000000bb")).ask(plane.address, b"dir/f.bin", version)
 
 
 def test_a_plane_address_in_use_refuses_in_one_line():

@@ -1,0 +1,186 @@
+"""This node's files as the other nodes' peer plane requests see them (``--peers-listen``;
+docs/design.md, "Nodes serve each other from RAM"): the ``Holder`` of ``cluster.plane``.
+
+Owns the pulls: copies from the backing into this cache that this node makes for the whole
+job (``pulls``: (path, version) -> ``Pull``, its bytes copied so far). When several nodes
+open a file that none of them holds, one of them (the *leader*, the same for every node:
+``peerreads.leader``) copies it from the backing, in parallel ranges (``Fetch.copy_in``),
+and the others wait for it and copy it from its RAM: the backing serves each byte once,
+not once per node. The leader pulls when its own open asks for the file (``pull``) or when
+another node's question asks it to (``state`` with ``pull``), whichever comes first; the
+other waits for the same copy.
+
+What a request gets:
+
+- ``state`` (HEAD): 200 when this node holds the file in the version asked, clean
+  (persisted, no writer, nothing queued); 202 while it pulls that version (with the bytes
+  copied so far, so that a waiting node sees it progress); 404 otherwise.
+- ``hold`` (GET): a reference to the bytes as they are (``Store.share``: a writer that opens
+  the file later writes a copy), given back by ``let_go``; ``runs`` says where they lie.
+
+A file is found by its path in the backing among the directories this node has loaded,
+without backing I/O; a pull asked for by another node looks the path up like any lookup
+(``find``: revalidated against the backing).
+
+Runs on the trio thread; the plane's threads call in through ``trio.from_thread``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import threading
+from typing import Any, Awaitable, Callable, Iterator
+
+import trio
+
+from ..cache.files import Files
+from ..cache.inodes import Inodes
+from ..cluster.plane import Version
+from ..node import Node, node_path
+from ..store.api import CacheFull
+from .fetch import KEEP_SHARE, Fetch
+
+log = logging.getLogger(__name__)
+
+HELD, PULLING, ABSENT = 200, 202, 404   # what ``state`` answers
+
+
+class Pull:
+    """A copy from the backing this node makes for the job: its bytes so far (copy threads
+    add to it), and when it ended (``done``)."""
+    __slots__ = ("done", "copied")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.copied = 0
+
+    def add(self, n: int) -> None:
+        self.copied += n   # (one int, from the copy's threads: a read may lag, never tear)
+
+
+class PeerServing:
+    def __init__(self, files: Files, inodes: Inodes, fetch: Fetch,
+                 find: Callable[[int, bytes], Awaitable[Node | None]]) -> None:
+        self.files = files
+        self.inodes = inodes
+        self.fetch = fetch
+        self.find = find     # Core.find: a name in a directory, revalidated
+        self.pulls: dict[tuple[bytes, Version], Pull] = {}
+        self.pulled_files = 0     # files this node copied from the backing for the job
+        self.pulled_bytes = 0
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+        self._lock = threading.Lock()   # pulled_bytes
+
+    def start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        self._token = trio.lowlevel.current_trio_token()
+
+    # -- the plane's threads ----------------------------------------------------------------
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        token = self._token
+        if token is None:
+            return None
+        try:
+            return trio.from_thread.run_sync(fn, *args, trio_token=token)
+        except trio.RunFinishedError:
+            return None
+
+    def state(self, path: bytes, version: Version, pull: bool) -> tuple[int, int]:
+        """(HELD, size), (PULLING, bytes so far) or (ABSENT, 0); ``pull``: start pulling
+        the file if this node neither holds nor pulls it."""
+        return self._call(self._state, path, version, pull) or (ABSENT, 0)
+
+    def hold(self, path: bytes, version: Version) -> tuple[Any, int] | None:
+        return self._call(self._hold, path, version)
+
+    @contextlib.contextmanager
+    def runs(self, ref: Any, size: int) -> Iterator[tuple[int, Iterator[tuple[int, int, int]]]]:
+        with self.files.store.source(ref, size) as got:
+            yield got
+
+    def let_go(self, ref: Any) -> None:
+        with self.files.oplog.lock:
+            self.files.store.drop(ref)
+
+    # -- on the trio thread -----------------------------------------------------------------
+    def _held(self, path: bytes, version: Version) -> Node | None:
+        node: Node | None = self.inodes.root
+        for name in path.split(b"/"):
+            children = node.children if node is not None else None
+            node = children.get(name) if children is not None else None
+        if node is None or not node.is_reg or node.content is None or node.staged is not None \
+                or node.dirty or node.publish_ops or node.writers or node.nlink < 1 \
+                or node.backing_version != version or node.size != version[1]:
+            return None
+        return node
+
+    def _hold(self, path: bytes, version: Version) -> tuple[Any, int] | None:
+        node = self._held(path, version)
+        if node is None:
+            return None
+        with self.files.oplog.lock:
+            ref = self.files.store.share(node.content)
+        self.files.touch(node)
+        return ref, node.size
+
+    def _state(self, path: bytes, version: Version, pull: bool) -> tuple[int, int]:
+        if self._held(path, version) is not None:
+            return HELD, version[1]
+        got = self.pulls.get((path, version))
+        if got is not None:
+            return PULLING, got.copied
+        if not pull or self._nursery is None or version[1] > self.files.store.limit * KEEP_SHARE:
+            return ABSENT, 0
+        got = self.pulls[(path, version)] = Pull()
+        self._nursery.start_soon(self._pull_asked, path, version, got)
+        return PULLING, 0
+
+    async def _pull_asked(self, path: bytes, version: Version, pull: Pull) -> None:
+        """Another node asked this one, the leader, to pull ``path``: look it up (as a lookup
+        would) and copy it in, if it is the version asked for."""
+        try:
+            node: Node | None = self.inodes.root
+            for name in path.split(b"/"):
+                node = await self.find(node.ino, name) if node is not None else None
+            if node is not None and node.is_reg and node.backing_version == version:
+                await self._copy(node, pull)
+        except OSError as e:
+            log.debug("peer plane: %s asked by another node, not pulled: %s",
+                      path.decode(errors="replace"), e)
+        finally:
+            del self.pulls[(path, version)]
+            pull.done.set()
+
+    async def pull(self, node: Node, path: bytes, version: Version) -> bool:
+        """Copy ``node`` (``path`` in ``version``) from the backing into the cache for the job
+        (this node is its leader), or wait for the pull under way; whether it is cached."""
+        pull = self.pulls.get((path, version))
+        if pull is None:
+            pull = self.pulls[(path, version)] = Pull()
+            try:
+                await self._copy(node, pull)
+            except OSError as e:
+                log.debug("%s: not pulled: %s", node_path(node), e)
+            finally:
+                del self.pulls[(path, version)]
+                pull.done.set()
+        else:
+            await pull.done.wait()
+        return node.content is not None and node.backing_version == version
+
+    async def _copy(self, node: Node, pull: Pull) -> None:
+        try:
+            copied = await self.fetch.copy_in(node, progress=pull.add)
+        except CacheFull:
+            raise OSError(errno.ENOSPC, "no room in the cache") from None
+        if copied:
+            self.pulled_files += 1
+            with self._lock:
+                self.pulled_bytes += node.size
+
+    def status(self) -> dict:
+        return {"pulled_files": self.pulled_files, "pulled_bytes": self.pulled_bytes,
+                "pulling": len(self.pulls)}

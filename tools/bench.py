@@ -43,7 +43,7 @@ TARGET_LABEL = {
 }
 COLUMNS = TARGETS + ["backing"]   # targets and the references recorded beside them
 WORKLOADS = ["torch", "safetensors", "dcp", "dd", "writers", "admission", "cold", "small",
-             "close_flush"]
+             "close_flush", "peers"]
 WRITERS = (1, 2, 4, 8, 16)   # the scaling line of the writers workload (--writers picks)
 
 # metric -> (workload, unit, higher_is_better, description)
@@ -111,6 +111,11 @@ METRICS = {
     "durable_s": ("close_flush", "s", False, "close() returned -> file complete in the backing"),
     "drain_s": ("close_flush", "s", False, "`acpfs sync MOUNT` started at close(): run time"),
     "flush": ("close_flush", "GB/s", True, "bytes / durable_s (disk: plain copy+fsync of the same bytes)"),
+    "peers_load": ("peers", "GB/s", True, "4 nodes load one cold checkpoint at once over the "
+                   "latency backing (--peers-listen), all bytes / time to the last; backing: "
+                   "each node reads its own view of it directly"),
+    "peers_backing_x": ("peers", "x", False, "bytes the backing served while 4 nodes loaded "
+                        "it, / the checkpoint's size (backing: each node read it itself)"),
     "rss_mib": ("daemon", "MiB", False, "daemon RSS without the cache pool (max over the run)"),
     "rss_total_mib": ("daemon", "MiB", False, "daemon VmRSS including mapped pool pages (max)"),
     "cache_peak_gib": ("daemon", "GiB", False, "acpfs cache.peak_used_bytes"),
@@ -939,6 +944,20 @@ class Bench:
         c = shim.counts()
         return c.get("read", 0), c.get("read_bytes", 0)
 
+    def wl_peers(self, t: Target, rep: int) -> None:
+        """tools/bench_peers.py: 4 nodes (mounts over views of one latency backing) load one
+        cold checkpoint at once, against each reading the backing itself."""
+        if not isinstance(t, Acpfs) or t.name not in ("acpfs", "acpfs-daemon"):
+            return
+        import bench_peers
+
+        def mount(root: str, backing: str, i: int) -> Acpfs:
+            return Acpfs(root, backing, os.path.join(self.shm, f"{os.path.basename(root)}-cache"),
+                         self.args.cache_size, root + ".log", name=t.name, env=t.env,
+                         extra=["--peers-listen", "127.0.0.1:0"])
+        got = bench_peers.run(self, t, rep, mount, self.record, fill)
+        self.extra.setdefault("peers", {}).setdefault(t.name, []).append(got)
+
     def wl_small(self, t: Target, rep: int) -> None:
         # the C floor serves one directory, and keeps no data: create, stat, unlink only
         d = t.root if isinstance(t, CFloor) else self.fresh(t, "small", rep)
@@ -1245,6 +1264,13 @@ class Bench:
                 r = ratio(metric, target, other)
                 add(metric, f"({target} / {TARGET_LABEL[other]})", r, None,
                     f"{r:.3f}x" if r else "-")
+        for target in ("acpfs", "acpfs-daemon"):   # issue 32
+            r = ratio("peers_load", target, "backing")
+            add("peers_load", f">=2x each node reading the backing ({target})", r,
+                None if r is None else r >= 2, f"{r:.2f}x" if r else "-")
+            v = m("peers_backing_x", target)
+            add("peers_backing_x", f"<=1.2x the checkpoint ({target})", v,
+                None if v is None else v <= 1.2, f"{v:.2f}x" if v is not None else "-")
         v = m("rss_100k_mib", "acpfs")
         files = self.extra.get("rss100k", {}).get("files", self.args.rss_files)
         add("rss_100k_mib", f"<200 MiB ({files} files)", v, None if v is None else v < 200,

@@ -187,11 +187,11 @@ class Files:
                                              node.backing_version if verify else None)[0]
 
     def read_backing_into(self, node: Node, content: Content, fd: int = -1,
-                          fast: bool | None = None, progress: Callable[[int], None] | None = None,
+                          fast: bool | None = None, progress: Callable[[int, int], None] | None = None,
                           drop: Callable[[], bool] | None = None) -> None:
         """Worker thread: fill ``content`` with the backing content of ``node`` (from ``fd``,
         a descriptor of that version, where given: the backing then sees one open; ``fast``:
-        whether the backing is, known already; ``progress``: bytes copied; ``drop``: whether
+        whether the backing is, known already; ``progress(off, n)``: each range copied; ``drop``: whether
         the backing's page cache of what was copied goes: ``Store.fill``)."""
         if fd >= 0:
             self.store.fill(content, fd, node.size, self.backing, fast, progress, drop)

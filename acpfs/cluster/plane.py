@@ -11,6 +11,9 @@ The protocol is HTTP/1.1, which every operator can read with curl and tcpdump:
   which ``pull=1`` asks it to start; else 404.
 - ``GET`` of the same with ``Range: bytes=A-B``: 206 and those bytes, sent with
   ``sendfile`` from the memory file (or the pool) that holds them, no copy through Python.
+  While the file is copied from the backing, a range of the prefix already copied is
+  served at once, a later one once the copy reaches it; 503 if it does not within
+  ``READY_WAIT`` (the client asks again).
 
 Every request must be signed (``auth.Secret.check``); one that is not gets 401 and no body,
 and the connection is closed. Every answer is signed back, over the version it serves and
@@ -36,7 +39,8 @@ import socket
 import socketserver
 import threading
 import urllib.parse
-from typing import Any, ContextManager, Iterator, Protocol
+import time
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 from ..backing.retry import describe
 from .auth import Refused, Secret
@@ -46,6 +50,8 @@ log = logging.getLogger(__name__)
 PREFIX = "/v1/files/"
 MAX_CONNECTIONS = 64
 CLIENT_TIMEOUT = 30.0   # s a connection may stay silent
+READY_WAIT = 2.0        # s a GET waits for a copy under way to reach its range, then 503
+READY_POLL = 0.005
 Version = tuple[int, int, int]   # (inode, size, mtime_ns) in the backing
 
 
@@ -53,9 +59,11 @@ class Holder(Protocol):
     def state(self, path: bytes, version: Version, pull: bool) -> tuple[int, int]:
         """(200, size) held, (202, bytes so far) being copied from the backing (``pull``:
         start that), or (404, 0)."""
-    def hold(self, path: bytes, version: Version) -> tuple[Any, int] | None:
-        """(a reference to the bytes, the size) of the file at ``path`` in ``version``,
-        clean; None where this node does not hold it so."""
+    def hold(self, path: bytes, version: Version) -> tuple[Any, int, Callable[[int], bool | None]] | None:
+        """(a reference to the bytes, the size, ``ready``) of the file at ``path`` in
+        ``version``, clean, or being copied from the backing; None where this node does not
+        hold it so. ``ready(end)``: whether the bytes up to ``end`` are there (None: they
+        never will be: the copy failed)."""
     def runs(self, ref: Any, size: int) -> ContextManager[tuple[int, Iterator[tuple[int, int, int]]]]:
         """A descriptor and its runs (file offset, offset in the descriptor, length)."""
     def let_go(self, ref: Any) -> None: ...
@@ -233,12 +241,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self._signed(404, nonce, "", "")
             plane.count()
             return
-        ref, size = held
+        ref, size, ready = held
         try:
             first, last = _range(rng, size)
             if first < 0:
                 self._signed(416, nonce, vtext, "", {"Content-Range": f"bytes */{size}"})
                 return
+            deadline = time.monotonic() + READY_WAIT
+            while not (got := ready(last + 1)):   # a copy under way: its prefix is served
+                if got is None:
+                    self._signed(404, nonce, "", "")
+                    return
+                if time.monotonic() > deadline:   # not yet: the client asks again
+                    self._signed(503, nonce, vtext, "", {"Retry-After": "0"})
+                    return
+                time.sleep(READY_POLL)
             crange = f"bytes {first}-{last}/{size}"
             self._signed(206, nonce, vtext, crange, {"Content-Range": crange,
                                                      "Content-Length": str(last + 1 - first)})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import http.client
 import threading
+import time
 from typing import Callable
 
 from ..backing.retry import describe
@@ -22,6 +23,8 @@ from .auth import Refused, Secret
 from .plane import Version, parse_address, target_of, version_text
 
 TIMEOUT = 5.0       # s a peer may take to answer a request, or between two reads of a body
+STALL = 10.0        # s a peer copying a file from the backing may take to reach a range
+AGAIN = 0.01        # s before a range not there yet is asked for again
 PIECE = 1 << 20     # bytes read from the socket at a time
 
 
@@ -104,8 +107,18 @@ class Remote:
         handed to ``put(offset, bytes)`` piece by piece (through ``buf``)."""
         rng = f"bytes={off}-{off + n - 1}"
         crange = f"bytes {off}-{off + n - 1}/{version[1]}"
-        resp, nonce = self._request(address, "GET", path, version, rng)
         vtext = version_text(version)
+        since = time.monotonic()
+        while True:   # 503: the peer copies the file from the backing, not this far yet
+            resp, nonce = self._request(address, "GET", path, version, rng)
+            if resp.status != 503:
+                break
+            resp.read()
+            self._believe(address, resp, nonce, vtext, "")
+            if time.monotonic() - since > STALL:
+                raise PeerError(f"peer {address}: its copy from the backing did not reach byte "
+                                f"{off + n} of {version[1]} in {STALL:.0f} s")
+            time.sleep(AGAIN)
         try:
             if resp.status != 206:
                 resp.read()

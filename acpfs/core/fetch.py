@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import threading
-from typing import Callable
+from typing import Callable, Protocol
 
 import trio
 
@@ -69,6 +69,14 @@ def when_idle(fn: Callable[[], None]) -> None:
     t.join()
     if failed:
         raise failed[0]
+
+
+class Watch(Protocol):
+    """Who watches a copy into the cache as it is made (``peerserve.Pull``)."""
+
+    def started(self, content: Content) -> None: ...
+
+    def copied(self, off: int, n: int) -> None: ...
 
 
 class Fetch:
@@ -219,7 +227,7 @@ class Fetch:
                 files.release_content(content)       # never copied (cancelled)
             self.keeping -= len(batch)
 
-    def _copied(self, n: int) -> None:
+    def _copied(self, off: int, n: int) -> None:
         with self._fetched_lock:
             self.fetched += n
 
@@ -228,13 +236,14 @@ class Fetch:
 
     async def copy_in(self, node: Node, fd: int = -1, version: int | None = None,
                       fast: bool | None = None, idle: bool = False,
-                      progress: Callable[[int], None] | None = None) -> bool:
+                      watch: Watch | None = None) -> bool:
         """Copy the backing version of a file that is neither cached nor staged into the
         cache (raises CacheFull, or OSError from the backing); ``fd``: a descriptor of
         version ``version`` (``Node.generation``), copied only while the node shows it;
         ``fast``: whether the backing is, known already; ``idle``: on idle CPU alone
-        (``when_idle``); ``progress(n)``: told of each range copied (any thread). Whether this
-        call copied it."""
+        (``when_idle``); ``watch``: told of the content being filled and of each range copied
+        (any thread), so that it may serve what is copied already. Whether this call copied
+        it."""
         files = self.files
         await self.wt.settle(node)
         if node.content is not None or node.staged is not None:
@@ -245,10 +254,12 @@ class Fetch:
             if not self._wanted(node, version):
                 return False
             content = files.copy_up(node)
+            if watch is not None:
+                watch.started(content)
             try:
                 def fill() -> None:
-                    files.read_backing_into(node, content, fd, fast, self._copied if progress is None
-                                            else lambda n: (self._copied(n), progress(n)),
+                    files.read_backing_into(node, content, fd, fast, self._copied if watch is None
+                                            else lambda o, n: (self._copied(o, n), watch.copied(o, n)),
                                             lambda: not self.reading(node))
                 await trio.to_thread.run_sync(functools.partial(when_idle, fill) if idle else fill,
                                               limiter=self._fills)

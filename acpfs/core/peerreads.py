@@ -11,14 +11,15 @@ what they have of it in the version the backing shows (inode, size, mtime):
   spread over the earlier ones, each of which serves in turn), ``PEER_STREAMS`` ranges at
   once, into the cache; the open then reads it from the cache.
 - none holds it: one node, the file's *leader* (``leader``: the same on every node),
-  copies it from the backing in parallel ranges for the job, and the others wait for that
-  copy (``_wait``, while it makes progress) and then copy it from the leader's RAM. So the
-  backing serves each byte of a checkpoint about once however many nodes load it.
+  copies it from the backing in parallel ranges for the job (asked to by the first node
+  that wants it: ``_start``), and the others copy it from the leader's RAM as its copy
+  grows (the leader serves the prefix it has). So the backing serves each byte of a
+  checkpoint about once however many nodes load it.
 
 A copy is attached only if the node still shows the version asked for. A peer that fails
 (no answer within the client's timeout, a refusal, an answer that is not signed or names
-another version or range, a short body, a pull that stalls for ``STALL`` seconds) costs a
-fallback: the next holder, then the backing (the usual cold path), never a wrong byte.
+another version or range, a short body, a copy from the backing that does not reach a range
+within ``remote.STALL`` seconds) costs a fallback: the next holder, then the backing (the usual cold path), never a wrong byte.
 
 Counters for status and metrics (``status``): opens that asked, waited, fetched and fell
 back; bytes fetched; the last failure of each peer (``FAILURES_KEPT`` at most).
@@ -54,8 +55,6 @@ log = logging.getLogger(__name__)
 PEER_MIN = 1 << 20        # bytes: a smaller file is read from the backing (one round trip)
 PEER_STREAMS = 4          # ranges of one file fetched from a peer at once
 FAILURES_KEPT = 16        # peers whose last failure status shows
-STALL = 10.0              # s a leader's copy from the backing may make no progress
-WAIT_POLL = 0.02          # s between two questions to a leader copying a file for the job
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +129,10 @@ class PeerReads:
                 return False
             self.waited += 1
             where = pulling[0] if pulling else first
-            if not await trio.to_thread.run_sync(self._wait, where, path, version):
+            if not pulling and not await trio.to_thread.run_sync(self._start, where, path, version):
                 self.fallbacks += 1
                 return False
-            holders = [where]
+            holders = [where]   # its copy's prefix comes as it grows
         await self.wt.settle(node)
         async with self.wt.copying(node):
             generation = node.generation
@@ -188,23 +187,12 @@ class PeerReads:
             random.shuffle(got)
         return found["held"], found["pulling"], answered
 
-    def _wait(self, address: str, path: bytes, version: Version) -> bool:
-        """Worker thread: until the peer at ``address`` holds ``path`` in ``version``, asking
-        it to copy it from the backing (it is the leader); False if it does not, or its copy
-        makes no progress for STALL seconds."""
+    def _start(self, address: str, path: bytes, version: Version) -> bool:
+        """Worker thread: ask the peer at ``address``, the file's leader, to copy ``path`` in
+        ``version`` from the backing for the job; whether it holds or copies it now."""
         assert self.remote is not None
-        last, since = -1, time.monotonic()
         try:
-            while True:
-                state, n = self.remote.ask(address, path, version, pull=True)
-                if state != "pulling":
-                    return state == "held"
-                if n != last:
-                    last, since = n, time.monotonic()
-                elif time.monotonic() - since > STALL:
-                    raise PeerError(f"peer {address}: its copy from the backing stalled at {n} "
-                                    f"of {version[1]} bytes for {STALL:.0f} s")
-                time.sleep(WAIT_POLL)
+            return bool(self.remote.ask(address, path, version, pull=True)[0])
         except PeerError as e:
             self._failed(address, e)
             return False

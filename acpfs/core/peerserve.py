@@ -48,16 +48,36 @@ HELD, PULLING, ABSENT = 200, 202, 404   # what ``state`` answers
 
 
 class Pull:
-    """A copy from the backing this node makes for the job: its bytes so far (copy threads
-    add to it), and when it ended (``done``)."""
-    __slots__ = ("done", "copied")
+    """A copy from the backing this node makes for the job (a ``fetch.Watch``): the content
+    it fills, its bytes so far, the prefix copied whole (the ranges come in any order, from
+    several threads: ``_ranges`` holds those past it), whether it failed, and when it ended
+    (``done``). What the prefix holds is served while the rest is copied (``ready``)."""
+    __slots__ = ("done", "content", "copied_bytes", "prefix", "failed", "_ranges", "_lock")
 
     def __init__(self) -> None:
         self.done = trio.Event()
-        self.copied = 0
+        self.content: Any = None
+        self.copied_bytes = 0
+        self.prefix = 0
+        self.failed = False
+        self._ranges: dict[int, int] = {}
+        self._lock = threading.Lock()
 
-    def add(self, n: int) -> None:
-        self.copied += n   # (one int, from the copy's threads: a read may lag, never tear)
+    def started(self, content: Any) -> None:
+        self.content = content
+
+    def copied(self, off: int, n: int) -> None:
+        with self._lock:
+            self.copied_bytes += n
+            self._ranges[off] = n
+            while self.prefix in self._ranges:
+                self.prefix += self._ranges.pop(self.prefix)
+
+    def ready(self, end: int) -> bool | None:
+        """(Any thread) whether bytes up to ``end`` are copied; None if they never will be."""
+        if self.prefix >= end:
+            return True
+        return None if self.failed else False
 
 
 class PeerServing:
@@ -93,7 +113,7 @@ class PeerServing:
         the file if this node neither holds nor pulls it."""
         return self._call(self._state, path, version, pull) or (ABSENT, 0)
 
-    def hold(self, path: bytes, version: Version) -> tuple[Any, int] | None:
+    def hold(self, path: bytes, version: Version) -> tuple[Any, int, Callable[[int], bool | None]] | None:
         return self._call(self._hold, path, version)
 
     @contextlib.contextmanager
@@ -117,21 +137,29 @@ class PeerServing:
             return None
         return node
 
-    def _hold(self, path: bytes, version: Version) -> tuple[Any, int] | None:
+    def _hold(self, path: bytes, version: Version) -> tuple[Any, int, Callable[[int], bool | None]] | None:
+        """(a reference to the bytes, the size, whether bytes up to an offset are there yet):
+        of the file held, or of the one being pulled, whose prefix is served as it grows."""
         node = self._held(path, version)
+        store = self.files.store
         if node is None:
-            return None
+            pull = self.pulls.get((path, version))
+            if pull is None or pull.content is None or pull.failed:
+                return None
+            with self.files.oplog.lock:   # (its copy releases it on this thread: not now)
+                ref = store.share(pull.content)
+            return ref, version[1], pull.ready
         with self.files.oplog.lock:
-            ref = self.files.store.share(node.content)
+            ref = store.share(node.content)
         self.files.touch(node)
-        return ref, node.size
+        return ref, node.size, _always
 
     def _state(self, path: bytes, version: Version, pull: bool) -> tuple[int, int]:
         if self._held(path, version) is not None:
             return HELD, version[1]
         got = self.pulls.get((path, version))
         if got is not None:
-            return PULLING, got.copied
+            return PULLING, got.copied_bytes
         if not pull or self._nursery is None or version[1] > self.files.store.limit * KEEP_SHARE:
             return ABSENT, 0
         got = self.pulls[(path, version)] = Pull()
@@ -141,8 +169,8 @@ class PeerServing:
     async def _pull_asked(self, path: bytes, version: Version, pull: Pull) -> None:
         """Another node asked this one, the leader, to pull ``path``: look it up (as a lookup
         would) and copy it in, if it is the version asked for."""
+        node: Node | None = self.inodes.root
         try:
-            node: Node | None = self.inodes.root
             for name in path.split(b"/"):
                 node = await self.find(node.ino, name) if node is not None else None
             if node is not None and node.is_reg and node.backing_version == version:
@@ -151,6 +179,7 @@ class PeerServing:
             log.debug("peer plane: %s asked by another node, not pulled: %s",
                       path.decode(errors="replace"), e)
         finally:
+            pull.failed = pull.failed or node is None or node.content is None
             del self.pulls[(path, version)]
             pull.done.set()
 
@@ -165,6 +194,7 @@ class PeerServing:
             except OSError as e:
                 log.debug("%s: not pulled: %s", node_path(node), e)
             finally:
+                pull.failed = pull.failed or node.content is None
                 del self.pulls[(path, version)]
                 pull.done.set()
         else:
@@ -173,9 +203,14 @@ class PeerServing:
 
     async def _copy(self, node: Node, pull: Pull) -> None:
         try:
-            copied = await self.fetch.copy_in(node, progress=pull.add)
+            copied = await self.fetch.copy_in(node, watch=pull)
         except CacheFull:
+            pull.failed = True
             raise OSError(errno.ENOSPC, "no room in the cache") from None
+        except BaseException:
+            pull.failed = True
+            raise
+        pull.failed = node.content is None
         if copied:
             self.pulled_files += 1
             with self._lock:
@@ -184,3 +219,7 @@ class PeerServing:
     def status(self) -> dict:
         return {"pulled_files": self.pulled_files, "pulled_bytes": self.pulled_bytes,
                 "pulling": len(self.pulls)}
+
+
+def _always(end: int) -> bool:
+    return True

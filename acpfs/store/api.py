@@ -51,11 +51,11 @@ class Store(Protocol):
     def alloc(self, size: int) -> Content:
         """Room for ``size`` bytes, to be filled (``fill``); raises CacheFull."""
     def fill(self, c: Content, src_fd: int, size: int, backing: Any,
-             fast: bool | None = None, progress: Callable[[int], None] | None = None,
+             fast: bool | None = None, progress: Callable[[int, int], None] | None = None,
              drop: Callable[[], bool] | None = None) -> None:
         """Worker thread: copy ``size`` bytes from ``src_fd``, a file of ``backing``, into ``c``,
         several ranges at once where it is slow (``in_ranges``; ``fast``: known already;
-        ``progress``: told the bytes of each range copied; ``drop``: asked after each range
+        ``progress(off, n)``: told of each range copied; ``drop``: asked after each range
         whether the source's page cache over it is dropped: ``in_ranges``)."""
     def sink(self, c: Content, size: int) -> ContextManager[Callable[[int, memoryview], None]]:
         """Worker thread: ``put(off, bytes)`` writes bytes at ``off`` of ``c`` (room for
@@ -138,7 +138,7 @@ def fast_source(fd: int, size: int) -> bool:
 
 def in_ranges(size: int, copy: Callable[[int, int], None], unit: int = 1,
               streams: int = FILL_STREAMS, fast: bool | None = None,
-              progress: Callable[[int], None] | None = None, src: int = -1,
+              progress: Callable[[int, int], None] | None = None, src: int = -1,
               drop: Callable[[], bool] | None = None) -> None:
     """Call ``copy(off, n)`` over [0, ``size``) in chunks of FILL_CHUNK (a multiple of
     ``unit``): first PROBE bytes alone and timed, the rest by one thread when they came
@@ -146,8 +146,8 @@ def in_ranges(size: int, copy: Callable[[int, int], None], unit: int = 1,
     answers each request after a round trip (NFS, Lustre) delivers several ranges in the
     time of one. (The probe is small: over a backing answering each 128 KiB 2 ms late, a
     whole first chunk alone took 0.25 s of a 256 MiB file's 0.9 s.) The first error stops
-    the others and is raised. ``progress(n)`` after each chunk of ``n`` bytes copied (any
-    of the threads).
+    the others and is raised. ``progress(off, n)`` after each chunk of ``n`` bytes at ``off``
+    copied (any of the threads).
 
     ``drop``: after each chunk, and over the whole file at the end, the page cache of
     ``src`` (what ``copy`` reads) is dropped where ``drop()`` says nobody reads it there: the
@@ -182,13 +182,13 @@ def _dropping(copy: Callable[[int, int], None], src: int,
 
 
 def _in_ranges(size: int, copy: Callable[[int, int], None], unit: int, streams: int,
-               fast: bool | None, progress: Callable[[int], None] | None) -> None:
+               fast: bool | None, progress: Callable[[int, int], None] | None) -> None:
     if progress is not None:
         inner = copy
 
         def copy(off: int, n: int) -> None:
             inner(off, n)
-            progress(n)
+            progress(off, n)
     chunk = max(unit, FILL_CHUNK // unit * unit)
     first = 0
     if fast is None:

@@ -8,6 +8,7 @@ import contextlib
 import os
 import random
 import stat
+import threading
 import time
 
 import pytest
@@ -99,11 +100,12 @@ class MemHolder:
         self.version, self.size = version, len(data)
         self.held = 0
         self.pulls: list[bytes] = []
+        self.copied, self.failed = len(data), False   # what a copy under way has so far
 
     def state(self, path: bytes, version, pull: bool):
         if self.hold(path, version) is not None:
             self.held -= 1
-            return 200, self.size
+            return (200, self.size) if self.copied == self.size else (202, self.copied)
         if pull:
             self.pulls.append(path)
             return 202, 4096
@@ -113,7 +115,10 @@ class MemHolder:
         if path != b"dir/f.bin" or version != self.version:
             return None
         self.held += 1
-        return "ref", self.size
+        return "ref", self.size, self.ready
+
+    def ready(self, end: int) -> bool | None:
+        return True if end <= self.copied else None if self.failed else False
 
     @contextlib.contextmanager
     def runs(self, ref, size):
@@ -168,3 +173,39 @@ def test_a_plane_address_in_use_refuses_in_one_line():
             Plane(first.address, None, None)
     finally:
         first.close()
+
+
+def test_a_file_being_copied_is_served_as_its_copy_grows():
+    """A plane copying a file from the backing serves the prefix it has; a range past it
+    waits for the copy (503 and again, while it grows), and fails once the copy does."""
+    data = random.Random(4).randbytes(4 << 20)
+    version = (78, len(data), 1795593897123456789)
+    key = os.urandom(32)
+    holder = MemHolder(data, version)
+    holder.copied = 1 << 20
+    plane = Plane("127.0.0.1:0", Secret(key, "0000000000aa"), holder)
+    plane.start()
+    try:
+        remote = Remote(Secret(key, "0000000000bb"))
+        assert remote.ask(plane.address, b"dir/f.bin", version) == ("pulling", 1 << 20)
+        got = bytearray(len(data))
+
+        def put(off: int, view: memoryview) -> None:
+            got[off:off + len(view)] = view
+        buf = memoryview(bytearray(1 << 16))
+
+        def grow() -> None:
+            time.sleep(2.5)   # past the plane's READY_WAIT: one 503 on the way
+            holder.copied = len(data)
+        threading.Thread(target=grow, daemon=True).start()
+        start = time.monotonic()
+        remote.get(plane.address, b"dir/f.bin", version, 0, 1 << 20, put, buf)
+        assert time.monotonic() - start < 1.0   # the prefix at once
+        remote.get(plane.address, b"dir/f.bin", version, 1 << 20, len(data) - (1 << 20), put, buf)
+        assert time.monotonic() - start >= 2.4 and got == data
+        holder.copied, holder.failed = 1 << 20, True
+        with pytest.raises(PeerError, match="answered 404"):
+            remote.get(plane.address, b"dir/f.bin", version, 2 << 20, 10, put, buf)
+        remote.close()
+    finally:
+        plane.close()

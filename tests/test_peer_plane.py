@@ -189,6 +189,11 @@ def test_requests_without_the_backing_secret_get_nothing(cluster, make_mount, tm
     stale = target_of(b"x.bin", (version[0], version[1], version[2] - 1))
     r = ask(addr, "GET", stale, signed(good, tgt=stale)[0])
     assert r.status == 404 and r.body == b""
+    for bad in (b"../shared/x.bin", b".acpfs-nodes/.peer-secret", b"./x.bin", b"x.bin/.."):
+        for method in ("HEAD", "GET"):   # signed, but no file of the mount: nothing
+            tgt = target_of(bad, version, pull=method == "HEAD")
+            r = ask(addr, method, tgt, signed(good, method, tgt)[0])
+            assert r.status == 404 and r.body == b"", (bad, method, r.status)
     r = ask(addr, "GET", target, {"Authorization": headers["Authorization"].replace("mac=", "mac=0"),
                                   "Range": rng})
     assert r.status == 401

@@ -951,9 +951,13 @@ class Bench:
             return
         import bench_peers
 
+        # room for the checkpoint (a copy takes at most half the cache) and no more: four
+        # nodes' pools of --cache-size each (the daemon's path pre-faults them) do not fit
+        cache = 2 * self.args.size + (256 << 20)
+
         def mount(root: str, backing: str, i: int) -> Acpfs:
             return Acpfs(root, backing, os.path.join(self.shm, f"{os.path.basename(root)}-cache"),
-                         self.args.cache_size, root + ".log", name=t.name, env=t.env,
+                         cache, root + ".log", name=t.name, env=t.env,
                          extra=["--peers-listen", "127.0.0.1:0"])
         got = bench_peers.run(self, t, rep, mount, self.record, fill)
         self.extra.setdefault("peers", {}).setdefault(t.name, []).append(got)
@@ -1077,6 +1081,8 @@ class Bench:
         need = 2 * a.size + a.size + a.cache_size  # worker dict + loaded copy, /dev/shm file, pool
         if "rclone" in self.targets and not a.rclone_cache_dir:
             need += a.size
+        if "peers" in a.workloads:   # 4 nodes: a copy each; the daemon's path pre-faults pools
+            need += 4 * (2 * a.size + (256 << 20) if "acpfs-daemon" in self.targets else a.size)
         avail = meminfo()["MemAvailable"]
         shm_free = shutil.disk_usage("/dev/shm").free
         shm_need = a.size + a.cache_size + (a.size if "rclone" in self.targets and not a.rclone_cache_dir else 0)

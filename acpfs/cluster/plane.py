@@ -102,15 +102,8 @@ class Plane:
 
     def __init__(self, text: str, secret: Secret | None, holder: Holder | None) -> None:
         host, port = parse_address(text)
-        try:
-            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                        flags=socket.AI_PASSIVE)[0][0]
-            self.server = Server(family, (host, port), self)
-        except socket.gaierror as e:
-            raise RuntimeError(f"--peers-listen {text}: cannot resolve {host!r}: {e.strerror}") from None
-        except OSError as e:
-            raise RuntimeError(f"--peers-listen {text}: cannot listen on {host} port {port}: "
-                               f"{describe(e)}") from None
+        self.server = listening(f"--peers-listen {text}", host, port,
+                                lambda family, address: Server(family, address, self))
         bound = self.server.server_address
         # where the others reach it: the host as bound, or this host's name where every
         # address is bound (0.0.0.0, ::)
@@ -147,20 +140,39 @@ class Plane:
             self.refused += refused
 
 
-class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+def listening(what: str, host: str, port: int,
+              make: Callable[[socket.AddressFamily, tuple[str, int]], BoundedServer]) -> BoundedServer:
+    """``make(family, (host, port))``, the server bound; RuntimeError with one line saying
+    why not (``what``: the option as typed)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                    flags=socket.AI_PASSIVE)[0][0]
+        return make(family, (host, port))
+    except socket.gaierror as e:
+        raise RuntimeError(f"{what}: cannot resolve {host!r}: {e.strerror}") from None
+    except OSError as e:
+        raise RuntimeError(f"{what}: cannot listen on {host} port {port}: {describe(e)}") from None
 
-    def __init__(self, family: socket.AddressFamily, address: tuple[str, int], plane: Plane) -> None:
+
+class BoundedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    """A TCP server of the family of its address, one thread per connection, at most
+    ``most`` at once (``slots``): a connection beyond them is closed unanswered, so a flood
+    of idle connections costs a few threads, not one each (the peer plane's, and the
+    metrics endpoint's: daemon/metrics_http.py)."""
+    daemon_threads = True
+    allow_reuse_address = True   # a restarted daemon binds again past TIME_WAIT
+
+    def __init__(self, family: socket.AddressFamily, address: tuple[str, int], handler: type,
+                 most: int, what: str, level: int = logging.WARNING) -> None:
         self.address_family = family
-        self.plane = plane
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        super().__init__(address, Handler)
+        self.slots = threading.BoundedSemaphore(most)
+        self.most, self.what, self.level = most, what, level   # what is said, at what level
+        super().__init__(address, handler)
 
     def process_request(self, request, client_address) -> None:
         if not self.slots.acquire(blocking=False):
-            log.warning("peer plane: %d connections open; closing the one of %s",
-                        MAX_CONNECTIONS, client_address[0])
+            log.log(self.level, "%s: %d connections open; closing the one of %s", self.what,
+                    self.most, client_address[0])
             self.shutdown_request(request)
             return
         try:
@@ -174,6 +186,12 @@ class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+
+
+class Server(BoundedServer):
+    def __init__(self, family: socket.AddressFamily, address: tuple[str, int], plane: Plane) -> None:
+        self.plane = plane
+        super().__init__(family, address, Handler, MAX_CONNECTIONS, "peer plane")
 
 
 class _At:
@@ -242,6 +260,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             plane.count()
             return
         ref, size, ready = held
+        if ref is None:   # a copy from the backing about to begin: ask again
+            self._signed(503, nonce, vtext, "", {"Retry-After": "0"})
+            return
         try:
             first, last = _range(rng, size)
             if first < 0:

@@ -156,7 +156,7 @@ class Handles:
         if not checked and self.peer_reads is not None and self.peer_reads.wants(node):
             # another node may hold the version the backing shows: from its RAM, if so
             node = await self.loader.revalidated(node, at_open=True)
-            await self.peer_reads.fetch(node)
+            await self.peer_reads.fetch_or_not(node)
             checked = True
         while True:
             if checked:

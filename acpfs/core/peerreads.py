@@ -105,6 +105,16 @@ class PeerReads:
         with self.peers.lock:
             return [r.address for r in self.peers.serving()]
 
+    async def fetch_or_not(self, node: Node) -> None:
+        """``fetch``; whatever goes wrong there, the open reads the backing (logged)."""
+        try:
+            await self.fetch(node)
+        except OSError as e:   # the cache or the backing, meanwhile: the usual path sees
+            log.debug("%s: not read from a peer: %s", node_path(node), e)
+        except Exception:
+            log.exception("%s: reading it from a peer failed; reading the backing", node_path(node))
+            self.fallbacks += 1
+
     async def fetch(self, node: Node) -> bool:
         """Bring ``node`` (revalidated just before) into the cache from a peer that holds the
         version the backing shows, or, where none does, by its leader's one copy from the

@@ -35,6 +35,7 @@ from typing import Any, Awaitable, Callable, Iterator
 
 import trio
 
+from ..backing.names import is_internal_name
 from ..cache.files import Files
 from ..cache.inodes import Inodes
 from ..cluster.plane import Version
@@ -128,7 +129,7 @@ class PeerServing:
     # -- on the trio thread -----------------------------------------------------------------
     def _held(self, path: bytes, version: Version) -> Node | None:
         node: Node | None = self.inodes.root
-        for name in path.split(b"/"):
+        for name in names_of(path):
             children = node.children if node is not None else None
             node = children.get(name) if children is not None else None
         if node is None or not node.is_reg or node.content is None or node.staged is not None \
@@ -144,8 +145,10 @@ class PeerServing:
         store = self.files.store
         if node is None:
             pull = self.pulls.get((path, version))
-            if pull is None or pull.content is None or pull.failed:
+            if pull is None or pull.failed:
                 return None
+            if pull.content is None:   # its copy has not begun: nothing to hold yet
+                return None, version[1], pull.ready
             with self.files.oplog.lock:   # (its copy releases it on this thread: not now)
                 ref = store.share(pull.content)
             return ref, version[1], pull.ready
@@ -171,7 +174,7 @@ class PeerServing:
         would) and copy it in, if it is the version asked for."""
         node: Node | None = self.inodes.root
         try:
-            for name in path.split(b"/"):
+            for name in names_of(path):
                 node = await self.find(node.ino, name) if node is not None else None
             if node is not None and node.is_reg and node.backing_version == version:
                 await self._copy(node, pull)
@@ -223,3 +226,14 @@ class PeerServing:
 
 def _always(end: int) -> bool:
     return True
+
+
+def names_of(path: bytes) -> list[bytes]:
+    """The names of a path a peer asked for, relative to the backing; none (the root, which
+    is no file: nothing is served) if one is empty, ``.``, ``..``, or acpfs's own
+    (``is_internal_name``)."""
+    names = path.split(b"/")
+    if len(path) > 4096 or any(not n or n in (b".", b"..") or b"\0" in n or is_internal_name(n)
+                               for n in names):
+        return []
+    return names

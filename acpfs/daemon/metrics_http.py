@@ -19,14 +19,13 @@ from __future__ import annotations
 import http.server
 import logging
 import socket
-import socketserver
 import threading
 import urllib.parse
 from typing import Callable
 
 from ..config import METRICS_CLIENT_TIMEOUT, METRICS_MAX_SCRAPES, parse_address
 from .metrics import CONTENT_TYPE
-from ..backing.retry import describe
+from ..cluster.plane import BoundedServer, listening
 
 log = logging.getLogger(__name__)
 PATH = "/metrics"
@@ -43,17 +42,10 @@ class Endpoint:
 
     def __init__(self, text: str, render: Callable[[], str]) -> None:
         host, port = parse_address(text)
-        try:
-            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                        flags=socket.AI_PASSIVE)[0][0]
-            self.server = Server(family, (host, port), render)
-        except socket.gaierror as e:
-            raise RuntimeError(f"--metrics {text}: cannot resolve {host!r}: {e.strerror}") from None
-        except OSError as e:
-            raise RuntimeError(f"--metrics {text}: cannot listen on {host} port {port}: "
-                               f"{describe(e)}") from None
+        self.server = listening(f"--metrics {text}", host, port,
+                                lambda family, address: Server(family, address, render))
         bound = self.server.server_address
-        self.address = (f"[{bound[0]}]:{bound[1]}" if family == socket.AF_INET6
+        self.address = (f"[{bound[0]}]:{bound[1]}" if self.server.address_family == socket.AF_INET6
                         else f"{bound[0]}:{bound[1]}")
         self.thread = threading.Thread(target=self.server.serve_forever, name="acpfs-metrics",
                                        daemon=True)
@@ -68,36 +60,14 @@ class Endpoint:
         self.server.server_close()
 
 
-class Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    """A TCP server of the family of its address, one thread per scrape (at most
-    ``METRICS_MAX_SCRAPES``: ``slots``), holding the callable that renders the text."""
-    daemon_threads = True
-    allow_reuse_address = True   # a restarted daemon binds again past TIME_WAIT
+class Server(BoundedServer):
+    """One thread per scrape, at most ``METRICS_MAX_SCRAPES`` (``BoundedServer``), holding
+    the callable that renders the text."""
 
     def __init__(self, family: socket.AddressFamily, address: tuple[str, int],
                  render: Callable[[], str]) -> None:
-        self.address_family = family
         self.render = render
-        self.slots = threading.BoundedSemaphore(METRICS_MAX_SCRAPES)
-        super().__init__(address, Handler)
-
-    def process_request(self, request, client_address) -> None:
-        if not self.slots.acquire(blocking=False):
-            log.debug("metrics: %d scrapes running; closing the connection of %s",
-                      METRICS_MAX_SCRAPES, client_address)
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+        super().__init__(family, address, Handler, METRICS_MAX_SCRAPES, "metrics", logging.DEBUG)
 
 
 class Handler(http.server.BaseHTTPRequestHandler):

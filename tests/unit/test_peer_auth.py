@@ -209,3 +209,19 @@ def test_a_file_being_copied_is_served_as_its_copy_grows():
         remote.close()
     finally:
         plane.close()
+
+
+def test_every_node_picks_the_same_leader_and_files_spread_over_the_nodes():
+    from acpfs.core.peerreads import leader
+    nodes = [f"10.0.0.{i}:7070" for i in range(1, 9)]
+    picked = [leader(f"step_9/shard{i}.bin".encode(), (i, 1 << 30, 7), nodes) for i in range(400)]
+    for i, first in enumerate(picked[:20]):   # the same whatever order a node lists them in
+        shuffled = random.Random(i).sample(nodes, len(nodes))
+        assert leader(f"step_9/shard{i}.bin".encode(), (i, 1 << 30, 7), shuffled) == first
+    counts = {n: picked.count(n) for n in nodes}
+    assert min(counts.values()) >= 25, counts   # 50 each on average
+    # another version of a file may have another leader; a node gone moves only its files
+    fewer = nodes[1:]
+    moved = sum(1 for i, p in enumerate(picked)
+                if p != nodes[0] and leader(f"step_9/shard{i}.bin".encode(), (i, 1 << 30, 7), fewer) != p)
+    assert moved == 0

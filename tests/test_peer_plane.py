@@ -313,3 +313,26 @@ def test_nodes_loading_a_file_none_holds_read_the_backing_once(cluster):
     # the leader is the node whose backing served the file
     first = max(served, key=served.get)
     assert planes[first]["pulled_files"] == 1 and served[first] >= len(data)
+
+
+def test_a_secret_others_can_read_leaves_the_plane_off(cluster):
+    """A secret readable by other users is not used: the node mounts and serves files from
+    the backing, its plane refuses everything, and status says why and what to do."""
+    nodes_dir = cluster.shared / ".acpfs-nodes"
+    nodes_dir.mkdir(mode=0o1777)
+    nodes_dir.chmod(0o1777)
+    secret = nodes_dir / SECRET_NAME.decode()
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o644)
+    a = cluster.node("a", view=False)
+    pa = plane(a)
+    assert not pa["on"] and "readable by other users (mode 0644); make it 0600" in pa["why_not"], pa
+    (a.path("f.bin")).write_bytes(b"x" * MIB)
+    a.sync()
+    st = os.stat(cluster.shared / "f.bin")
+    target = target_of(b"f.bin", (st.st_ino, st.st_size, st.st_mtime_ns))
+    auth, _ = Secret(bytes.fromhex(secret.read_text()), "0e57e57e57e5").sign("HEAD", target, "")
+    assert ask(pa["address"], "HEAD", target, {"Authorization": auth}).status == 401
+    text = a.run(*ACPFS, "status", str(a.mnt)).stdout
+    assert f"peers      plane OFF at {pa['address']}: " in text
+    assert "peer plane: off (" in a.log.read_text()

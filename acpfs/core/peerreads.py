@@ -128,6 +128,7 @@ class PeerReads:
         with self.inodes.position_lock:
             path = b"/".join(self.inodes.backing_path(node.backing_parent) + [node.backing_name])
         self.asked += 1
+        began = time.monotonic()
         holders, pulling, answered = await trio.to_thread.run_sync(self._ask_all, addresses,
                                                                     path, version)
         if not holders:   # the leader among the nodes that answered (a dead one cannot pull)
@@ -166,7 +167,8 @@ class PeerReads:
             self.files.attach_content(node, content)
             self.files.maybe_evictable(node)
             self.fetched_files += 1
-            log.debug("%s: %d bytes from the RAM of %s", node_path(node), node.size, got)
+            log.debug("%s: %d bytes from the RAM of %s in %.3f s", node_path(node), node.size,
+                      got, time.monotonic() - began)
             return True
 
     def _ask_all(self, addresses: list[str], path: bytes,

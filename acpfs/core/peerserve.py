@@ -31,6 +31,7 @@ import contextlib
 import errno
 import logging
 import threading
+import time
 from typing import Any, Awaitable, Callable, Iterator
 
 import trio
@@ -163,7 +164,8 @@ class PeerServing:
         got = self.pulls.get((path, version))
         if got is not None:
             return PULLING, got.copied_bytes
-        if not pull or self._nursery is None or version[1] > self.files.store.limit * KEEP_SHARE:
+        if not pull or self._nursery is None or not names_of(path) \
+                or version[1] > self.files.store.limit * KEEP_SHARE:
             return ABSENT, 0
         got = self.pulls[(path, version)] = Pull()
         self._nursery.start_soon(self._pull_asked, path, version, got)
@@ -205,6 +207,7 @@ class PeerServing:
         return node.content is not None and node.backing_version == version
 
     async def _copy(self, node: Node, pull: Pull) -> None:
+        began = time.monotonic()
         try:
             copied = await self.fetch.copy_in(node, watch=pull)
         except CacheFull:
@@ -214,6 +217,8 @@ class PeerServing:
             pull.failed = True
             raise
         pull.failed = node.content is None
+        log.debug("%s: %s from the backing for the job in %.3f s", node_path(node),
+                  "copied" if copied else "not copied", time.monotonic() - began)
         if copied:
             self.pulled_files += 1
             with self._lock:

@@ -14,9 +14,12 @@ and the daemon serves no peer plane (status says why).
 
 A request carries ``Authorization: ACPFS1 node=<instance> ts=<unix time> nonce=<hex>
 mac=<hex>``, the HMAC-SHA256 under the secret of the method, the target, the range, the
-time and the nonce (``sign``). The server believes it only when the MAC matches, the time is
-within ``WINDOW`` of its own clock, and the nonce was not seen in that window (``check``: a
-request copied off the wire cannot be sent again). Its answer carries ``X-Acpfs-Mac``, the
+server it is for (its address, as the records give it), the time and the nonce (``sign``).
+The server believes it only when the MAC matches with its own address, the time is within
+``WINDOW`` of its own clock and not before the server started (``STARTED_SLACK`` aside),
+and the nonce was not seen in that window (``check``): a request copied off the wire cannot
+be sent again, to this node or to another. Nonces are kept by their signed time (a heap)
+and forgotten once out of the window (``_seen``, ``_order``). Its answer carries ``X-Acpfs-Mac``, the
 HMAC of the request's nonce, the status, the version it serves and the range
 (``answer``), which the client checks (``believe``): an answer from anything without the
 secret (another backing's node, a stray server on the port) is not believed. The secret
@@ -29,6 +32,7 @@ Threads: any; the nonces seen are guarded by ``_lock``.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import logging
 import secrets
@@ -43,7 +47,8 @@ log = logging.getLogger(__name__)
 SECRET_NAME = b".peer-secret"
 SCHEME = "ACPFS1"
 WINDOW = 300.0       # s: a signed request is believed this long around the server's clock
-NONCES_MAX = 100_000   # nonces remembered at most (each request has one)
+NONCES_MAX = 2_000_000   # nonces in the window at most (each request has one): about 6,600/s
+STARTED_SLACK = 5.0  # s a request may be signed before its server started (the nodes' clocks)
 SETTLE = 2.0         # s a secret just made by another node may stay empty
 
 
@@ -57,8 +62,10 @@ class Secret:
     def __init__(self, key: bytes, instance: str) -> None:
         self.key = key
         self.instance = instance
-        self._seen: dict[str, float] = {}   # nonce -> when seen (this clock)
+        self._seen: set[str] = set()   # nonces of requests signed within the window
+        self._order: list[tuple[float, str]] = []   # (ts, nonce), a heap: the oldest first
         self._lock = threading.Lock()
+        self.started = time.time()
 
     @classmethod
     def load(cls, records: RecordsDir, instance: str) -> Secret:
@@ -96,16 +103,17 @@ class Secret:
     def _mac(self, *parts: str) -> str:
         return hmac.new(self.key, "\n".join(parts).encode(), hashlib.sha256).hexdigest()
 
-    def sign(self, method: str, target: str, rng: str) -> tuple[str, str]:
-        """(the Authorization header of a request, its nonce)."""
+    def sign(self, method: str, target: str, rng: str, server: str) -> tuple[str, str]:
+        """(the Authorization header of a request to ``server``, its nonce)."""
         ts = f"{time.time():.3f}"
         nonce = secrets.token_hex(16)
-        mac = self._mac(SCHEME, method, target, rng, ts, nonce)
+        mac = self._mac(SCHEME, method, target, rng, server, ts, nonce)
         return f"{SCHEME} node={self.instance} ts={ts} nonce={nonce} mac={mac}", nonce
 
-    def check(self, header: str | None, method: str, target: str, rng: str) -> str:
-        """The nonce of a request whose Authorization header proves the secret; ``Refused``
-        otherwise (none, another scheme, a wrong MAC, out of the window, seen before)."""
+    def check(self, header: str | None, method: str, target: str, rng: str, server: str) -> str:
+        """The nonce of a request to ``server`` (this node's address) whose Authorization
+        header proves the secret; ``Refused`` otherwise (none, another scheme, a wrong MAC,
+        for another server, out of the window, seen before)."""
         if not header:
             raise Refused("no Authorization header")
         scheme, _, rest = header.partition(" ")
@@ -115,25 +123,29 @@ class Secret:
         ts, nonce, mac = fields.get("ts", ""), fields.get("nonce", ""), fields.get("mac", "")
         if not (ts and nonce and mac) or len(nonce) > 64:
             raise Refused("an incomplete signature")
-        if not hmac.compare_digest(mac, self._mac(SCHEME, method, target, rng, ts, nonce)):
+        if not same(mac, self._mac(SCHEME, method, target, rng, server, ts, nonce)):
             raise Refused(f"a wrong signature (from node {fields.get('node', '?')[:16]!r}: "
-                          "another secret, another backing)")
+                          "another secret or backing, or a request for another node)")
         try:
-            age = abs(time.time() - float(ts))
+            signed = float(ts)
         except ValueError:
             raise Refused("a signature with no time") from None
-        if age > WINDOW:
-            raise Refused(f"a signature {age:.0f} s away from this node's clock (at most "
-                          f"{WINDOW:.0f} s)")
-        now = time.monotonic()
+        now = time.time()
+        if abs(now - signed) > WINDOW:
+            raise Refused(f"a signature {abs(now - signed):.0f} s away from this node's clock "
+                          f"(at most {WINDOW:.0f} s)")
+        if signed < self.started - STARTED_SLACK:
+            raise Refused("a signature made before this daemon started (a request sent again)")
         with self._lock:
+            order = self._order
+            while order and order[0][0] < now - WINDOW:   # out of the window: refused anyway
+                self._seen.discard(heapq.heappop(order)[1])
             if nonce in self._seen:
                 raise Refused("a signature used before (a request sent again)")
             if len(self._seen) >= NONCES_MAX:
-                self._seen = {n: t for n, t in self._seen.items() if now - t <= 2 * WINDOW}
-                if len(self._seen) >= NONCES_MAX:
-                    raise Refused("too many requests in the window")
-            self._seen[nonce] = now
+                raise Refused("too many requests in the window")
+            self._seen.add(nonce)
+            heapq.heappush(order, (signed, nonce))
         return nonce
 
     # -- answers ----------------------------------------------------------------------------
@@ -143,6 +155,11 @@ class Secret:
 
     def believe(self, mac: str | None, nonce: str, status: int, version: str, rng: str) -> None:
         """``Refused`` unless ``mac`` proves the answer came from a holder of the secret."""
-        if not mac or not hmac.compare_digest(mac, self.answer(nonce, status, version, rng)):
+        if not mac or not same(mac, self.answer(nonce, status, version, rng)):
             raise Refused("an answer not signed with this backing's secret")
+
+
+def same(mac: str, expected: str) -> bool:
+    """Whether ``mac`` is ``expected``, in constant time (any characters: as bytes)."""
+    return hmac.compare_digest(mac.encode("utf-8", "replace"), expected.encode())
 

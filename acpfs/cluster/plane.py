@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import http.server
 import logging
+import math
 import socket
 import socketserver
+import sys
 import threading
 import urllib.parse
 import time
@@ -44,6 +46,7 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 from ..backing.retry import describe
 from .auth import Refused, Secret
+from .records import ADDRESS_MAX
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,7 @@ MAX_CONNECTIONS = 64
 CLIENT_TIMEOUT = 30.0   # s a connection may stay silent
 READY_WAIT = 2.0        # s a GET waits for a copy under way to reach its range, then 503
 READY_POLL = 0.005
+CLOSE_WAIT = 10.0       # s the unmount waits for the requests being served
 Version = tuple[int, int, int]   # (inode, size, mtime_ns) in the backing
 
 
@@ -109,12 +113,18 @@ class Plane:
         # address is bound (0.0.0.0, ::)
         name = socket.gethostname() if bound[0] in ("0.0.0.0", "::") else bound[0]
         self.address = f"[{name}]:{bound[1]}" if ":" in name else f"{name}:{bound[1]}"
+        if len(self.address) > ADDRESS_MAX:   # the records carry it (names of 255 bytes)
+            self.server.server_close()
+            raise RuntimeError(f"--peers-listen {text}: the address the other nodes would "
+                               f"reach, {self.address}, is longer than {ADDRESS_MAX} characters; "
+                               "give a shorter host name or the address itself")
         self.secret = secret    # None: it refuses everything (no secret usable: why_not)
         self.holder = holder    # None until the FUSE loop runs: 404 meanwhile
         self._lock = threading.Lock()
         self.served_bytes = 0
         self.requests = 0
         self.refused = 0
+        self._warned: dict[str, float] = {}   # client -> when its refusal was last a WARNING
         self.thread = threading.Thread(target=self.server.serve_forever, name="acpfs-plane",
                                        daemon=True)
 
@@ -124,14 +134,32 @@ class Plane:
                  self.address)
 
     def close(self) -> None:
-        if self.thread.is_alive():
-            self.server.shutdown()
-        self.server.server_close()
+        """Stop serving, before the store closes: no request finds a file any more, the
+        connections being served are shut, and their threads (each holding a reference to
+        bytes of the store until its ``let_go``) are waited for."""
+        self.holder = None
+        if not self.thread.is_alive():
+            self.server.server_close()
+        elif not self.server.stop(CLOSE_WAIT):
+            log.warning("peer plane: requests still served %.0f s after the unmount; closing "
+                        "the cache under them", CLOSE_WAIT)
 
     def status(self) -> dict:
         with self._lock:
             return {"served_bytes": self.served_bytes, "served_requests": self.requests,
                     "refused_requests": self.refused}
+
+    def refusal_level(self, client: str) -> int:
+        """WARNING for a client's first refusal in a minute, DEBUG for the rest (a flood of
+        bad requests does not flood the log)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._warned.get(client, -math.inf) < 60:
+                return logging.DEBUG
+            if len(self._warned) > 1000:
+                self._warned.clear()
+            self._warned[client] = now
+        return logging.WARNING
 
     def count(self, served: int = 0, refused: bool = False) -> None:
         with self._lock:
@@ -166,6 +194,8 @@ class BoundedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
                  most: int, what: str, level: int = logging.WARNING) -> None:
         self.address_family = family
         self.slots = threading.BoundedSemaphore(most)
+        self.active: set[socket.socket] = set()   # (idle) connections being served
+        self.idle = threading.Condition()
         self.most, self.what, self.level = most, what, level   # what is said, at what level
         super().__init__(address, handler)
 
@@ -182,10 +212,36 @@ class BoundedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
             raise
 
     def process_request_thread(self, request, client_address) -> None:
+        with self.idle:
+            self.active.add(request)
         try:
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+            with self.idle:
+                self.active.discard(request)
+                self.idle.notify_all()
+
+    def handle_error(self, request, client_address) -> None:
+        """A connection that ended under its request (the client gave up, the unmount shut
+        it): said at DEBUG, not as a traceback on stderr."""
+        log.debug("%s: the connection of %s ended: %s", self.what, client_address[0],
+                  describe(sys.exc_info()[1]) if isinstance(sys.exc_info()[1], OSError)
+                  else sys.exc_info()[1])
+
+    def stop(self, wait: float) -> bool:
+        """Stop serving: no new connection, the open ones shut (a transfer under way fails
+        at once), and up to ``wait`` seconds for their threads to end; whether they did."""
+        self.shutdown()
+        with self.idle:
+            for conn in self.active:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            done = self.idle.wait_for(lambda: not self.active, wait)
+        self.server_close()
+        return done
 
 
 class Server(BoundedServer):
@@ -226,11 +282,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if plane.secret is None:
                 raise Refused("this node has no usable secret")
             nonce = plane.secret.check(self.headers.get("Authorization"), self.command,
-                                       self.path, rng)
+                                       self.path, rng, plane.address)
         except Refused as e:
             plane.count(refused=True)
-            log.warning("peer plane: refused %s %s from %s: %s", self.command,
-                        self.path[:200], self.client_address[0], e)
+            log.log(plane.refusal_level(self.client_address[0]), "peer plane: refused %s %s "
+                    "from %s: %s", self.command, self.path[:200], self.client_address[0], e)
             self.close_connection = True
             self._answer(401, {"Connection": "close"})
             return
@@ -261,7 +317,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return
         ref, size, ready = held
         if ref is None:   # a copy from the backing about to begin: ask again
-            self._signed(503, nonce, vtext, "", {"Retry-After": "0"})
+            self._not_yet(nonce, vtext, holder, path, version)
             return
         try:
             first, last = _range(rng, size)
@@ -274,7 +330,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     self._signed(404, nonce, "", "")
                     return
                 if time.monotonic() > deadline:   # not yet: the client asks again
-                    self._signed(503, nonce, vtext, "", {"Retry-After": "0"})
+                    self._not_yet(nonce, vtext, holder, path, version)
                     return
                 time.sleep(READY_POLL)
             crange = f"bytes {first}-{last}/{size}"
@@ -285,6 +341,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
             plane.count(sent)
         finally:
             holder.let_go(ref)
+
+    def _not_yet(self, nonce: str, vtext: str, holder: Holder, path: bytes, version: Version) -> None:
+        """503: the copy from the backing has not reached the range; with its progress, by
+        which the client tells a copy that moves (or waits its turn) from one that stalled."""
+        _, n = holder.state(path, version, False)
+        self._signed(503, nonce, vtext, f"progress {n}",
+                     {"Retry-After": "0", "X-Acpfs-Progress": str(n)})
 
     def _send(self, holder: Holder, ref: Any, size: int, start: int, end: int) -> int:
         sent = 0

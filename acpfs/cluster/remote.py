@@ -61,7 +61,7 @@ class Remote:
     def _request(self, address: str, method: str, path: bytes, version: Version,
                  rng: str = "", pull: bool = False) -> tuple[http.client.HTTPResponse, str]:
         target = target_of(path, version, pull)
-        auth, nonce = self.secret.sign(method, target, rng)
+        auth, nonce = self.secret.sign(method, target, rng, address)
         headers = {"Authorization": auth, **({"Range": rng} if rng else {})}
         for attempt in (0, 1):   # a kept connection the peer closed meanwhile: once more
             c = self._conn(address)
@@ -108,16 +108,22 @@ class Remote:
         rng = f"bytes={off}-{off + n - 1}"
         crange = f"bytes {off}-{off + n - 1}/{version[1]}"
         vtext = version_text(version)
-        since = time.monotonic()
+        since, last = time.monotonic(), ""
         while True:   # 503: the peer copies the file from the backing, not this far yet
             resp, nonce = self._request(address, "GET", path, version, rng)
             if resp.status != 503:
                 break
             resp.read()
-            self._believe(address, resp, nonce, vtext, "")
-            if time.monotonic() - since > STALL:
-                raise PeerError(f"peer {address}: its copy from the backing did not reach byte "
-                                f"{off + n} of {version[1]} in {STALL:.0f} s")
+            progress = resp.getheader("X-Acpfs-Progress", "")
+            self._believe(address, resp, nonce, vtext, f"progress {progress}")
+            if progress != last:
+                since, last = time.monotonic(), progress
+            elif time.monotonic() - since > STALL:
+                # no progress: a copy waiting its turn there still says it copies
+                if self.ask(address, path, version)[0] != "pulling":
+                    raise PeerError(f"peer {address}: its copy from the backing stopped at "
+                                    f"{progress or 0} bytes, before byte {off + n} of {version[1]}")
+                since = time.monotonic()
             time.sleep(AGAIN)
         try:
             if resp.status != 206:

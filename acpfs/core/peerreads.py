@@ -18,8 +18,11 @@ what they have of it in the version the backing shows (inode, size, mtime):
 
 A copy is attached only if the node still shows the version asked for. A peer that fails
 (no answer within the client's timeout, a refusal, an answer that is not signed or names
-another version or range, a short body, a copy from the backing that does not reach a range
-within ``remote.STALL`` seconds) costs a fallback: the next holder, then the backing (the usual cold path), never a wrong byte.
+another version or range, a short body, a copy from the backing that stops) costs a
+fallback: the next holder, then the backing (the usual cold path); and it is not asked
+again for ``SKIP_FAILED`` seconds. The answers are signed, the bytes are not: a node that
+holds the backing's secret is trusted with them, as with the backing itself, and the
+bytes cross the network as the backing's own do (docs/design.md).
 
 Counters for status and metrics (``status``): opens that asked, waited, fetched and fell
 back; bytes fetched; the last failure of each peer (``FAILURES_KEPT`` at most).
@@ -55,6 +58,8 @@ log = logging.getLogger(__name__)
 PEER_MIN = 1 << 20        # bytes: a smaller file is read from the backing (one round trip)
 PEER_STREAMS = 4          # ranges of one file fetched from a peer at once
 FAILURES_KEPT = 16        # peers whose last failure status shows
+SKIP_FAILED = 30.0        # s a peer that failed is not asked again
+PEER_THREADS = 16         # worker threads asking and copying from peers, at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +90,11 @@ class PeerReads:
         self.asked = 0          # opens that asked peers
         self.waited = 0         # opens that waited for another node's pull
         self.failures: dict[str, str] = {}   # peer address -> its last failure
+        self._failed_at: dict[str, float] = {}   # peer address -> when (monotonic)
         self._lock = threading.Lock()        # fetched_bytes, failures (worker threads)
+        # the threads that ask and copy: their own, not the backing calls' (a stalled peer
+        # never holds up a read of the backing)
+        self._threads = trio.CapacityLimiter(PEER_THREADS)
 
     def start(self, nursery: trio.Nursery) -> None:
         """On the FUSE loop: the plane may now find files (before, it answers 404)."""
@@ -102,8 +111,13 @@ class PeerReads:
                 and bool(self._serving()))
 
     def _serving(self) -> list[str]:
+        """The planes to ask: the live nodes' that did not fail in the last SKIP_FAILED s
+        (a dead host costs one timeout, not one per open, until its lease runs out)."""
         with self.peers.lock:
-            return [r.address for r in self.peers.serving()]
+            addresses = [r.address for r in self.peers.serving()]
+        now = time.monotonic()
+        with self._lock:
+            return [a for a in addresses if now - self._failed_at.get(a, -SKIP_FAILED) >= SKIP_FAILED]
 
     async def fetch_or_not(self, node: Node) -> None:
         """``fetch``; whatever goes wrong there, the open reads the backing (logged)."""
@@ -129,8 +143,8 @@ class PeerReads:
             path = b"/".join(self.inodes.backing_path(node.backing_parent) + [node.backing_name])
         self.asked += 1
         began = time.monotonic()
-        holders, pulling, answered = await trio.to_thread.run_sync(self._ask_all, addresses,
-                                                                    path, version)
+        holders, pulling, answered = await trio.to_thread.run_sync(
+            self._ask_all, addresses, path, version, limiter=self._threads)
         if not holders:   # the leader among the nodes that answered (a dead one cannot pull)
             first = leader(path, version, answered + [self.plane.address])
             if first == self.plane.address and not pulling:
@@ -140,7 +154,8 @@ class PeerReads:
                 return False
             self.waited += 1
             where = pulling[0] if pulling else first
-            if not pulling and not await trio.to_thread.run_sync(self._start, where, path, version):
+            if not pulling and not await trio.to_thread.run_sync(self._start, where, path, version,
+                                                                 limiter=self._threads):
                 self.fallbacks += 1
                 return False
             holders = [where]   # its copy's prefix comes as it grows
@@ -155,7 +170,8 @@ class PeerReads:
                 self.fallbacks += 1
                 return False
             try:
-                got = await trio.to_thread.run_sync(self._copy, holders, path, version, content)
+                got = await trio.to_thread.run_sync(self._copy, holders, path, version, content,
+                                                    limiter=self._threads)
             except BaseException:
                 self.files.release_content(content)
                 raise
@@ -241,6 +257,7 @@ class PeerReads:
         with self._lock:
             self.failures.pop(address, None)
             self.failures[address] = f"{time.strftime('%H:%M:%S')} {e}"
+            self._failed_at[address] = time.monotonic()
             while len(self.failures) > FAILURES_KEPT:
                 self.failures.pop(next(iter(self.failures)))
 

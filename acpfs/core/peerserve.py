@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import threading
 import time
 from typing import Any, Awaitable, Callable, Iterator
@@ -179,10 +180,13 @@ class PeerServing:
             for name in names_of(path):
                 node = await self.find(node.ino, name) if node is not None else None
             if node is not None and node.is_reg and node.backing_version == version:
-                await self._copy(node, pull)
+                await self._copy(node, pull, version)
         except OSError as e:
             log.debug("peer plane: %s asked by another node, not pulled: %s",
                       path.decode(errors="replace"), e)
+        except Exception:   # a bug: this node reads on, the asker reads the backing
+            log.exception("peer plane: pulling %s for another node failed",
+                          path.decode(errors="replace"))
         finally:
             pull.failed = pull.failed or node is None or node.content is None
             del self.pulls[(path, version)]
@@ -195,7 +199,7 @@ class PeerServing:
         if pull is None:
             pull = self.pulls[(path, version)] = Pull()
             try:
-                await self._copy(node, pull)
+                await self._copy(node, pull, version)
             except OSError as e:
                 log.debug("%s: not pulled: %s", node_path(node), e)
             finally:
@@ -206,16 +210,31 @@ class PeerServing:
             await pull.done.wait()
         return node.content is not None and node.backing_version == version
 
-    async def _copy(self, node: Node, pull: Pull) -> None:
+    async def _copy(self, node: Node, pull: Pull, version: Version) -> None:
+        """Copy ``node`` into the cache for ``pull``, from a descriptor of the backing file
+        that is ``version`` (its inode, size and mtime checked on the descriptor itself): a
+        change of the file meanwhile fails the pull, never fills it with another version
+        that its followers would take for this one."""
         began = time.monotonic()
+        generation = node.generation
+        fd = -1
         try:
-            copied = await self.fetch.copy_in(node, watch=pull)
+            if node.backing_version != version:
+                raise OSError(errno.ESTALE, "another version in the backing")
+            fd = await trio.to_thread.run_sync(self.files.open_backing_copy, node, True)
+            st = os.fstat(fd)
+            if (st.st_ino, st.st_size, st.st_mtime_ns) != version or node.generation != generation:
+                raise OSError(errno.ESTALE, "another version in the backing")
+            copied = await self.fetch.copy_in(node, fd, generation, watch=pull)
         except CacheFull:
             pull.failed = True
             raise OSError(errno.ENOSPC, "no room in the cache") from None
         except BaseException:
             pull.failed = True
             raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
         pull.failed = node.content is None
         log.debug("%s: %s from the backing for the job in %.3f s", node_path(node),
                   "copied" if copied else "not copied", time.monotonic() - began)

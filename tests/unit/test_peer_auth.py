@@ -33,31 +33,57 @@ def test_a_record_carries_its_plane_address():
     assert RecordName.parse(b"0123456789ab.1.1.2.up.@zz.label").label == "@zz.label"
 
 
-def test_signatures_prove_the_secret_once_and_within_the_window(monkeypatch):
+def test_signatures_prove_the_secret_once_for_one_server_within_the_window(monkeypatch):
     key = os.urandom(32)
     client, server = Secret(key, "0000000000aa"), Secret(key, "0000000000bb")
-    header, nonce = client.sign("GET", "/v1/files/a?v=1.2.3", "bytes=0-9")
-    assert server.check(header, "GET", "/v1/files/a?v=1.2.3", "bytes=0-9") == nonce
+    me = "10.0.0.2:7070"
+    header, nonce = client.sign("GET", "/v1/files/a?v=1.2.3", "bytes=0-9", me)
+    assert server.check(header, "GET", "/v1/files/a?v=1.2.3", "bytes=0-9", me) == nonce
     with pytest.raises(Refused, match="used before"):
-        server.check(header, "GET", "/v1/files/a?v=1.2.3", "bytes=0-9")
+        server.check(header, "GET", "/v1/files/a?v=1.2.3", "bytes=0-9", me)
+    # a request for one node is not taken by another (copied to it: another address)
+    header, _ = client.sign("GET", "/v1/files/a?v=1.2.3", "bytes=0-9", me)
+    with pytest.raises(Refused, match="a request for another node"):
+        Secret(key, "0000000000cc").check(header, "GET", "/v1/files/a?v=1.2.3", "bytes=0-9",
+                                          "10.0.0.3:7070")
     for method, target, rng in (("HEAD", "/v1/files/a?v=1.2.3", "bytes=0-9"),
                                 ("GET", "/v1/files/b?v=1.2.3", "bytes=0-9"),
                                 ("GET", "/v1/files/a?v=1.2.3", "bytes=0-10")):
-        h, _ = client.sign("GET", "/v1/files/a?v=1.2.3", "bytes=0-9")
+        h, _ = client.sign("GET", "/v1/files/a?v=1.2.3", "bytes=0-9", me)
         with pytest.raises(Refused, match="wrong signature"):
-            server.check(h, method, target, rng)
+            server.check(h, method, target, rng, me)
     other = Secret(os.urandom(32), "0000000000cc")
     with pytest.raises(Refused, match="another secret"):
-        server.check(other.sign("GET", "/", "")[0], "GET", "/", "")
-    for bad in (None, "", "Basic dXNlcjpwYXNz", "ACPFS1 node=x ts=1"):
+        server.check(other.sign("GET", "/", "", me)[0], "GET", "/", "", me)
+    for bad in (None, "", "Basic dXNlcjpwYXNz", "ACPFS1 node=x ts=1", "ACPFS1 ts=1 nonce=2 mac=\u00e9t\u00e9"):
         with pytest.raises(Refused):
-            server.check(bad, "GET", "/", "")
+            server.check(bad, "GET", "/", "", me)
     late = time.time() - auth.WINDOW - 5
     monkeypatch.setattr(auth.time, "time", lambda: late)
-    old, _ = client.sign("GET", "/", "")
+    old, _ = client.sign("GET", "/", "", me)
     monkeypatch.undo()
     with pytest.raises(Refused, match="away from this node's clock"):
-        server.check(old, "GET", "/", "")
+        server.check(old, "GET", "/", "", me)
+    # signed before this server started (a node restarted at the same address): not taken
+    before = time.time() - auth.STARTED_SLACK - 5
+    monkeypatch.setattr(auth.time, "time", lambda: before)
+    early, _ = client.sign("GET", "/", "", me)
+    monkeypatch.undo()
+    with pytest.raises(Refused, match="before this daemon started"):
+        server.check(early, "GET", "/", "", me)
+    # nonces are forgotten once out of the window, whatever order they came in
+    now = time.time()
+    server.started = now - 10 * auth.WINDOW
+    for t in (now - auth.WINDOW + 2, now - 5, now - auth.WINDOW + 1):
+        monkeypatch.setattr(auth.time, "time", lambda t=t: t)
+        h, _ = client.sign("GET", "/", "", me)
+        monkeypatch.undo()
+        server.check(h, "GET", "/", "", me)
+    assert len(server._seen) == 4
+    monkeypatch.setattr(auth.time, "time", lambda: now + 3)
+    server.check(client.sign("GET", "/", "", me)[0], "GET", "/", "", me)
+    monkeypatch.undo()
+    assert len(server._seen) == 3   # the two oldest went, the newest came
     mac = server.answer(nonce, 206, "1.2.3", "bytes 0-9/2")
     client.believe(mac, nonce, 206, "1.2.3", "bytes 0-9/2")
     for args in ((nonce, 206, "1.2.4", "bytes 0-9/2"), (nonce, 200, "1.2.3", "bytes 0-9/2"),
@@ -66,6 +92,8 @@ def test_signatures_prove_the_secret_once_and_within_the_window(monkeypatch):
             client.believe(mac, *args)
     with pytest.raises(Refused):
         other.believe(mac, nonce, 206, "1.2.3", "bytes 0-9/2")
+    with pytest.raises(Refused):
+        client.believe("\u00e9" * 64, nonce, 206, "1.2.3", "bytes 0-9/2")
 
 
 def test_the_secret_is_made_once_for_its_owner_alone(tmp_path):
@@ -156,13 +184,24 @@ def test_a_plane_serves_exact_ranges_to_a_client_with_the_secret():
         stranger = Remote(Secret(os.urandom(32), "0000000000cc"))
         with pytest.raises(PeerError, match="refused this node's signature"):
             stranger.ask(plane.address, b"dir/f.bin", version)
-        assert plane.status() == {"served_bytes": len(data), "served_requests": 8,
-                                  "refused_requests": 1}
+        want = {"served_bytes": len(data), "served_requests": 8, "refused_requests": 1}
+        deadline = time.monotonic() + 5   # a request is counted once its bytes are sent
+        while plane.status() != want and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert plane.status() == want
         remote.close()
     finally:
         plane.close()
     with pytest.raises(PeerError, match="ECONNREFUSED"):
         Remote(Secret(key, "0000000000bb")).ask(plane.address, b"dir/f.bin", version)
+
+
+def test_a_plane_address_the_records_cannot_carry_refuses_in_one_line(monkeypatch):
+    import acpfs.cluster.plane as plane_mod
+    monkeypatch.setattr(plane_mod.socket, "gethostname", lambda: "n" * 70)
+    with pytest.raises(RuntimeError, match=r"--peers-listen 0.0.0.0:0: the address the other "
+                       r"nodes would reach, n{70}:\d+, is longer than 60 characters"):
+        Plane("0.0.0.0:0", None, None)
 
 
 def test_a_plane_address_in_use_refuses_in_one_line():

@@ -58,27 +58,23 @@ def test_signatures_prove_the_secret_once_for_one_server_within_the_window(monke
     for bad in (None, "", "Basic dXNlcjpwYXNz", "ACPFS1 node=x ts=1", "ACPFS1 ts=1 nonce=2 mac=\u00e9t\u00e9"):
         with pytest.raises(Refused):
             server.check(bad, "GET", "/", "", me)
-    late = time.time() - auth.WINDOW - 5
-    monkeypatch.setattr(auth.time, "time", lambda: late)
-    old, _ = client.sign("GET", "/", "", me)
-    monkeypatch.undo()
+    def signed_at(t: float) -> str:
+        """A request ``client`` signs when its clock says ``t``."""
+        monkeypatch.setattr(auth.time, "time", lambda: t)
+        try:
+            return client.sign("GET", "/", "", me)[0]
+        finally:
+            monkeypatch.undo()
     with pytest.raises(Refused, match="away from this node's clock"):
-        server.check(old, "GET", "/", "", me)
+        server.check(signed_at(time.time() - auth.WINDOW - 5), "GET", "/", "", me)
     # signed before this server started (a node restarted at the same address): not taken
-    before = time.time() - auth.STARTED_SLACK - 5
-    monkeypatch.setattr(auth.time, "time", lambda: before)
-    early, _ = client.sign("GET", "/", "", me)
-    monkeypatch.undo()
     with pytest.raises(Refused, match="before this daemon started"):
-        server.check(early, "GET", "/", "", me)
+        server.check(signed_at(time.time() - auth.STARTED_SLACK - 5), "GET", "/", "", me)
     # nonces are forgotten once out of the window, whatever order they came in
     now = time.time()
     server.started = now - 10 * auth.WINDOW
     for t in (now - auth.WINDOW + 2, now - 5, now - auth.WINDOW + 1):
-        monkeypatch.setattr(auth.time, "time", lambda t=t: t)
-        h, _ = client.sign("GET", "/", "", me)
-        monkeypatch.undo()
-        server.check(h, "GET", "/", "", me)
+        server.check(signed_at(t), "GET", "/", "", me)
     assert len(server._seen) == 4
     monkeypatch.setattr(auth.time, "time", lambda: now + 3)
     server.check(client.sign("GET", "/", "", me)[0], "GET", "/", "", me)

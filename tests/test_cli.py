@@ -29,7 +29,7 @@ def one_line_error(r: subprocess.CompletedProcess) -> str:
 
 def test_help_is_complete():
     r = acpfs("--help")
-    for cmd in ("mount", "status", "sync", "preload", "temps", "umount"):
+    for cmd in ("mount", "status", "sync", "preload", "temps", "umount", "recover"):
         assert cmd in r.stdout
     r = acpfs("mount", "--help")
     for opt in ("--backing", "--cache-dir", "--cache-size", "--fsync", "--flush-workers", "--log-level",

@@ -1,4 +1,4 @@
-"""The ``acpfs`` command: mount, status, sync, preload, temps, umount.
+"""The ``acpfs`` command: mount, status, sync, preload, temps, umount, recover.
 
 Every user error ends in one line on stderr (``acpfs: ...``) and a non-zero exit status:
 2 for bad usage, 1 when the operation failed or timed out (``Failure``). The commands
@@ -24,6 +24,7 @@ from ..config import (BACKING_CALLS, CACHE_AREA, DEFAULT_BACKING_CALLS, DEFAULT_
                       seconds, short_size, spoken)
 from ..errors import Failure, UsageError
 from .mount import cmd_mount
+from .recover import add_recover_command
 from .small import cmd_preload, cmd_sync, cmd_temps, cmd_umount
 from .status import cmd_status
 
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_preload_command(sub)
     add_temps_command(sub)
     add_umount_command(sub)
+    add_recover_command(sub, add_global_order_options)
     return p
 
 

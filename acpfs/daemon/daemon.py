@@ -48,10 +48,14 @@ class StorePlan(NamedTuple):
 class Daemon:
     """One daemon's life, in phases: ``build`` (the cache, the flusher, the journal),
     ``recover`` (replay what a dead daemon left), ``serve`` (the FUSE loop), ``drain``
-    (persist everything), ``close``. ``run`` strings them together."""
+    (persist everything), ``close``. ``run`` strings them together; ``offline.recover_offline``
+    does all but ``serve``, with no mount (``headless``: no mount point, no lock on the
+    backing, nothing the kernel passes through; ``acpfs recover``)."""
 
-    def __init__(self, opts: Options, notify: Callable[[str], None], systemd: Notifier) -> None:
+    def __init__(self, opts: Options, notify: Callable[[str], None], systemd: Notifier,
+                 headless: bool = False) -> None:
         self.opts = opts
+        self.headless = headless
         self.notify = notify   # progress and warning lines for the 'mount' command, then 'ready'
         self.systemd = systemd   # readiness, status and stopping for a Type=notify unit
         self.replay: list = []
@@ -81,10 +85,14 @@ class Daemon:
         if opts.peers_listen:   # bound now, served once its secret is read (_peer_plane)
             self.plane = Plane(opts.peers_listen, None, None)
         os.umask(0o077)
-        self.lock_fd = lock_backing(opts.backing, opts.mountpoint)
-        write_mount_record(opts.mountpoint, {"mountpoint": opts.mountpoint, "backing": opts.backing,
-                                             "cache_dir": opts.cache_dir, "log_file": opts.log_file,
-                                             "pid": os.getpid(), "started": time.time()})
+        # a recovery without a mount takes no lock on the backing: the backing may be
+        # mounted on this node meanwhile (one mount per backing; recover_offline)
+        self.lock_fd = None if self.headless else lock_backing(opts.backing, opts.mountpoint)
+        if not self.headless:
+            write_mount_record(opts.mountpoint, {"mountpoint": opts.mountpoint,
+                                                 "backing": opts.backing, "cache_dir": opts.cache_dir,
+                                                 "log_file": opts.log_file, "pid": os.getpid(),
+                                                 "started": time.time()})
         secure_dir(opts.cache_dir, "cache directory")
         self.huge_pages = hugecache.prepare(opts.cache_dir)   # before the lock file is made
         self.cache_lock_fd = lock_cache_dir(opts.cache_dir)
@@ -118,7 +126,7 @@ class Daemon:
                         len(self.dirty), opts.cache_dir)
             if left.block_size == 0:   # its content is in memory files: served from them
                 cache_size = left.pool_size
-                if not depth:
+                if not depth and not self.headless:
                     log.warning("recovering the memory files of a daemon that had passthrough; "
                                 "this one serves them without it (%s)", why_not)
             elif (left.pool_size, left.block_size) != (Pool.size_for(cache_size, block_size), block_size):
@@ -457,7 +465,8 @@ class Daemon:
             log.info("all changes persisted to %s; exiting", opts.backing)
         else:
             log.error("exiting with changes NOT persisted; the cache is kept in %s", opts.cache_dir)
-        os.close(self.lock_fd)
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
         os.close(self.cache_lock_fd)
         self.systemd.close()
         return 0 if drained else 1
@@ -480,5 +489,6 @@ def run(opts: Options, notify: Callable[[str], None]) -> int:
     finally:
         drained = daemon.drain()
     return daemon.close(drained)
+
 
 

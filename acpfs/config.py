@@ -228,6 +228,9 @@ class Options:
     idle_poll: str = DEFAULT_IDLE_POLL       # IDLE_POLL
     metrics: str = DEFAULT_METRICS           # --metrics HOST:PORT, "" for none
     peers_listen: str = ""                   # --peers-listen HOST:PORT, "" for no peer plane
+    replicas: int = 0                        # --replicas: other nodes holding unsaved changes
+    replica_budget: int = 0                  # --replica-budget: bytes held for others (0: a
+                                             # quarter of the cache size)
 
     def as_status(self) -> dict[str, Any]:
         """The options the status document shows (docs/status.md, ``options``)."""
@@ -333,8 +336,21 @@ def settings(a: Any) -> dict[str, Any]:
         if not settings["global_order"]:
             raise UsageError("--peers-listen needs global order: the nodes find each other's "
                              "peer plane in the node records (drop --global-order off)")
-    settings.update(peers_listen=peers)
+    settings.update(peers_listen=peers, **replica_settings(a, peers))
     return settings
+
+
+def replica_settings(a: Any, peers: str) -> dict[str, int]:
+    """--replicas and --replica-budget (cluster/replicate.py, cluster/replicas.py)."""
+    text = text_setting(a, "replicas", "0").strip()
+    if text not in ("0", "1"):
+        raise UsageError(f"invalid --replicas {text!r}: use 0 or 1 (one other node holds a "
+                         "copy of what this node has not persisted)")
+    if text == "1" and not peers:
+        raise UsageError("--replicas 1 needs --peers-listen: replicas travel over the peer plane")
+    budget_text = (text_setting(a, "replica_budget", "") or "").strip()
+    budget = parse_size(budget_text, "replica budget") if budget_text else 0
+    return {"replicas": int(text), "replica_budget": budget}
 
 
 def timeout_settings(a: Any) -> dict[str, float]:

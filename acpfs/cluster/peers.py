@@ -122,6 +122,11 @@ class Peers:
         self._wlock = threading.Lock()    # one record write at a time
         self._stop = threading.Event()
         self._kick = threading.Event()
+        # replicas held for other nodes (cluster/replicas.py; set by the daemon): the oldest
+        # change held for a node that may be dead, which this node's changes wait for too,
+        # and what to do after each listing (drop replicas, take over a dead node's)
+        self.held: Callable[[], float | None] = lambda: None
+        self.on_listed: Callable[[], None] = lambda: None
         self.thread = threading.Thread(target=self._run, name="acpfs-peers", daemon=True)
 
     # -- joining and leaving (daemon thread) ----------------------------------------------
@@ -255,6 +260,10 @@ class Peers:
             self.want = max(self.want, stamp)
             return None
         self._suspended = False
+        held = self.held()
+        if held is not None and held <= stamp:   # a dead node's change, held here, lands first
+            self.want = max(self.want, stamp)
+            return None
         mine = (stamp, self.instance)
         for p in self.live():
             r = p.record
@@ -438,6 +447,7 @@ class Peers:
         for r in stale:
             if r.instance not in self._kept:
                 self._remove(r)
+        self.on_listed()
 
     def _remove(self, r: RecordName) -> None:
         try:

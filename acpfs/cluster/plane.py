@@ -51,6 +51,7 @@ from .records import ADDRESS_MAX
 log = logging.getLogger(__name__)
 
 PREFIX = "/v1/files/"
+REPLICAS = "/v1/replicas/"   # POST: a batch of another node's journal (replicas.py)
 MAX_CONNECTIONS = 64
 CLIENT_TIMEOUT = 30.0   # s a connection may stay silent
 READY_WAIT = 2.0        # s a GET waits for a copy under way to reach its range, then 503
@@ -120,6 +121,7 @@ class Plane:
                                "give a shorter host name or the address itself")
         self.secret = secret    # None: it refuses everything (no secret usable: why_not)
         self.holder = holder    # None until the FUSE loop runs: 404 meanwhile
+        self.replicas: Any = None   # replicas.Replicas: what it holds for others (POST)
         self._lock = threading.Lock()
         self.served_bytes = 0
         self.requests = 0
@@ -275,20 +277,32 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self._serve(True)
 
-    def _serve(self, body: bool) -> None:
+    def do_POST(self) -> None:
+        nonce = self._check("")
+        if nonce is not None:
+            replicas_post(self, nonce)
+
+    def _check(self, rng: str) -> str | None:
+        """The request's nonce, or None once it is refused (401, the connection closed)."""
         plane = self.server.plane
-        rng = self.headers.get("Range", "")
         try:
             if plane.secret is None:
                 raise Refused("this node has no usable secret")
-            nonce = plane.secret.check(self.headers.get("Authorization"), self.command,
-                                       self.path, rng, plane.address)
+            return plane.secret.check(self.headers.get("Authorization"), self.command,
+                                      self.path, rng, plane.address)
         except Refused as e:
             plane.count(refused=True)
             log.log(plane.refusal_level(self.client_address[0]), "peer plane: refused %s %s "
                     "from %s: %s", self.command, self.path[:200], self.client_address[0], e)
             self.close_connection = True
             self._answer(401, {"Connection": "close"})
+            return None
+
+    def _serve(self, body: bool) -> None:
+        plane = self.server.plane
+        rng = self.headers.get("Range", "")
+        nonce = self._check(rng)
+        if nonce is None:
             return
         split = urllib.parse.urlsplit(self.path)
         query = urllib.parse.parse_qs(split.query)
@@ -390,3 +404,50 @@ def _range(text: str, size: int) -> tuple[int, int]:
     a, b = int(first), min(int(last), size - 1)
     return (a, b) if a <= b else (-1, -1)
 
+
+
+def replicas_post(h: Handler, nonce: str) -> None:
+    """POST /v1/replicas/<origin>?first=N: a batch of the origin's journal (replicas.py).
+    200 or 409 with ``X-Acpfs-Held`` (the next entry this node expects; 0: it will take no
+    more of that origin) and, for 409, ``X-Acpfs-Why``; the rest of a body not taken is
+    read and thrown away, so that the answer reaches the sender."""
+    split = urllib.parse.urlsplit(h.path)
+    query = urllib.parse.parse_qs(split.query)
+    origin = split.path[len(REPLICAS):]
+    first = query.get("first", [""])[0]
+    length = h.headers.get("Content-Length", "")
+    replicas = h.server.plane.replicas
+    if not split.path.startswith(REPLICAS) or not origin.isalnum() or not first.isdigit() \
+            or not length.isdigit():
+        h.close_connection = True
+        h._signed(400, nonce, "", "")
+        return
+    body = _Counted(h.rfile, int(length))
+    if replicas is None:
+        held, why = 0, "this node holds no replicas"
+    else:
+        try:
+            held, why = replicas.receive(origin, int(first), body, int(length))
+        except (OSError, EOFError, ValueError) as e:
+            log.warning("peer plane: a batch of replicas from %s failed: %s", origin, e)
+            h.close_connection = True
+            held, why = 0, f"the batch could not be taken ({e})"
+    body.discard()
+    h._signed(409 if why else 200, nonce, "", f"held {held}",
+              {"X-Acpfs-Held": str(held), **({"X-Acpfs-Why": why[:300]} if why else {})})
+
+
+class _Counted:
+    """A request body of ``n`` bytes: reads stop at its end; ``discard`` reads the rest."""
+
+    def __init__(self, f: Any, n: int) -> None:
+        self.f, self.left = f, n
+
+    def read(self, n: int) -> bytes:
+        data = self.f.read(min(n, self.left)) if self.left else b""
+        self.left -= len(data)
+        return data
+
+    def discard(self) -> None:
+        while self.left and self.read(1 << 20):
+            pass

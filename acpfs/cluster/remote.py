@@ -16,16 +16,17 @@ from __future__ import annotations
 import http.client
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..backing.retry import describe
 from .auth import Refused, Secret
-from .plane import Version, parse_address, target_of, version_text
+from .plane import REPLICAS, Version, parse_address, target_of, version_text
 
 TIMEOUT = 5.0       # s a peer may take to answer a request, or between two reads of a body
 STALL = 10.0        # s a peer copying a file from the backing may take to reach a range
 AGAIN = 0.01        # s before a range not there yet is asked for again
 PIECE = 1 << 20     # bytes read from the socket at a time
+REPLICA_TIMEOUT = 30.0   # s a holder may take to take a piece of a batch of replicas
 
 
 class PeerError(Exception):
@@ -150,6 +151,30 @@ class Remote:
         except BaseException:
             self._drop(address)
             raise
+
+    def replicate(self, address: str, origin: str, first: int, body: Iterator[bytes],
+                  length: int) -> tuple[int, str]:
+        """Send a batch of this node's journal (replicate.py) to the peer at ``address``:
+        (the next entry it expects, "" or why it stopped short)."""
+        target = f"{REPLICAS}{origin}?first={first}"
+        auth, nonce = self.secret.sign("POST", target, "", address)
+        host, port = parse_address(address, "peer address")
+        c = http.client.HTTPConnection(host, port, timeout=REPLICA_TIMEOUT)
+        try:
+            c.request("POST", target, body=body, headers={"Authorization": auth,
+                                                           "Content-Length": str(length)})
+            resp = c.getresponse()
+            resp.read()
+            held = resp.getheader("X-Acpfs-Held", "")
+            if resp.status not in (200, 409) or not held.isdigit():
+                raise PeerError(f"peer {address}: answered {resp.status} {resp.reason} to replicas")
+            self._believe(address, resp, nonce, "", f"held {held}")
+            return int(held), resp.getheader("X-Acpfs-Why", "") if resp.status == 409 else ""
+        except (OSError, http.client.HTTPException) as e:
+            raise PeerError(f"peer {address}: {describe(e) if isinstance(e, OSError) else e}") \
+                from None
+        finally:
+            c.close()
 
     def _believe(self, address: str, resp: http.client.HTTPResponse, nonce: str, vtext: str,
                  crange: str) -> None:

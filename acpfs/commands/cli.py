@@ -149,6 +149,13 @@ def add_daemon_options(m: argparse.ArgumentParser) -> None:
                    help="serve this node's cached files to the other nodes of the backing at "
                    "HOST:PORT, and read files from theirs before the backing (docs/operations.md, "
                    "\"Nodes serve each other\"; port 0: any free port; default: off)")
+    m.add_argument("--replicas", metavar="N",
+                   help="1: copy each change not yet persisted to another node's RAM (over the "
+                   "peer plane; needs --peers-listen), which persists it if this node dies "
+                   "(docs/semantics.md, \"What survives what\"); default 0")
+    m.add_argument("--replica-budget", metavar="SIZE",
+                   help="RAM this node gives to other nodes' replicas, apart from --cache-size "
+                   "(default: a quarter of the cache size; with --peers-listen)")
     m.add_argument("--foreground", "-f", action="store_true",
                    help="do not daemonize; log to stderr too (for systemd and debugging)")
 

@@ -31,7 +31,8 @@ def cmd_recover(a: argparse.Namespace) -> int:
     backing, cache_dir = places(a)
     a.passthrough = "off"        # nothing is passed through: there is no mount
     for name in ("metrics", "peers_listen", "idle_poll", "backing_calls", "block_size",
-                 "cache_full_timeout", "persist_open_after", "coherence_timeout", "fsync"):
+                 "cache_full_timeout", "persist_open_after", "coherence_timeout", "fsync",
+                 "replicas", "replica_budget"):
         setattr(a, name, None)
     a.foreground = False
     settings = config.settings(a)   # bad values refused before anything is looked at

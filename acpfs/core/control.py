@@ -92,6 +92,7 @@ class MountInfo:
     idle_poll: Callable[[], dict] | None = None
     # the peer plane (--peers-listen; core/peerreads.PeerReads.status): why it is off, if so
     peer_plane: Callable[[], dict] | None = None
+    replicas: Callable[[], dict] | None = None   # daemon/replication.py, with the peer plane
     metrics: str | None = None   # where the Prometheus endpoint listens (metrics_http.py)
     pid: int = dataclasses.field(default_factory=os.getpid)
     owner: int = dataclasses.field(default_factory=os.getuid)   # the mount's owner
@@ -310,6 +311,7 @@ def status(fl: Flusher, info: MountInfo, wt: WriteThrough | None = None) -> dict
         {"on": False, "why_not": "not asked for"},
         "peer_plane": info.peer_plane() if info.peer_plane is not None else
         {"on": False, "why_not": "not asked for (--peers-listen)"},
+        "replicas": info.replicas() if info.replicas is not None else {"on": False},
         "metrics": info.metrics,
     }
 

@@ -14,7 +14,7 @@ import shutil
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, TypeVar
 
 from ..config import Options, format_size, ram_filesystem
 from .metrics_http import Endpoint, Unavailable
@@ -64,6 +64,7 @@ class Daemon:
         self._last_progress = 0.0
         self.endpoint: Endpoint | None = None   # --metrics, bound first thing (_start)
         self.plane: Plane | None = None         # --peers-listen, bound first thing (_start)
+        self.replication: Any = None            # with the plane: replicas (replication.py)
         self._loop = None            # the FUSE loop's trio token, once it runs (serve)
         self._quiet = threading.Lock()   # the drain's last change of the files vs. a scrape
 
@@ -223,36 +224,15 @@ class Daemon:
             self._join(self.peers, front, predecessor)
 
     def _peer_plane(self, instance: str) -> PeerPlane | None:
-        """The peer plane's parts (--peers-listen): its secret read (or made) in the records
-        directory, its address put in this node's record (written next: ``_join``). Without
-        a usable secret it serves and reads nothing; the mount goes on, and status says why."""
-        from ..cluster.auth import Refused, Secret
-        from ..cluster.remote import Remote
-        from ..core.peerreads import PeerPlane
+        """The peer plane's parts (--peers-listen) and replicas (replication.py)."""
+        from .replication import peer_plane
         if self.plane is None or self.peers is None:
             return None
-        out: list = []
-
-        def load() -> None:
-            try:
-                out.append(Secret.load(self.peers.records, instance))
-            except (OSError, Refused) as e:
-                out.append(e)
-        t = threading.Thread(target=load, name="acpfs-secret-at-mount", daemon=True)
-        t.start()
-        t.join(RECORDS_AT_MOUNT)
-        got = out[0] if out else None
-        if isinstance(got, Secret):
-            self.plane.secret = got
-            self.peers.address = self.plane.address
-            self.plane.start()
-            return PeerPlane(self.peers, self.plane, Remote(got))
-        why = ("the backing does not answer" if got is None else describe(got)
-               if isinstance(got, OSError) else str(got))
-        log.warning("peer plane: off (%s); files are read from the backing alone, and this "
-                    "node serves none", why)
-        self.plane.start()   # it answers 401 to every request: a peer learns at once
-        return PeerPlane(self.peers, self.plane, None, why)
+        parts, self.replication = peer_plane(self.opts, self.plane, self.peers, instance,
+                                             self.oplog, self.store)
+        if self.replication is not None:
+            self.info.replicas = self.replication.status
+        return parts
 
     def _join(self, peers: Peers, front: float | None, predecessor: str | None) -> None:
         """Write this node's record among the other nodes' (global order, peers.py)."""
@@ -325,6 +305,8 @@ class Daemon:
         self.flusher.start()
         if self.peers is not None:
             self.peers.start()
+        if self.replication is not None:
+            self.replication.start()
 
     def serve(self) -> None:
         """Mount, answer requests until unmounted or signalled, unmount."""
@@ -452,6 +434,8 @@ class Daemon:
             self.endpoint.close()
         if self.plane is not None:
             self.plane.close()
+        if self.replication is not None:   # before the store: it holds references to it
+            self.replication.close()
         self.journal.close()
         self.store.close()
         if self.peers is not None:

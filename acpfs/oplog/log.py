@@ -72,6 +72,9 @@ class OpLog:
         self.acked: dict[int, tuple[float, float]] = {}    # (lock)
         self.recovery_stamp: float | None = None
         self._floors: list[tuple[float, int]] = []   # (lock) heap of (floor, seq) of queued ops
+        # --replicas: gets every journal record, cut-back and applied op (cluster/replicate.py;
+        # set before the first change, by the daemon)
+        self.mirror: Any = None
 
     # -- stamps (global order) -------------------------------------------------------------
     def next_stamp(self) -> float:
@@ -132,12 +135,17 @@ class OpLog:
         op.node.last_seq = self.seq
         for d in op.others():
             d.last_seq = self.seq
-        record = op.record(self.store.ref) if self.journal is not None else None
+        contents: list = []   # the content the record names, for the mirror
+
+        def refs(c: Content) -> list[int]:
+            contents.append(c)
+            return self.store.ref(c)
+        record = op.record(refs) if self.journal is not None else None
         with self.lock:
-            if record is not None:
-                self._journal(record)   # the journal holds records in seq order
             if not op.stamp:
                 op.stamp = op.floor = self.next_stamp()
+            if record is not None:   # the journal holds records in seq order
+                self._journal(record, contents[0] if contents else None, op.floor or op.stamp)
             heapq.heappush(self._floors, (op.floor or op.stamp, op.seq))
             self.queue.append(op)
             if isinstance(op, Publish):
@@ -189,6 +197,8 @@ class OpLog:
         if self.journal is not None:
             # before the flusher drops the block references (journal.py, invariants)
             self.journal.applied(op.seq, idle=not self.queue)
+        if self.mirror is not None:
+            self.mirror.applied(op.seq)
         if isinstance(op, Publish):
             op.node.publish_ops.remove(op)
             self.queued_bytes -= op.nbytes
@@ -218,18 +228,35 @@ class OpLog:
             else:
                 self.journaled.add(node)
             if record and self.journal is not None:
-                self._journal(self._state_record(node))
+                self._journal(*self._state(node))
 
     def rejournal(self, node: Node) -> None:
         """A journaled file lost the name its record gives: say it again under its first name."""
         if node.journal_state != JournalState.NONE and self.journal is not None:
             with self.lock:
-                self._journal(self._state_record(node))
+                self._journal(*self._state(node))
 
-    def _journal(self, record: Record) -> None:
-        """Append ``record`` (hold lock), cutting the journal back first if it is idle."""
+    def _journal(self, record: Record, content: Content = None, stamp: float = 0.0) -> None:
+        """Append ``record`` (hold lock), cutting the journal back first if it is idle; the
+        mirror (``--replicas``: cluster/replicate.py) gets the same, with the content the
+        record names and the stamp of the change."""
         assert self.journal is not None
+        mirror = self.mirror
+        if mirror is not None and self.journal.idle:
+            mirror.reset()
+            for n in self.journaled:
+                mirror.add(*self._state(n))
         self.journal.append(record, self._live_records)
+        if mirror is not None:
+            mirror.add(record, content, stamp)
+
+    def _state(self, node: Node) -> tuple[Record, Content, float]:
+        """A file's state record, the content it names and the stamp of its close."""
+        if node.journal_state != JournalState.FLUSHED:
+            return self._state_record(node), None, 0.0
+        first = self.acked.get(node.ino)
+        return self._state_record(node), node.journal_content, \
+            first[0] if first is not None else self.last_stamp
 
     def _live_records(self) -> list[Record]:
         return [self._state_record(n) for n in self.journaled]

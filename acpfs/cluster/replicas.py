@@ -1,0 +1,360 @@
+"""Replicas this node holds of other nodes' unsaved changes (``--replicas 1`` on theirs),
+and the takeover of a dead node's (docs/design.md, "Replicas of unsaved changes").
+
+A node with ``--replicas 1`` sends its journal, as it writes it, with the content each
+record names, to one other node (replicate.py). That node keeps, per origin, a copy of
+the origin's journal (``Held``): the records since the origin's journal was last cut back,
+the origin's applied seq, and the content of the records not yet applied, one file each
+under ``<cache dir>/replicas/<origin>/files/``. It is a cache directory in the making:
+when the origin's record has expired (its lease ran out) and its plane does not answer,
+this node writes the journal out and runs ``acpfs recover`` over it (``Takeover``), which
+replays it in the origin's order with global order kept, exactly as a restart of the
+origin would, and removes it once all of it is in the backing.
+
+Global order while a replica waits: this node counts the oldest change it holds for a
+suspect origin (its record older than half its lease, or expired) in its own frontier
+(``frontier``), so the other nodes go on waiting for those changes after the origin's
+lease runs out, until the recovery's own record carries them (the origin's record then
+says "left") or the recovery ends.
+
+The stream (``ENTRY`` then the payload, then the content): ``RECORD`` (a journal record,
+encoded; its content follows, or ``reuse`` names the entry whose content it shares),
+``RESET`` (the origin's journal was cut back: everything before is dropped) and
+``APPLIED`` (the origin's applied seq). Entries are numbered from 1 in the order sent; a
+batch must start where this node stands (``next``) or with a RESET.
+
+Owns ``Held`` per origin, the bytes held against ``--replica-budget``, and the takeovers;
+``_lock`` guards all of it (the plane's threads, the peers' thread and status read it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from typing import BinaryIO, Callable
+
+from ..oplog.journal import APPLIED as APPLIED_FILE, FLUSHED, FRAME, HEADER, JOURNAL, MAGIC, Record
+from .plane import parse_address
+from .records import LEFT, RecordName
+
+log = logging.getLogger(__name__)
+
+ENTRY = struct.Struct("<BdIQQ")   # kind, stamp, payload bytes, content bytes, reuse (entry no.)
+RECORD, RESET, APPLIED = 1, 2, 3
+PIECE = 1 << 20
+MIN_POOL = 64 << 20
+
+
+class Full(Exception):
+    """The replica budget cannot take an entry's content."""
+
+
+@dataclasses.dataclass
+class Entry:
+    record: Record
+    stamp: float
+    content: int = 0        # the file holding its content (0: none, or freed)
+    size: int = 0
+
+
+class Held:
+    """What this node holds of one origin's journal."""
+
+    def __init__(self, origin: str, top: str) -> None:
+        self.origin = origin
+        self.dir = os.path.join(top, origin)
+        self.files = os.path.join(self.dir, "files")
+        os.makedirs(self.files, mode=0o700, exist_ok=True)
+        self.entries: list[Entry] = []
+        self.by_no: dict[int, int] = {}     # entry number -> its content file (reuse)
+        self.refs: dict[int, int] = {}      # content file -> entries naming it
+        self.sizes: dict[int, int] = {}     # content file -> bytes
+        self.applied = 0
+        self.next = 1                        # the number of the next entry expected
+        self.last_seen = time.time()
+        self._id = 0
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.sizes.values())
+
+    def pending(self) -> list[Entry]:
+        """The entries a takeover would replay: ops past ``applied``, and each file's last
+        state record if it is "flushed" (recovery.plan)."""
+        last: dict[int, int] = {}
+        for i, e in enumerate(self.entries):
+            if e.record.seq == 0 or e.record.kind == "publish":
+                last[e.record.ino] = i
+        return [e for i, e in enumerate(self.entries)
+                if e.record.seq > self.applied
+                or (e.record.seq == 0 and e.record.kind == FLUSHED and last[e.record.ino] == i)]
+
+    def frontier(self) -> float | None:
+        stamps = [e.stamp for e in self.pending() if e.stamp]
+        return min(stamps) if stamps else None
+
+    def _unref(self, fid: int) -> None:
+        self.refs[fid] -= 1
+        if not self.refs[fid]:
+            del self.refs[fid], self.sizes[fid]
+            try:
+                os.unlink(os.path.join(self.files, str(fid)))
+            except FileNotFoundError:
+                pass
+
+    def reset(self) -> None:
+        for e in self.entries:
+            if e.content:
+                self._unref(e.content)
+        self.entries.clear()
+        self.by_no.clear()
+
+    def set_applied(self, seq: int) -> None:
+        """Content of records applied is in the backing: freed (the records stay: a rename
+        applied still carries the path of a file closed before it, recovery.plan)."""
+        self.applied = max(self.applied, seq)
+        for e in self.entries:
+            if e.content and 0 < e.record.seq <= self.applied:
+                self._unref(e.content)
+                e.content = 0
+
+    def add(self, no: int, record: Record, stamp: float, body: BinaryIO, n: int, reuse: int,
+            room: int) -> None:
+        fid = 0
+        if reuse:
+            fid = self.by_no.get(reuse, 0)
+            if fid and fid not in self.refs:
+                fid = 0
+        if n:
+            if n > room:
+                raise Full(f"{n} bytes of content, {room} left in the budget")
+            self._id += 1
+            fid = self._id
+            with open(os.path.join(self.files, str(fid)), "wb") as f:
+                left = n
+                while left:
+                    piece = body.read(min(PIECE, left))
+                    if not piece:
+                        raise EOFError("the stream ended inside a content")
+                    f.write(piece)
+                    left -= len(piece)
+            self.sizes[fid] = n
+            self.refs[fid] = 0
+        if fid:
+            self.refs[fid] += 1
+            self.by_no[no] = fid
+        record.blocks = [fid] if fid else []
+        if record.seq and record.seq <= self.applied and fid:   # applied meanwhile
+            self._unref(fid)
+            fid = 0
+            record.blocks = []
+        self.entries.append(Entry(record, stamp, fid, n))
+
+    def write_cache_dir(self) -> None:
+        """The journal, as the origin's would read after its crash (journal.read_leftover)."""
+        pool = max(2 * self.bytes, MIN_POOL)
+        with open(os.path.join(self.dir, JOURNAL), "wb") as f:
+            f.write(HEADER.pack(MAGIC, 0, pool, self.origin.encode()))
+            for e in self.entries:
+                payload = e.record.encode()
+                f.write(FRAME.pack(len(payload), zlib.crc32(payload)) + payload)
+        with open(os.path.join(self.dir, APPLIED_FILE), "wb") as f:
+            f.write(self.applied.to_bytes(8, "little"))
+
+
+class Replicas:
+    """The replicas held here (``receive``, from the plane) and the takeovers."""
+
+    def __init__(self, top: str, budget: int, recover_args: list[str]) -> None:
+        self.top = top
+        self.budget = budget
+        self.recover_args = recover_args   # acpfs recover's options but --cache-dir, --log-file
+        self._lock = threading.Lock()
+        self.held: dict[str, Held] = {}
+        self.takeovers: dict[str, dict] = {}   # origin -> its takeover's state
+        self.covered: set[str] = set()   # taken over, and the recovery's record carries them
+        self.received_bytes = 0
+        self.refused = 0
+        self.failed: dict[str, str] = {}
+        shutil.rmtree(top, ignore_errors=True)   # replicas do not outlive this daemon
+        os.makedirs(top, mode=0o700, exist_ok=True)
+
+    def used(self) -> int:
+        return sum(h.bytes for h in self.held.values())
+
+    def receive(self, origin: str, first: int, body: BinaryIO, length: int) -> tuple[int, str]:
+        """One batch from ``origin``: (the next entry this node expects, "" or why it stopped
+        short: the budget, a gap)."""
+        with self._lock:
+            if origin in self.takeovers:
+                return 0, "this node took over that origin"
+            h = self.held.get(origin)
+            if h is None:
+                h = self.held[origin] = Held(origin, self.top)
+            h.last_seen = time.time()
+            got = 0
+            no = first
+            while got < length:
+                head = body.read(ENTRY.size)
+                if len(head) < ENTRY.size:
+                    raise EOFError("the stream ended inside an entry")
+                kind, stamp, plen, clen, reuse = ENTRY.unpack(head)
+                payload = body.read(plen)
+                got += ENTRY.size + plen + clen
+                if kind != RESET and no != h.next:
+                    return h.next, f"entry {no} sent where {h.next} was expected"
+                if kind == RESET:
+                    h.reset()
+                elif kind == APPLIED:
+                    h.set_applied(int.from_bytes(payload, "little"))
+                else:
+                    room = self.budget - self.used()
+                    try:
+                        h.add(no, Record.decode(payload), stamp, body, clen, reuse, room)
+                    except Full as e:
+                        self.refused += 1
+                        return h.next, f"the replica budget is full ({e})"
+                    self.received_bytes += clen
+                h.next = no + 1
+                no += 1
+            return h.next, ""
+
+    def frontier(self, suspect: Callable[[str], bool]) -> float | None:
+        """The oldest change held for an origin that ``suspect`` says may be dead, or that
+        is being taken over (its recovery's record may not carry it yet)."""
+        with self._lock:
+            fronts = [h.frontier() for o, h in self.held.items() if o not in self.covered
+                      and (o in self.takeovers or suspect(o))]
+        fronts = [f for f in fronts if f is not None]
+        return min(fronts) if fronts else None
+
+    def look(self, records: dict[str, RecordName], now: float, lease: float,
+             done: Callable[[str], None]) -> None:
+        """After a listing of the node records (the peers' thread): replicas of an origin
+        that left (unmounted, or restarted: its successor replays its own journal) are
+        dropped; an origin whose lease ran out and whose plane does not answer is taken
+        over; one whose recovery's record took over its own (it says "left") no longer
+        holds this node's frontier."""
+        with self._lock:
+            held = dict(self.held)
+        for origin, h in held.items():
+            r = records.get(origin)
+            if origin in self.takeovers:
+                if r is None or r.state == LEFT:
+                    with self._lock:
+                        self.covered.add(origin)
+                continue
+            if r is None:
+                if time.time() - h.last_seen > 2 * lease:
+                    self.drop(origin, "its record is gone")
+            elif r.state == LEFT:
+                self.drop(origin, "it left: unmounted, or restarted over its own journal")
+            elif now - r.heartbeat > lease and not answers(r.address):
+                self.take_over(origin, f"its record is {now - r.heartbeat:.0f} s old and its "
+                               "peer plane does not answer", done)
+
+    def origins(self) -> list[str]:
+        with self._lock:
+            return [o for o in self.held if o not in self.takeovers]
+
+    def drop(self, origin: str, why: str) -> None:
+        """``origin`` left (unmounted, restarted) or its changes are all in the backing."""
+        with self._lock:
+            h = self.held.pop(origin, None)
+        if h is not None:
+            shutil.rmtree(h.dir, ignore_errors=True)
+            log.info("replicas: dropped what this node held for %s (%s)", origin, why)
+
+    def close(self) -> None:
+        """At unmount: the replicas held go (their origins copy to another node); a takeover
+        still running keeps its directory, which ``acpfs recover`` removes when done."""
+        with self._lock:
+            running = {o for o, t in self.takeovers.items() if t["state"] == "running"}
+            held, self.held = self.held, {}
+        for origin, h in held.items():
+            if origin in running:
+                log.warning("replicas: unmounting while the changes of node %s are persisted "
+                            "from %s; that goes on (acpfs recover, log %s)", origin, h.dir,
+                            self._log(origin))
+            else:
+                shutil.rmtree(h.dir, ignore_errors=True)
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"held": {o: {"bytes": h.bytes, "pending": len(h.pending()),
+                                 "applied_seq": h.applied}
+                             for o, h in self.held.items()},
+                    "held_bytes": self.used(), "budget": self.budget,
+                    "received_bytes": self.received_bytes, "refused_batches": self.refused,
+                    "takeovers": dict(self.takeovers)}
+
+    # -- takeover ---------------------------------------------------------------------------
+    def take_over(self, origin: str, why: str, done: Callable[[str], None]) -> bool:
+        """Persist what ``origin`` left here, in a thread (``acpfs recover``); ``done(origin)``
+        once it ended. False if nothing is pending for it (dropped)."""
+        with self._lock:
+            h = self.held.get(origin)
+            if h is None or origin in self.takeovers:
+                return False
+            if not h.pending():
+                pending = False
+            else:
+                pending = True
+                h.write_cache_dir()
+                self.takeovers[origin] = {"since": time.time(), "state": "running",
+                                          "changes": len(h.pending()), "bytes": h.bytes}
+        if not pending:
+            self.drop(origin, "nothing of it was left unsaved")
+            return False
+        log.warning("replicas: node %s is gone (%s) with %d changes not persisted; persisting "
+                    "them from this node's replica, in its order (acpfs recover, log %s)",
+                    origin, why, self.takeovers[origin]["changes"], self._log(origin))
+        threading.Thread(target=self._run, args=(origin, h, done), daemon=True,
+                         name=f"acpfs-takeover-{origin}").start()
+        return True
+
+    def _log(self, origin: str) -> str:
+        return os.path.join(self.top, f"{origin}.log")
+
+    def _run(self, origin: str, h: Held, done: Callable[[str], None]) -> None:
+        cmd = [sys.executable, "-m", "acpfs", "recover", "--cache-dir", h.dir,
+               "--log-file", self._log(origin), *self.recover_args]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            ok, said = r.returncode == 0, (r.stderr.strip().splitlines() or [""])[-1]
+        except OSError as e:
+            ok, said = False, str(e)
+        with self._lock:
+            t = self.takeovers[origin]
+            t.update(state="done" if ok else "failed", ended=time.time(), said=said)
+            if ok:
+                self.held.pop(origin, None)
+        if ok:
+            log.warning("replicas: every change node %s left unsaved is persisted (%d changes)",
+                        origin, t["changes"])
+        else:
+            log.error("replicas: persisting what node %s left failed: %s; its replica stays in "
+                      "%s (run acpfs recover --cache-dir %s with this backing)", origin, said,
+                      h.dir, h.dir)
+        done(origin)
+
+
+def answers(address: str) -> bool:
+    """Whether a peer plane accepts a connection at ``address`` within a second."""
+    if not address:
+        return False
+    try:
+        host, port = parse_address(address, "peer address")
+        socket.create_connection((host, port), timeout=1.0).close()
+        return True
+    except (OSError, ValueError):
+        return False

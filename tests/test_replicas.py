@@ -1,0 +1,71 @@
+"""Replicas of unsaved changes (``--replicas 1``) on the N-node fixture: a node lost before
+its flusher finished loses nothing it replicated; another node persists it, in its order
+(docs/semantics.md, "What survives what")."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+
+from conftest import ACPFS, wait_for, wait_gone
+from test_peer_plane import PEERS, Cluster, known_peers
+
+MIB = 1 << 20
+LEASE = ("--peer-lease", "3", "--peer-heartbeat", "0.5")
+REPLICAS = PEERS + ("--replicas", "1") + LEASE
+
+
+def lose(node) -> None:
+    """The node is lost with its RAM: its daemon killed, its cache directory (memory
+    files, journal) gone, its mount detached."""
+    os.kill(node.pid, signal.SIGKILL)
+    assert wait_gone(node.pid, 30)
+    subprocess.run(node.enter() + ["umount", "-l", str(node.mnt)], capture_output=True)
+    subprocess.run(["umount", "-l", str(node.cache_dir)], capture_output=True)
+    shutil.rmtree(node.cache_dir, ignore_errors=True)
+    node.pid = None
+
+
+def test_a_lost_node_loses_nothing_it_replicated(faults, tmp_path):
+    cluster = Cluster(faults, tmp_path)
+    b = cluster.node("b", view=False, extra=REPLICAS)
+    a = cluster.node("a", view=True, extra=REPLICAS)
+    known_peers(a, 1)
+    a_instance = a.status()["peers"]["instance"]
+    # A's flusher is held: the backing does not answer its creates and mkdirs
+    cluster.views["a"].set("hang create mkdir")
+    rnd = random.Random(7)
+    files = {f"step_1/shard{i}.bin": rnd.randbytes(MIB + i) for i in range(7)}
+    a.path("step_1").mkdir()
+    for rel, data in files.items():
+        a.path(rel).write_bytes(data)
+    a.path("latest.tmp").write_text("step_1")
+    os.rename(a.path("latest.tmp"), a.path("latest"))
+    sending = lambda: a.status()["replicas"]["sending"]   # noqa: E731
+    wait_for(lambda: sending()["owed_records"] == 0, 30, "A's changes replicated")
+    assert sending()["holder"] == b.status()["peer_plane"]["address"]
+    held = b.status()["replicas"]["held"][a_instance]
+    assert held["bytes"] >= sum(map(len, files.values())), held
+    assert not (cluster.shared / "latest").exists() and not (cluster.shared / "step_1").exists()
+    lose(a)
+    cluster.views["a"].set("ok")
+    # B persists all of it within the lease and one flush, in A's order
+    wait_for(lambda: (cluster.shared / "latest").exists(), 60, "A's changes persisted by B")
+    for rel, data in files.items():
+        assert (cluster.shared / rel).read_bytes() == data, rel
+    assert (cluster.shared / "latest").read_text() == "step_1"
+    assert not (cluster.shared / "latest.tmp").exists()
+    last_shard = max((cluster.shared / rel).stat().st_ctime_ns for rel in files)
+    assert (cluster.shared / "latest").stat().st_ctime_ns >= last_shard
+    wait_for(lambda: b.status()["replicas"]["takeovers"].get(a_instance, {}).get("state") == "done",
+             60, "B's takeover done")
+    st = b.status()["replicas"]
+    assert a_instance not in st["held"] and st["held_bytes"] == 0, st
+    # B reads them through its own mount, and A's record says it left
+    assert b.path("latest").read_text() == "step_1"
+    wait_for(lambda: any(p["instance"] == a_instance and p["state"] == "left"
+                         for p in b.status()["peers"]["peers"]), 30, "A's record left")
+    b.run(*ACPFS, "umount", str(b.mnt))

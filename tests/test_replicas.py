@@ -69,3 +69,44 @@ def test_a_lost_node_loses_nothing_it_replicated(faults, tmp_path):
     wait_for(lambda: any(p["instance"] == a_instance and p["state"] == "left"
                          for p in b.status()["peers"]["peers"]), 30, "A's record left")
     b.run(*ACPFS, "umount", str(b.mnt))
+
+
+def test_changes_a_holder_has_no_room_for_stay_owed_and_are_said(faults, tmp_path):
+    """B's replica budget is smaller than A's file: the batch is refused, A's status says
+    what is not copied and why (text, JSON, Prometheus), and nothing is lost: A persists it
+    itself once its backing answers, and then owes nothing."""
+    cluster = Cluster(faults, tmp_path)
+    b = cluster.node("b", view=False, extra=PEERS + ("--replica-budget", "1M") + LEASE)
+    a = cluster.node("a", view=True, extra=REPLICAS)
+    known_peers(a, 1)
+    cluster.views["a"].set("hang create")
+    data = os.urandom(3 * MIB)
+    a.path("big.bin").write_bytes(data)
+    sending = lambda: a.status()["replicas"]["sending"]   # noqa: E731
+    wait_for(lambda: "budget" in (sending()["error"] or ""), 30, "the budget refusal")
+    st = sending()
+    assert st["owed_records"] >= 1 and st["owed_bytes"] >= len(data), st
+    held = b.status()["replicas"]
+    assert held["refused_batches"] >= 1 and held["held_bytes"] <= 1 << 20, held
+    text = a.run(*ACPFS, "status", str(a.mnt)).stdout
+    assert "NOT YET COPIED" in text and "budget" in text, text
+    prom = a.run(*ACPFS, "status", "--prometheus", str(a.mnt)).stdout
+    owed = [line for line in prom.splitlines() if line.startswith("acpfs_replica_owed_bytes")]
+    assert owed and float(owed[0].split()[-1]) >= len(data), owed
+    cluster.views["a"].set("ok")
+    a.sync()
+    assert (cluster.shared / "big.bin").read_bytes() == data
+    wait_for(lambda: sending()["owed_records"] == 0, 30, "nothing owed once persisted")
+
+
+def test_replicas_need_the_peer_plane_and_take_0_or_1(tmp_path):
+    back, mnt = tmp_path / "back", tmp_path / "mnt"
+    back.mkdir()
+    mnt.mkdir()
+    for args, said in ((["--replicas", "1"], "--replicas 1 needs --peers-listen"),
+                       (["--replicas", "2", "--peers-listen", "127.0.0.1:0"], "invalid --replicas"),
+                       (["--replica-budget", "lots", "--peers-listen", "127.0.0.1:0"], "replica budget")):
+        r = subprocess.run(ACPFS + ["mount", str(mnt), "--backing", str(back), *args],
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 from ..oplog.journal import Record
@@ -31,7 +32,8 @@ from .replicas import APPLIED, ENTRY, RECORD, RESET
 log = logging.getLogger(__name__)
 
 BATCH = 256 << 20     # content bytes per request at most (one larger entry goes alone)
-RETRY = 1.0           # s before a refused or failed batch is sent again
+RETRY = 1.0           # s before a refused or failed batch is sent again, doubled each
+RETRY_MAX = 30.0      # time it fails again in a row (a budget stays full a while), up to this
 ALONE = "no live peer with a peer plane to hold replicas"
 
 
@@ -45,6 +47,7 @@ class Out:
     size: int = 0
     reuse: int = 0        # the entry whose content this one shares
     seq: int = 0
+    made: float = dataclasses.field(default_factory=time.time)
 
 
 class Replicator:
@@ -59,9 +62,11 @@ class Replicator:
         self._no = 0                # the last entry numbered
         self._keys: dict[tuple[int, ...], int] = {}   # content refs -> entry holding them
         self.acked = 0              # (lock) the holder holds every entry up to this one
+        self.applied_seq = 0        # (lock) the op log's: records up to it are in the backing
         self.holder: tuple[str, str] | None = None
         self.sent_bytes = 0
         self.failures = 0
+        self._streak = 0            # failures in a row (the thread's)
         self.error = ""             # why the last batch failed, "" if it did not
         self._stop = False
         self.reset()   # the list always starts with a RESET: a new holder starts from it
@@ -95,6 +100,7 @@ class Replicator:
 
     def applied(self, seq: int) -> None:
         with self._lock:
+            self.applied_seq = seq
             for e in self._entries:
                 if e.content is not None and 0 < e.seq <= seq:
                     self._free(e)
@@ -118,8 +124,11 @@ class Replicator:
 
     def status(self) -> dict:
         with self._lock:
-            owed = [e for e in self._entries if e.no > self.acked and e.kind == RECORD]
-            return {"holder": self.holder[1] if self.holder else None,
+            # not held there, and not in the backing either
+            owed = [e for e in self._entries if e.no > self.acked and e.kind == RECORD
+                    and not 0 < e.seq <= self.applied_seq]
+            return {"owed_age_s": round(time.time() - owed[0].made, 3) if owed else 0.0,
+                    "holder": self.holder[1] if self.holder else None,
                     "holder_instance": self.holder[0] if self.holder else None,
                     "owed_records": len(owed), "owed_bytes": sum(e.size for e in owed),
                     "sent_bytes": self.sent_bytes, "failures": self.failures,
@@ -180,7 +189,9 @@ class Replicator:
                     self.holder = None
             if why:
                 self._failed(f"{holder[1]}: {why}")
-            elif self.error:
+                continue
+            self._streak = 0
+            if self.error:
                 log.info("replicas: copying to %s again", holder[1])
                 self.error = ""
 
@@ -188,11 +199,12 @@ class Replicator:
         if why != self.error:
             log.log(logging.INFO if why == ALONE else logging.WARNING,
                     "replicas: this node's unsaved changes cannot be copied to a peer: %s "
-                        "(retrying every %.0f s)", why, RETRY)
+                    "(retrying, every %.0f s at most)", why, RETRY_MAX)
         self.error = why
         self.failures += 1
+        self._streak += 1
         with self._lock:
-            self._lock.wait(RETRY)
+            self._lock.wait(min(RETRY * 2 ** (self._streak - 1), RETRY_MAX))
 
     def _batch(self) -> list[Out]:
         """The entries after ``acked``, from the last cut-back on for a new holder, up to

@@ -135,6 +135,25 @@ def peer_plane_lines(pp: dict[str, Any]) -> list[str]:
     return lines
 
 
+def replica_lines(rep: dict[str, Any]) -> list[str]:
+    """Replicas: what this node sends (--replicas 1) and holds for others."""
+    lines = []
+    sending = rep.get("sending")
+    if sending:
+        owed = (f"{sending['owed_records']} changes ({format_size(sending['owed_bytes'])}) NOT "
+                f"YET COPIED for {age(sending['owed_age_s'])}" if sending["owed_records"]
+                else "every change copied")
+        lines.append(f"  replicas   to {sending['holder'] or 'NO NODE'}: {owed}"
+                     + (f"; {sending['error']}" if sending.get("error") else ""))
+    if rep.get("held"):
+        lines.append(f"  holding    {format_size(rep['held_bytes'])} of "
+                     f"{format_size(rep['budget'])} for {len(rep['held'])} nodes' unsaved changes")
+    for origin, t in sorted((rep.get("takeovers") or {}).items()):
+        lines.append(f"  takeover   node {origin}: {t['changes']} changes, {t['state'].upper()}"
+                     + (f": {t['said']}" if t.get("state") == "failed" else ""))
+    return lines
+
+
 def render_status(d: dict[str, Any]) -> str:
     if d.get("stale"):
         return f"{d['mountpoint']}  STALE: the daemon is gone; run 'acpfs umount {d['mountpoint']}'"
@@ -160,6 +179,7 @@ def render_status(d: dict[str, Any]) -> str:
            + (f", {cr['keeping']} to keep" if cr.get("keeping") else "") + ")"]
           if cr.get("fetched_bytes") else []),
         *peer_plane_lines(d.get("peer_plane") or {}),
+        *replica_lines(d.get("replicas") or {}),
         *([f"  backing    asked by lookups and opens on the event loop ({bc['fstype']}, a local "
            f"filesystem): {bc['inline']} calls, {bc['threaded']} in worker threads (the "
            f"flusher held the backing)"] if (bc := d.get("backing_calls") or {}).get("where") == "inline"

@@ -10,6 +10,7 @@ from typing import Any
 from ..config import age, format_size, safe
 
 HEALTHY, DEGRADED, DOWN = 0, 1, 2   # exit status of 'acpfs status --check'
+REPLICAS_OWED_S = 30.0   # changes not copied to another node for longer: degraded
 
 
 def health(doc: dict[str, Any], max_unsaved_age: float | None) -> tuple[int, list[str]]:
@@ -36,6 +37,14 @@ def health(doc: dict[str, Any], max_unsaved_age: float | None) -> tuple[int, lis
     held = (doc.get("peers") or {}).get("held")
     if held:
         why.append(held_text(held))
+    sending = (doc.get("replicas") or {}).get("sending") or {}
+    if sending.get("owed_age_s", 0) > REPLICAS_OWED_S:
+        why.append(f"{sending['owed_records']} changes ({format_size(sending['owed_bytes'])}) not "
+                   f"copied to another node for {age(sending['owed_age_s'])} (--replicas 1): "
+                   f"{sending.get('error') or 'copying'}")
+    for origin, t in ((doc.get("replicas") or {}).get("takeovers") or {}).items():
+        if t.get("state") == "failed":
+            why.append(f"persisting the unsaved changes of dead node {origin} failed: {t.get('said')}")
     return (DEGRADED if why else HEALTHY), why
 
 

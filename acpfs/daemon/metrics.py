@@ -104,6 +104,16 @@ FAMILIES: dict[str, tuple[str, str]] = {
                                           "refused: unsigned, another secret, sent again"),
     "acpfs_peer_failed_peers": ("gauge", "peers whose last answer could not be used (their "
                                 "files were read from the backing)"),
+    "acpfs_replica_owed_bytes": ("gauge", "bytes of this node's unsaved changes not yet copied "
+                                 "to another node (--replicas 1)"),
+    "acpfs_replica_sent_bytes_total": ("counter", "bytes of this node's unsaved changes copied "
+                                       "to another node"),
+    "acpfs_replica_held_bytes": ("gauge", "bytes this node holds of other nodes' unsaved "
+                                 "changes (--replica-budget)"),
+    "acpfs_replica_received_bytes_total": ("counter", "bytes of other nodes' unsaved changes "
+                                           "received"),
+    "acpfs_replica_takeovers_total": ("counter", "dead nodes whose unsaved changes this node "
+                                      "persisted from its replicas, or is persisting"),
     "acpfs_close_to_durable_seconds": ("histogram", "time from a file's last close (its "
                                        "snapshot queued) to that version durable in the backing"),
 }
@@ -217,11 +227,24 @@ def samples(doc: dict[str, Any]) -> Iterator[tuple[str, Sample]]:
         yield from one("acpfs_peer_served_bytes_total", plane["served_bytes"])
         yield from one("acpfs_peer_refused_requests_total", plane["refused_requests"])
         yield from one("acpfs_peer_failed_peers", len(plane["failed_peers"]))
+    yield from replica_samples(doc.get("replicas") or {}, one)
     recovery = doc.get("recovery") or {}
     yield from one("acpfs_recovered_files_total", recovery.get("files", 0))
     yield from one("acpfs_recovered_operations_total", recovery.get("replayed_ops", 0))
     if "close_to_durable_s" in doc:
         yield from histogram("acpfs_close_to_durable_seconds", doc["close_to_durable_s"], m)
+
+
+def replica_samples(rep: dict[str, Any], one) -> Iterator[tuple[str, Sample]]:
+    """Replicas sent (--replicas 1) and held for others (with the peer plane)."""
+    sending = rep.get("sending")
+    if sending:
+        yield from one("acpfs_replica_owed_bytes", sending["owed_bytes"])
+        yield from one("acpfs_replica_sent_bytes_total", sending["sent_bytes"])
+    if "held_bytes" in rep:
+        yield from one("acpfs_replica_held_bytes", rep["held_bytes"])
+        yield from one("acpfs_replica_received_bytes_total", rep["received_bytes"])
+        yield from one("acpfs_replica_takeovers_total", len(rep["takeovers"]))
 
 
 def field(doc: dict[str, Any], key: str, default: Any = None) -> Any:

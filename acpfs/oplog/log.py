@@ -199,6 +199,10 @@ class OpLog:
             self.journal.applied(op.seq, idle=not self.queue)
         if self.mirror is not None:
             self.mirror.applied(op.seq)
+            if not self.queue:   # all of it in the backing: the copy is cut back at once
+                self.mirror.reset()
+                for n in self.journaled:
+                    self.mirror.add(*self._state(n))
         if isinstance(op, Publish):
             op.node.publish_ops.remove(op)
             self.queued_bytes -= op.nbytes
@@ -241,14 +245,9 @@ class OpLog:
         mirror (``--replicas``: cluster/replicate.py) gets the same, with the content the
         record names and the stamp of the change."""
         assert self.journal is not None
-        mirror = self.mirror
-        if mirror is not None and self.journal.idle:
-            mirror.reset()
-            for n in self.journaled:
-                mirror.add(*self._state(n))
         self.journal.append(record, self._live_records)
-        if mirror is not None:
-            mirror.add(record, content, stamp)
+        if self.mirror is not None:   # cut back with the journal: when ``pop`` empties the queue
+            self.mirror.add(record, content, stamp)
 
     def _state(self, node: Node) -> tuple[Record, Content, float]:
         """A file's state record, the content it names and the stamp of its close."""

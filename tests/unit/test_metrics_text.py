@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from acpfs.core import control
-from acpfs.daemon import metrics
+from acpfs.daemon import health, metrics
 from acpfs.config import CLOSE_TO_DURABLE_BUCKETS, METRICS_MAX_SCRAPES
 from acpfs.errors import UsageError
 from acpfs.flusher.histogram import Histogram
@@ -246,3 +246,33 @@ def test_the_peer_plane_is_exported_where_it_is_on(core):
     assert got == {"acpfs_peer_fetched_bytes": [3 << 30], "acpfs_peer_fetched_files": [3],
                    "acpfs_peer_fallbacks": [1], "acpfs_peer_served_bytes": [5 << 30],
                    "acpfs_peer_refused_requests": [2], "acpfs_peer_failed_peers": [1]}
+
+
+def test_replicas_are_exported_and_owed_changes_past_the_bound_are_not_healthy(core):
+    """``replicas`` of the status document: what this node copies (--replicas 1) and holds
+    for others; changes not copied for longer than the bound, or a takeover that failed,
+    make the mount degraded (``status --check``, ``acpfs_healthy``)."""
+    doc = control.status(core.flusher, mount_info(core))
+    assert doc["replicas"] == {"on": False}
+    assert not {f for f in families(metrics.render([doc])) if f.startswith("acpfs_replica_")}
+    sending = {"holder": "n2:7070", "holder_instance": "ab12", "owed_records": 2,
+               "owed_bytes": 3 << 20, "owed_age_s": 1.0, "sent_bytes": 7 << 30, "failures": 0,
+               "error": None}
+    doc["replicas"] = {"on": True, "sending": sending, "held": {"cd34": {"bytes": 5 << 20}},
+                       "held_bytes": 5 << 20, "budget": 1 << 30, "received_bytes": 9 << 20,
+                       "refused_batches": 0, "takeovers": {"ef56": {"state": "done"}}}
+    got = families(metrics.render([doc]))
+    assert {f: [s.value for s in v] for f, v in got.items() if f.startswith("acpfs_replica_")} == \
+        {"acpfs_replica_owed_bytes": [3 << 20], "acpfs_replica_sent_bytes": [7 << 30],
+         "acpfs_replica_held_bytes": [5 << 20], "acpfs_replica_received_bytes": [9 << 20],
+         "acpfs_replica_takeovers": [1]}
+    assert got["acpfs_healthy"][0].value == 1
+    code, why = health.health(doc, None)
+    assert code == health.HEALTHY, why
+    sending.update(owed_age_s=health.REPLICAS_OWED_S + 1, error="n2:7070: the replica budget is full")
+    code, why = health.health(doc, None)
+    assert code == health.DEGRADED and "not copied to another node" in why[0] and "budget" in why[0]
+    sending.update(owed_age_s=0.0)
+    doc["replicas"]["takeovers"]["ef56"] = {"state": "failed", "said": "acpfs: cannot recover"}
+    code, why = health.health(doc, None)
+    assert code == health.DEGRADED and "ef56" in why[0], why

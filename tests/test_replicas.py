@@ -9,6 +9,8 @@ import random
 import shutil
 import signal
 import subprocess
+import threading
+import time
 
 from conftest import ACPFS, wait_for, wait_gone
 from test_peer_plane import PEERS, Cluster, known_peers
@@ -110,3 +112,51 @@ def test_replicas_need_the_peer_plane_and_take_0_or_1(tmp_path):
                            capture_output=True, text=True)
         assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_pointer_on_another_node_waits_for_the_lost_nodes_replicated_data(faults, tmp_path):
+    """Global order through a takeover: A's shards are acknowledged (and copied to B), then B
+    writes ``latest`` pointing at them. A is lost with its flusher held. ``latest`` never
+    appears in the backing before every shard is there whole, though B lands both: its own
+    pointer and, from the replica, A's shards."""
+    cluster = Cluster(faults, tmp_path)
+    b = cluster.node("b", view=False, extra=REPLICAS)
+    a = cluster.node("a", view=True, extra=REPLICAS)
+    known_peers(a, 1)
+    known_peers(b, 1)
+    cluster.views["a"].set("hang create mkdir")
+    rnd = random.Random(11)
+    files = {f"step_2/shard{i}.bin": rnd.randbytes(MIB // 2 + i) for i in range(5)}
+    a.path("step_2").mkdir()
+    for rel, data in files.items():
+        a.path(rel).write_bytes(data)
+    wait_for(lambda: a.status()["replicas"]["sending"]["owed_records"] == 0, 30, "A replicated")
+    b.path("latest").write_text("step_2")        # after A's closes: ordered after them
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:   # the backing as any reader sees it
+        while not stop.is_set():
+            if (cluster.shared / "latest").exists():
+                for rel, data in files.items():
+                    p = cluster.shared / rel
+                    if not p.exists() or p.stat().st_size != len(data):
+                        seen.append(f"latest before {rel}")
+                return
+            time.sleep(0.002)
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        time.sleep(1.0)   # B holds latest back: A, live, has not persisted its shards
+        assert not (cluster.shared / "latest").exists()
+        lose(a)
+        cluster.views["a"].set("ok")
+        wait_for(lambda: (cluster.shared / "latest").exists(), 60, "latest persisted")
+    finally:
+        stop.set()
+        t.join()
+    assert not seen, seen
+    for rel, data in files.items():
+        assert (cluster.shared / rel).read_bytes() == data, rel
+    assert (cluster.shared / "latest").read_text() == "step_2"
+    b.run(*ACPFS, "umount", str(b.mnt))

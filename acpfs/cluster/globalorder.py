@@ -79,6 +79,10 @@ class GlobalOrder:
             if abort.is_set():
                 raise Aborted()
             now = time.time()
+            if getattr(peers, "held_blocks", None) is not None and peers.held_blocks(stamp):
+                # a dead node's changes, held here in a replica, land first: the valve counts
+                # from when they do (or their takeover fails: replicas.py)
+                since = now
             if now - since > peers.lease:
                 # a safety valve: the rule admits no circle, but a hold is never longer than
                 # a lease, whatever holds it (docs/semantics.md, section 11)

@@ -260,8 +260,7 @@ class Peers:
             self.want = max(self.want, stamp)
             return None
         self._suspended = False
-        held = self.held()
-        if held is not None and held <= stamp:   # a dead node's change, held here, lands first
+        if self.held_blocks(stamp):   # a dead node's change, held here, lands first
             self.want = max(self.want, stamp)
             return None
         mine = (stamp, self.instance)
@@ -276,6 +275,12 @@ class Peers:
                 self.want = max(self.want, stamp)
                 return None
         return True
+
+    def held_blocks(self, stamp: float) -> bool:
+        """(hold lock) Whether a change stamped ``stamp`` waits for a possibly dead node's
+        changes held here in a replica (``held``)."""
+        held = self.held()
+        return held is not None and held <= stamp
 
     def commit_until(self, stamp: float) -> float:
         """When a request that acknowledged a change stamped ``stamp`` may be answered (0:

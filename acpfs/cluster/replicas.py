@@ -232,8 +232,10 @@ class Replicas:
         """The oldest change held for an origin that ``suspect`` says may be dead, or that
         is being taken over (its recovery's record may not carry it yet)."""
         with self._lock:
+            # a takeover that failed holds nobody any more (an ERROR and status say so)
             fronts = [h.frontier() for o, h in self.held.items() if o not in self.covered
-                      and (o in self.takeovers or suspect(o))]
+                      and (self.takeovers[o]["state"] == "running" if o in self.takeovers
+                           else suspect(o))]
         fronts = [f for f in fronts if f is not None]
         return min(fronts) if fronts else None
 

@@ -231,6 +231,7 @@ class Options:
     replicas: int = 0                        # --replicas: other nodes holding unsaved changes
     replica_budget: int = 0                  # --replica-budget: bytes held for others (0: a
                                              # quarter of the cache size)
+    replica_wait: bool = False               # --replica-wait: close() waits for the copy
 
     def as_status(self) -> dict[str, Any]:
         """The options the status document shows (docs/status.md, ``options``)."""
@@ -350,7 +351,11 @@ def replica_settings(a: Any, peers: str) -> dict[str, int]:
         raise UsageError("--replicas 1 needs --peers-listen: replicas travel over the peer plane")
     budget_text = (text_setting(a, "replica_budget", "") or "").strip()
     budget = parse_size(budget_text, "replica budget") if budget_text else 0
-    return {"replicas": int(text), "replica_budget": budget}
+    wait = getattr(a, "replica_wait", None)
+    wait = env_flag("replica_wait") if wait is None else wait
+    if wait and text != "1":
+        raise UsageError("--replica-wait needs --replicas 1")
+    return {"replicas": int(text), "replica_budget": budget, "replica_wait": wait}
 
 
 def timeout_settings(a: Any) -> dict[str, float]:

@@ -160,3 +160,32 @@ def test_a_pointer_on_another_node_waits_for_the_lost_nodes_replicated_data(faul
         assert (cluster.shared / rel).read_bytes() == data, rel
     assert (cluster.shared / "latest").read_text() == "step_2"
     b.run(*ACPFS, "umount", str(b.mnt))
+
+
+def test_replica_wait_and_sync_replicated_return_once_another_node_holds_the_copy(faults, tmp_path):
+    """--replica-wait: close() returns once B holds what it acknowledged (B's status says so
+    right after it, with A's backing holding nothing); ``acpfs sync --replicated`` waits for
+    the copy, not the backing."""
+    cluster = Cluster(faults, tmp_path)
+    b = cluster.node("b", view=False, extra=REPLICAS)
+    a = cluster.node("a", view=True, extra=REPLICAS + ("--replica-wait",))
+    known_peers(a, 1)
+    a_instance = a.status()["peers"]["instance"]
+    cluster.views["a"].set("hang create")
+    data = os.urandom(2 * MIB)
+    a.path("x.bin").write_bytes(data)      # close() returns: B holds it
+    held = b.status()["replicas"]["held"][a_instance]
+    assert held["bytes"] >= len(data), held
+    assert not (cluster.shared / "x.bin").exists()
+    more = os.urandom(MIB)
+    with open(a.path("y.bin"), "wb") as f:
+        f.write(more)
+    a.run(*ACPFS, "sync", "--replicated", str(a.mnt), "--timeout", "30")
+    assert b.status()["replicas"]["held"][a_instance]["bytes"] >= len(data) + len(more)
+    assert a.status()["replicas"]["sending"]["owed_records"] == 0
+    r = a.run(*ACPFS, "sync", "--replicated", "--all-nodes", str(a.mnt), check=False)
+    assert r.returncode == 2 and "give one" in r.stderr
+    cluster.views["a"].set("ok")
+    a.sync()
+    assert (cluster.shared / "x.bin").read_bytes() == data
+    assert (cluster.shared / "y.bin").read_bytes() == more

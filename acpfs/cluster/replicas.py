@@ -331,7 +331,9 @@ class Replicas:
         cmd = [sys.executable, "-m", "acpfs", "recover", "--cache-dir", h.dir,
                "--log-file", self._log(origin), *self.recover_args]
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("ACPFS_")}
+            r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                               env=env)
             ok, said = r.returncode == 0, (r.stderr.strip().splitlines() or [""])[-1]
         except OSError as e:
             ok, said = False, str(e)

@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+import trio
+
 from ..oplog.journal import Record
 from .remote import PeerError, Remote
 from .replicas import APPLIED, ENTRY, RECORD, RESET
@@ -118,6 +120,15 @@ class Replicator:
     def replicated(self, no: int) -> bool:
         return self.acked >= no
 
+    async def wait_copied(self) -> None:
+        """``--replica-wait``: until the holder holds every entry numbered so far; at once
+        where no live node can hold them (this node is alone: status shows what is owed)."""
+        no = self.position()
+        delay = 0.001
+        while not self.replicated(no) and self.choose() is not None:
+            await trio.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
     def position(self) -> int:
         with self._lock:
             return self._no
@@ -127,7 +138,7 @@ class Replicator:
             # not held there, and not in the backing either
             owed = [e for e in self._entries if e.no > self.acked and e.kind == RECORD
                     and not 0 < e.seq <= self.applied_seq]
-            return {"owed_age_s": round(time.time() - owed[0].made, 3) if owed else 0.0,
+            return {"position": self._no, "acked": self.acked, "owed_age_s": round(time.time() - owed[0].made, 3) if owed else 0.0,
                     "holder": self.holder[1] if self.holder else None,
                     "holder_instance": self.holder[0] if self.holder else None,
                     "owed_records": len(owed), "owed_bytes": sum(e.size for e in owed),

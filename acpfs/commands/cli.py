@@ -153,6 +153,9 @@ def add_daemon_options(m: argparse.ArgumentParser) -> None:
                    help="1: copy each change not yet persisted to another node's RAM (over the "
                    "peer plane; needs --peers-listen), which persists it if this node dies "
                    "(docs/semantics.md, \"What survives what\"); default 0")
+    m.add_argument("--replica-wait", action="store_true", default=None,
+                   help="with --replicas 1: close() returns once another node holds a copy of "
+                   "what it acknowledged (while a node that can hold it is live)")
     m.add_argument("--replica-budget", metavar="SIZE",
                    help="RAM this node gives to other nodes' replicas, apart from --cache-size "
                    "(default: a quarter of the cache size; with --peers-listen)")
@@ -194,6 +197,9 @@ def add_sync_command(sub) -> None:
     y.add_argument("--all-nodes", action="store_true",
                    help="wait until every live node over the backing (this one included) has "
                    "persisted every change it acknowledged before the call (needs global order)")
+    y.add_argument("--replicated", action="store_true",
+                   help="wait until another node's RAM holds a copy of every change this node "
+                   "acknowledged before the call (--replicas 1), not until it is in the backing")
     y.add_argument("--timeout", type=seconds, help="give up after this many seconds (exit status 1)")
     y.set_defaults(fn=cmd_sync)
 

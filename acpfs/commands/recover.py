@@ -30,11 +30,11 @@ from .progress import Progress
 def cmd_recover(a: argparse.Namespace) -> int:
     backing, cache_dir = places(a)
     a.passthrough = "off"        # nothing is passed through: there is no mount
-    for name in ("metrics", "peers_listen", "idle_poll", "backing_calls", "block_size",
-                 "cache_full_timeout", "persist_open_after", "coherence_timeout", "fsync",
-                 "replicas", "replica_budget"):
+    for name in ("metrics", "idle_poll", "backing_calls", "block_size", "cache_full_timeout",
+                 "persist_open_after", "coherence_timeout", "fsync", "replica_budget"):
         setattr(a, name, None)
-    a.foreground = False
+    # no plane, no replicas, whatever the environment says: a recovery serves nothing
+    a.peers_listen, a.replicas, a.replica_wait, a.foreground = " ", "0", False, False
     settings = config.settings(a)   # bad values refused before anything is looked at
     if os.path.isdir(cache_dir) and held_by_a_daemon(cache_dir):
         raise Failure(f"cache directory {cache_dir} is in use by a live acpfs daemon: its journal "

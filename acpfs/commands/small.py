@@ -20,6 +20,14 @@ from .progress import Progress
 
 
 def cmd_sync(a: argparse.Namespace) -> int:
+    if a.replicated:
+        if a.all_nodes:
+            raise UsageError("--replicated and --all-nodes wait for different things: give one")
+        mounts = [client.live_mount(a.path)] if a.path else \
+            [m for m in mounttable.acpfs_mounts() if not client.is_stale(m)]
+        for mount in mounts:
+            syncing.wait_replicated(mount, a.timeout, f"sync --replicated {mount}")
+        return 0
     if a.all_nodes:
         return sync_all_nodes(a)
     if a.path:

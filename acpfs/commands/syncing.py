@@ -72,6 +72,32 @@ def wait_durable(mountpoint: str, seq: int, timeout: float | None, label: str) -
         prog.done()
 
 
+def wait_replicated(mountpoint: str, timeout: float | None, label: str) -> None:
+    """Block until another node holds a copy of every change ``mountpoint`` acknowledged
+    before the call (``--replicas 1``: ``status.replicas.sending``), showing progress."""
+    sending = (client.read_status(mountpoint).get("replicas") or {}).get("sending")
+    if not sending:
+        raise Failure(f"{label}: this mount does not copy its changes to another node (mount "
+                      f"it with --peers-listen and --replicas 1)")
+    target = sending["position"]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    prog = Progress()
+    try:
+        while True:
+            s = client.read_status(mountpoint)["replicas"]["sending"]
+            if s["acked"] >= target:
+                return
+            said = (f"{s['owed_records']} changes ({format_size(s['owed_bytes'])}) to copy to "
+                    f"{s['holder'] or 'no node (none with a peer plane is live)'}"
+                    + (f"; {safe(s['error'])}" if s.get("error") else ""))
+            if deadline is not None and time.monotonic() > deadline:
+                raise Failure(f"{label}: timed out after {timeout:g}s with {said}")
+            prog.update(f"{label}: {said}")
+            time.sleep(0.05)
+    finally:
+        prog.done()
+
+
 class Others:
     """The other nodes over a mount's backing, as one status document shows them, measured
     against the call time ``called``."""

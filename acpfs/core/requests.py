@@ -29,7 +29,7 @@ import logging
 import os
 import stat as statmod
 import time
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Awaitable, Callable, Protocol
 
 import trio
 
@@ -75,6 +75,8 @@ class Core:
         self.oplog = cache.oplog
         self.inodes, self.files, self.names = cache.inodes, cache.files, cache.names
         self.order = order     # global order (globalorder.py); None: off
+        # --replica-wait: close() waits for another node's copy (cluster/replicate.py)
+        self.replica_wait: Callable[[], Awaitable[None]] | None = None
         self.kernel = kernel   # passthrough (passthrough.py); None: every request comes here
         self.backing = cache.backing
         self.info = info

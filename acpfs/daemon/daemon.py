@@ -220,6 +220,9 @@ class Daemon:
                          direct_io_mmap=fastwrite.direct_io_mmap,
                          invalidate_attrs=invalidate_attrs_now,
                          peer_plane=self._peer_plane(instance))
+        if self.replication is not None and self.replication.sender is not None \
+                and opts.replica_wait:
+            self.core.replica_wait = self.replication.sender.wait_copied
         if self.peers is not None:
             self._join(self.peers, front, predecessor)
 

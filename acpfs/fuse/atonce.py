@@ -129,6 +129,8 @@ class AtOnce:
         stamped under the op log's lock, which the node records' thread takes to change
         what the answer depends on (a promise, the peers)."""
         order = self.core.order
+        if self.core.replica_wait is not None:   # --replica-wait: a coroutine waits for the copy
+            return None
         with self.core.oplog.lock:
             if order is not None and not order.acknowledges_at_once():
                 return None

@@ -395,6 +395,8 @@ class Operations(pyfuse3.Operations):
     async def flush(self, fh):
         attrtable.drop(self.handles.handle(fh).node.ino)
         self.handles.flush(fh)   # close(): stamps what it acknowledges (Handles.flush)
+        if self.core.replica_wait is not None:   # --replica-wait: and another node holds it
+            await self.core.replica_wait()
 
     @replies
     @changes

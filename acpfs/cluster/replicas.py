@@ -30,6 +30,7 @@ Owns ``Held`` per origin, the bytes held against ``--replica-budget``, and the t
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import os
 import shutil
@@ -52,10 +53,6 @@ ENTRY = struct.Struct("<BdIQQ")   # kind, stamp, payload bytes, content bytes, r
 RECORD, RESET, APPLIED = 1, 2, 3
 PIECE = 1 << 20
 MIN_POOL = 64 << 20
-
-
-class Full(Exception):
-    """The replica budget cannot take an entry's content."""
 
 
 @dataclasses.dataclass
@@ -82,6 +79,7 @@ class Held:
         self.next = 1                        # the number of the next entry expected
         self.last_seen = time.time()
         self._id = 0
+        self.io = threading.Lock()          # one batch of this origin at a time
 
     @property
     def bytes(self) -> int:
@@ -127,37 +125,42 @@ class Held:
                 self._unref(e.content)
                 e.content = 0
 
-    def add(self, no: int, record: Record, stamp: float, body: BinaryIO, n: int, reuse: int,
-            room: int) -> None:
-        fid = 0
-        if reuse:
+    def new_file(self, n: int) -> int:
+        """(the replicas' lock) A content file for ``n`` bytes, counted at once (``bytes``)
+        so that the budget holds while it is written (outside the lock: ``fill``)."""
+        self._id += 1
+        self.sizes[self._id] = n
+        self.refs[self._id] = 1
+        return self._id
+
+    def fill(self, fid: int, body: BinaryIO, n: int) -> None:
+        """(one batch of this origin at a time; no lock) Content file ``fid`` from the stream."""
+        with open(os.path.join(self.files, str(fid)), "wb") as f:
+            left = n
+            while left:
+                piece = body.read(min(PIECE, left))
+                if not piece:
+                    raise EOFError("the stream ended inside a content")
+                f.write(piece)
+                left -= len(piece)
+
+    def add(self, no: int, record: Record, stamp: float, fid: int, reuse: int) -> None:
+        """(the replicas' lock) Entry ``no``: a record, with the content file ``fid`` (written,
+        one reference taken) or that of entry ``reuse``."""
+        if not fid and reuse:
             fid = self.by_no.get(reuse, 0)
-            if fid and fid not in self.refs:
+            if fid not in self.refs:
                 fid = 0
-        if n:
-            if n > room:
-                raise Full(f"{n} bytes of content, {room} left in the budget")
-            self._id += 1
-            fid = self._id
-            with open(os.path.join(self.files, str(fid)), "wb") as f:
-                left = n
-                while left:
-                    piece = body.read(min(PIECE, left))
-                    if not piece:
-                        raise EOFError("the stream ended inside a content")
-                    f.write(piece)
-                    left -= len(piece)
-            self.sizes[fid] = n
-            self.refs[fid] = 0
+            elif fid:
+                self.refs[fid] += 1
         if fid:
-            self.refs[fid] += 1
             self.by_no[no] = fid
         record.blocks = [fid] if fid else []
         if record.seq and record.seq <= self.applied and fid:   # applied meanwhile
             self._unref(fid)
             fid = 0
             record.blocks = []
-        self.entries.append(Entry(record, stamp, fid, n))
+        self.entries.append(Entry(record, stamp, fid, self.sizes.get(fid, 0)))
 
     def write_cache_dir(self) -> None:
         """The journal, as the origin's would read after its crash (journal.read_leftover)."""
@@ -185,15 +188,20 @@ class Replicas:
         self.received_bytes = 0
         self.refused = 0
         self.failed: dict[str, str] = {}
-        shutil.rmtree(top, ignore_errors=True)   # replicas do not outlive this daemon
         os.makedirs(top, mode=0o700, exist_ok=True)
+        for name in os.listdir(top):   # replicas do not outlive this daemon, but a takeover
+            path = os.path.join(top, name)   # it started (acpfs recover) may still run
+            if os.path.isdir(path) and not locked(os.path.join(path, "lock")):
+                shutil.rmtree(path, ignore_errors=True)
 
     def used(self) -> int:
         return sum(h.bytes for h in self.held.values())
 
     def receive(self, origin: str, first: int, body: BinaryIO, length: int) -> tuple[int, str]:
         """One batch from ``origin``: (the next entry this node expects, "" or why it stopped
-        short: the budget, a gap)."""
+        short: the budget, a gap). The stream is read without the lock (the peers' thread
+        and the sequencer read ``frontier`` under the op log's lock); one batch per origin
+        at a time (``Held.io``)."""
         with self._lock:
             if origin in self.takeovers:
                 return 0, "this node took over that origin"
@@ -201,8 +209,8 @@ class Replicas:
             if h is None:
                 h = self.held[origin] = Held(origin, self.top)
             h.last_seen = time.time()
-            got = 0
-            no = first
+        with h.io:
+            got, no = 0, first
             while got < length:
                 head = body.read(ENTRY.size)
                 if len(head) < ENTRY.size:
@@ -210,21 +218,35 @@ class Replicas:
                 kind, stamp, plen, clen, reuse = ENTRY.unpack(head)
                 payload = body.read(plen)
                 got += ENTRY.size + plen + clen
-                if kind != RESET and no != h.next:
-                    return h.next, f"entry {no} sent where {h.next} was expected"
-                if kind == RESET:
-                    h.reset()
-                elif kind == APPLIED:
-                    h.set_applied(int.from_bytes(payload, "little"))
-                else:
-                    room = self.budget - self.used()
+                with self._lock:
+                    if kind != RESET and no != h.next:
+                        return h.next, f"entry {no} sent where {h.next} was expected"
+                    if origin in self.takeovers:
+                        return 0, "this node took over that origin"
+                    fid = 0
+                    if kind == RESET:
+                        h.reset()
+                    elif kind == APPLIED:
+                        h.set_applied(int.from_bytes(payload, "little"))
+                    elif clen:
+                        room = self.budget - self.used()
+                        if clen > room:
+                            self.refused += 1
+                            return h.next, (f"the replica budget is full ({clen} bytes of "
+                                            f"content, {max(room, 0)} left)")
+                        fid = h.new_file(clen)
+                if fid:
                     try:
-                        h.add(no, Record.decode(payload), stamp, body, clen, reuse, room)
-                    except Full as e:
-                        self.refused += 1
-                        return h.next, f"the replica budget is full ({e})"
-                    self.received_bytes += clen
-                h.next = no + 1
+                        h.fill(fid, body, clen)
+                    except BaseException:
+                        with self._lock:
+                            h._unref(fid)
+                        raise
+                with self._lock:
+                    if kind == RECORD:
+                        h.add(no, Record.decode(payload), stamp, fid, reuse)
+                        self.received_bytes += clen
+                    h.next = no + 1
                 no += 1
             return h.next, ""
 
@@ -350,6 +372,21 @@ class Replicas:
                       "%s (run acpfs recover --cache-dir %s with this backing)", origin, said,
                       h.dir, h.dir)
         done(origin)
+
+
+def locked(path: str) -> bool:
+    """Whether a daemon holds the lock file ``path`` (process.lock_cache_dir)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def answers(address: str) -> bool:

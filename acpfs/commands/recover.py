@@ -14,7 +14,6 @@ removed once everything is in the backing.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import logging
 import os
 import sys
@@ -22,6 +21,7 @@ import sys
 from .. import config
 from ..config import Options, default_cache_dir, default_log_file, env, key_of, safe
 from ..errors import Failure, UsageError
+from ..cluster.replicas import locked
 from ..oplog import journal
 from .mount import inside
 from .progress import Progress
@@ -36,7 +36,7 @@ def cmd_recover(a: argparse.Namespace) -> int:
     # no plane, no replicas, whatever the environment says: a recovery serves nothing
     a.peers_listen, a.replicas, a.replica_wait, a.foreground = " ", "0", False, False
     settings = config.settings(a)   # bad values refused before anything is looked at
-    if os.path.isdir(cache_dir) and held_by_a_daemon(cache_dir):
+    if locked(os.path.join(cache_dir, "lock")):
         raise Failure(f"cache directory {cache_dir} is in use by a live acpfs daemon: its journal "
                       f"is that daemon's to persist (acpfs umount persists it)")
     left = journal.read_leftover(cache_dir) if os.path.isdir(cache_dir) else None
@@ -73,21 +73,6 @@ def cmd_recover(a: argparse.Namespace) -> int:
     print(f"acpfs: everything {safe(cache_dir)} held is persisted in {safe(backing)}",
           file=sys.stderr)
     return 0
-
-
-def held_by_a_daemon(cache_dir: str) -> bool:
-    """Whether a live daemon holds ``cache_dir`` (its lock, ``process.lock_cache_dir``)."""
-    try:
-        fd = os.open(os.path.join(cache_dir, "lock"), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def places(a: argparse.Namespace) -> tuple[str, str]:

@@ -232,14 +232,16 @@ EXPECTED = {
 }
 
 
-def killed_daemon(tmp_path, make_core):
+def killed_daemon(tmp_path, make_core, before=lambda core: None):
     """A daemon that persisted d/f, then made the changes of EXPECTED (and a few that cancel
-    out) while its flusher was held, and was killed. Returns its (dead) core."""
+    out) while its flusher was held, and was killed. Returns its (dead) core. ``before(core)``
+    runs before its first change."""
     back = tmp_path / "a" / "back"         # the backing as the dead daemon found it
     back.mkdir(parents=True)
     (back / "old").write_bytes(b"old bytes")
     (back / "o").write_bytes(b"o before")
     c = make_core("a", journal=True)
+    before(c)
     cache = c.cache
     root = cache.inodes.root
 

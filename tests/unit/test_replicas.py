@@ -13,8 +13,7 @@ import pytest
 
 from acpfs.cluster.replicas import Replicas
 from acpfs.cluster.replicate import Replicator
-from test_recovery import Restarted, check_backing, kill, killed_daemon  # noqa: F401 (fixtures)
-from test_recovery import restart  # noqa: F401
+from test_recovery import Restarted, check_backing, killed_daemon
 
 
 class Loopback:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 PY = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
@@ -43,9 +44,11 @@ TARGET_LABEL = {
 }
 COLUMNS = TARGETS + ["backing"]   # targets and the references recorded beside them
 WORKLOADS = ["torch", "safetensors", "dcp", "dd", "writers", "admission", "cold", "small",
-             "close_flush", "peers"]
+             "close_flush", "peers", "replicas"]
 WRITERS = (1, 2, 4, 8, 16)   # the scaling line of the writers workload (--writers picks)
 
+REPLICA_WAYS = {"none": "no replicas", "async": "--replicas 1 (node B holds the copy)",
+                "wait": "--replicas 1 --replica-wait"}
 # metric -> (workload, unit, higher_is_better, description)
 METRICS = {
     "torch_save": ("torch", "GB/s", True, "torch.save of the state dict"),
@@ -116,6 +119,11 @@ METRICS = {
                    "each node reads its own view of it directly"),
     "peers_backing_x": ("peers", "x", False, "bytes the backing served while 4 nodes loaded "
                         "it, / the checkpoint's size (backing: each node read it itself)"),
+    **{f"replicas_save_{way}": ("replicas", "GB/s", True, f"torch.save into node A, {what} "
+                                "(tools/bench_replicas.py)") for way, what in REPLICA_WAYS.items()},
+    **{f"replicas_close_{way}": ("replicas", "ms", False, f"close() of a file of --size just "
+                                 f"written into node A, alone, {what}")
+       for way, what in REPLICA_WAYS.items()},
     "rss_mib": ("daemon", "MiB", False, "daemon RSS without the cache pool (max over the run)"),
     "rss_total_mib": ("daemon", "MiB", False, "daemon VmRSS including mapped pool pages (max)"),
     "cache_peak_gib": ("daemon", "GiB", False, "acpfs cache.peak_used_bytes"),
@@ -400,6 +408,12 @@ class Rclone(Target):
 
     def backing_of(self, path: str) -> str:
         return os.path.join(self.backing, os.path.relpath(path, self.root))
+
+
+def ratio2(m: Callable[[str, str], float | None], a: str, b: str, target: str) -> float | None:
+    """Metric ``a`` over metric ``b``, both of ``target`` (medians)."""
+    x, y = m(a, target), m(b, target)
+    return None if x is None or y is None or y == 0 else x / y
 
 
 def fill(path: str, size: int, block: bytes, fsync: bool = False) -> None:
@@ -962,6 +976,19 @@ class Bench:
         got = bench_peers.run(self, t, rep, mount, self.record, fill)
         self.extra.setdefault("peers", {}).setdefault(t.name, []).append(got)
 
+    def wl_replicas(self, t: Target, rep: int) -> None:
+        """tools/bench_replicas.py: node A saves with and without replicas on node B."""
+        if not isinstance(t, Acpfs) or t.name not in ("acpfs", "acpfs-daemon"):
+            return
+        import bench_replicas
+        cache = 2 * self.args.size + (256 << 20)
+
+        def mount(root: str, backing: str, extra: list[str]) -> Acpfs:
+            return Acpfs(root, backing, os.path.join(self.shm, f"{os.path.basename(root)}-cache"),
+                         cache, root + ".log", name=t.name, env=t.env, extra=extra)
+        got = bench_replicas.run(self, t, rep, mount, self.record)
+        self.extra.setdefault("replicas", {}).setdefault(t.name, []).append(got)
+
     def wl_small(self, t: Target, rep: int) -> None:
         # the C floor serves one directory, and keeps no data: create, stat, unlink only
         d = t.root if isinstance(t, CFloor) else self.fresh(t, "small", rep)
@@ -1277,6 +1304,15 @@ class Bench:
             v = m("peers_backing_x", target)
             add("peers_backing_x", f"<=1.2x the checkpoint ({target})", v,
                 None if v is None else v <= 1.2, f"{v:.2f}x" if v is not None else "-")
+        for target in ("acpfs", "acpfs-daemon"):   # issue 32: replicas
+            r = ratio2(m, "replicas_save_async", "replicas_save_none", target)
+            add("replicas_save_async", f">=0.9x no replicas ({target})", r,
+                None if r is None else r >= 0.9, f"{r:.2f}x" if r else "-")
+            r = ratio2(m, "replicas_save_wait", "replicas_save_none", target)
+            add("replicas_save_wait", f"(/ no replicas, {target})", r, None, f"{r:.2f}x" if r else "-")
+            c = m("replicas_close_wait", target)
+            add("replicas_close_wait", f"(close() with --replica-wait, {target})", c, None,
+                f"{c:.1f} ms" if c is not None else "-")
         v = m("rss_100k_mib", "acpfs")
         files = self.extra.get("rss100k", {}).get("files", self.args.rss_files)
         add("rss_100k_mib", f"<200 MiB ({files} files)", v, None if v is None else v < 200,

@@ -422,8 +422,12 @@ def replicas_post(h: Handler, nonce: str) -> None:
         h.close_connection = True
         h._signed(400, nonce, "", "")
         return
+    signer = dict(part.partition("=")[::2] for part in
+                  h.headers.get("Authorization", "").partition(" ")[2].split()).get("node")
     body = _Counted(h.rfile, int(length))
-    if replicas is None:
+    if signer != origin:   # a node sends its own changes, and drops only its own copy
+        held, why = 0, f"node {signer} may not send the changes of {origin}"
+    elif replicas is None:
         held, why = 0, "this node holds no replicas"
     else:
         try:

@@ -5,9 +5,9 @@ A node with ``--replicas 1`` sends its journal, as it writes it, with the conten
 record names, to one other node (replicate.py). That node keeps, per origin, a copy of
 the origin's journal (``Held``): the records since the origin's journal was last cut back,
 the origin's applied seq, and the content of the records not yet applied, one file each
-under ``<cache dir>/replicas/<origin>/files/``. It is a cache directory in the making:
+under ``<cache dir>.replicas/<origin>/files/``. It is a cache directory in the making:
 when the origin's record has expired (its lease ran out) and its plane does not answer,
-this node writes the journal out and runs ``acpfs recover`` over it (``Takeover``), which
+this node writes the journal out and runs ``acpfs recover`` over it (``take_over``), which
 replays it in the origin's order with global order kept, exactly as a restart of the
 origin would, and removes it once all of it is in the backing.
 
@@ -50,7 +50,8 @@ from .records import LEFT, RecordName
 log = logging.getLogger(__name__)
 
 ENTRY = struct.Struct("<BdIQQ")   # kind, stamp, payload bytes, content bytes, reuse (entry no.)
-RECORD, RESET, APPLIED = 1, 2, 3
+RECORD, RESET, APPLIED, APPLIED_RECORD = 1, 2, 3, 4   # the last: a record of an op applied
+PAYLOAD_MAX = 16 << 20   # a record: paths, a symlink's target, extended attributes
 PIECE = 1 << 20
 MIN_POOL = 64 << 20
 
@@ -191,8 +192,14 @@ class Replicas:
         os.makedirs(top, mode=0o700, exist_ok=True)
         for name in os.listdir(top):   # replicas do not outlive this daemon, but a takeover
             path = os.path.join(top, name)   # it started (acpfs recover) may still run
-            if os.path.isdir(path) and not locked(os.path.join(path, "lock")):
-                shutil.rmtree(path, ignore_errors=True)
+            if not os.path.isdir(path) or locked(os.path.join(path, "lock")):
+                continue
+            if os.path.exists(os.path.join(path, JOURNAL)):   # a takeover that did not end
+                log.error("replicas: %s holds the unsaved changes of a dead node that were not "
+                          "all persisted; run acpfs recover --cache-dir %s with this backing",
+                          path, path)
+                continue
+            shutil.rmtree(path, ignore_errors=True)
 
     def used(self) -> int:
         return sum(h.bytes for h in self.held.values())
@@ -216,7 +223,13 @@ class Replicas:
                 if len(head) < ENTRY.size:
                     raise EOFError("the stream ended inside an entry")
                 kind, stamp, plen, clen, reuse = ENTRY.unpack(head)
+                if kind not in (RECORD, RESET, APPLIED, APPLIED_RECORD) or plen > PAYLOAD_MAX \
+                        or (clen and kind != RECORD):
+                    raise ValueError(f"a malformed entry (kind {kind}, {plen} + {clen} bytes)")
                 payload = body.read(plen)
+                if len(payload) < plen:
+                    raise EOFError("the stream ended inside an entry")
+                record = Record.decode(payload) if kind in (RECORD, APPLIED_RECORD) else None
                 got += ENTRY.size + plen + clen
                 with self._lock:
                     if kind != RESET and no != h.next:
@@ -243,9 +256,11 @@ class Replicas:
                             h._unref(fid)
                         raise
                 with self._lock:
-                    if kind == RECORD:
-                        h.add(no, Record.decode(payload), stamp, fid, reuse)
+                    if record is not None:
+                        h.add(no, record, stamp, fid, reuse)
                         self.received_bytes += clen
+                        if kind == APPLIED_RECORD:   # applied before it was sent: in order,
+                            h.set_applied(record.seq)   # so is everything before it
                     h.next = no + 1
                 no += 1
             return h.next, ""
@@ -302,13 +317,13 @@ class Replicas:
         """At unmount: the replicas held go (their origins copy to another node); a takeover
         still running keeps its directory, which ``acpfs recover`` removes when done."""
         with self._lock:
-            running = {o for o, t in self.takeovers.items() if t["state"] == "running"}
+            running = {o for o, t in self.takeovers.items() if t["state"] != "done"}
             held, self.held = self.held, {}
         for origin, h in held.items():
             if origin in running:
                 log.warning("replicas: unmounting while the changes of node %s are persisted "
-                            "from %s; that goes on (acpfs recover, log %s)", origin, h.dir,
-                            self._log(origin))
+                            "from %s, or failed to be; that directory stays (acpfs recover, log "
+                            "%s)", origin, h.dir, self._log(origin))
             else:
                 shutil.rmtree(h.dir, ignore_errors=True)
 
@@ -319,7 +334,7 @@ class Replicas:
                              for o, h in self.held.items()},
                     "held_bytes": self.used(), "budget": self.budget,
                     "received_bytes": self.received_bytes, "refused_batches": self.refused,
-                    "takeovers": dict(self.takeovers)}
+                    "takeovers": {o: dict(t) for o, t in self.takeovers.items()}}
 
     # -- takeover ---------------------------------------------------------------------------
     def take_over(self, origin: str, why: str, done: Callable[[str], None]) -> bool:
@@ -354,9 +369,13 @@ class Replicas:
                "--log-file", self._log(origin), *self.recover_args]
         try:
             env = {k: v for k, v in os.environ.items() if not k.startswith("ACPFS_")}
-            r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                               env=env)
-            ok, said = r.returncode == 0, (r.stderr.strip().splitlines() or [""])[-1]
+            out = self._log(origin) + ".out"
+            with open(out, "w") as f:   # its own session: a signal to the holder is not its
+                r = subprocess.run(cmd, stdout=f, stderr=f, stdin=subprocess.DEVNULL, env=env,
+                                   start_new_session=True)
+            with open(out) as f:
+                lines = f.read().strip().splitlines()
+            ok, said = r.returncode == 0, (lines or [""])[-1]
         except OSError as e:
             ok, said = False, str(e)
         with self._lock:

@@ -12,11 +12,12 @@ stays live; a new holder is sent everything since the last cut-back.
 Owns the entries since the last cut-back (``_entries``: numbered, with their content
 references until the record is applied or the journal cut back) and what the holder
 acknowledged (``acked``); ``_lock`` guards them (a Condition the thread sleeps on).
-``replicated(no)`` tells a waiter (``--replica-wait``) whether entry ``no`` is held.
+``copied(no)`` tells a waiter (``--replica-wait``) whether entry ``no`` is held.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -29,7 +30,7 @@ import trio
 
 from ..oplog.journal import Record
 from .remote import PeerError, Remote
-from .replicas import APPLIED, ENTRY, RECORD, RESET
+from .replicas import APPLIED, ENTRY, APPLIED_RECORD, RECORD, RESET
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class Replicator:
         self._streak = 0            # failures in a row (the thread's)
         self.error = ""             # why the last batch failed, "" if it did not
         self._stop = False
+        self._freed = False         # (lock) content freed since the last failure (room made)
+        self._with_content: collections.deque[Out] = collections.deque()   # (lock) op records
+        self._shunned: dict[str, float] = {}   # holder instance -> not chosen until then
         self.reset()   # the list always starts with a RESET: a new holder starts from it
         self.thread = threading.Thread(target=self._run, name="acpfs-replicate", daemon=True)
 
@@ -86,8 +90,11 @@ class Replicator:
                 else:
                     out.content, out.size = self.store.share(content), record.size
                     self._keys[key] = out.no
+                    if record.seq:
+                        self._with_content.append(out)
             self._entries.append(out)
-            self._lock.notify_all()
+            if not self.error:   # a failing sender waits for room or its retry (_failed)
+                self._lock.notify_all()
             return out.no
 
     def reset(self) -> None:
@@ -96,16 +103,18 @@ class Replicator:
                 self._free(e)
             self._entries.clear()
             self._keys.clear()
+            self._with_content.clear()
             self._no += 1
             self._entries.append(Out(self._no, RESET, 0.0, b""))
+            self._freed = True
             self._lock.notify_all()
 
     def applied(self, seq: int) -> None:
         with self._lock:
             self.applied_seq = seq
-            for e in self._entries:
-                if e.content is not None and 0 < e.seq <= seq:
-                    self._free(e)
+            while self._with_content and self._with_content[0].seq <= seq:   # seq order
+                self._free(self._with_content.popleft())
+                self._freed = True
             self._no += 1
             self._entries.append(Out(self._no, APPLIED, 0.0, seq.to_bytes(8, "little"), seq=seq))
             self._lock.notify_all()
@@ -117,15 +126,19 @@ class Replicator:
             e.content = None
 
     # -- status and waiters -----------------------------------------------------------------
-    def replicated(self, no: int) -> bool:
-        return self.acked >= no
+    def copied(self, no: int) -> bool:
+        """Entry ``no`` is held by the holder, or the journal was cut back since (all of it
+        in the backing)."""
+        with self._lock:
+            return self.acked >= no or self._entries[0].no > no
 
     async def wait_copied(self) -> None:
-        """``--replica-wait``: until the holder holds every entry numbered so far; at once
-        where no live node can hold them (this node is alone: status shows what is owed)."""
+        """``--replica-wait``: until the holder holds every entry numbered so far, or all of
+        it is in the backing; at once where no live node can hold it, or copying fails (the
+        holder has no room, refuses): status shows what is owed, and why."""
         no = self.position()
         delay = 0.001
-        while not self.replicated(no) and self.choose() is not None:
+        while not self.copied(no) and not self.error and self.choose() is not None:
             await trio.sleep(delay)
             delay = min(delay * 2, 0.02)
 
@@ -138,7 +151,8 @@ class Replicator:
             # not held there, and not in the backing either
             owed = [e for e in self._entries if e.no > self.acked and e.kind == RECORD
                     and not 0 < e.seq <= self.applied_seq]
-            return {"position": self._no, "acked": self.acked, "owed_age_s": round(time.time() - owed[0].made, 3) if owed else 0.0,
+            return {"position": self._no, "acked": max(self.acked, self._entries[0].no - 1),
+                    "owed_age_s": round(time.time() - owed[0].made, 3) if owed else 0.0,
                     "holder": self.holder[1] if self.holder else None,
                     "holder_instance": self.holder[0] if self.holder else None,
                     "owed_records": len(owed), "owed_bytes": sum(e.size for e in owed),
@@ -160,8 +174,10 @@ class Replicator:
                 self._free(e)
 
     def choose(self) -> tuple[str, str] | None:
-        """The holder: the current one while it is live, else the highest rendezvous hash."""
-        live = self.holders()
+        """The holder: the current one while it is live, else the highest rendezvous hash
+        of those not shunned (one that said it took this node over)."""
+        now = time.monotonic()
+        live = [p for p in self.holders() if self._shunned.get(p[0], 0.0) < now]
         if self.holder in live:
             return self.holder
         if not live:
@@ -172,41 +188,69 @@ class Replicator:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and (not self._entries or self._entries[-1].no <= self.acked):
+                while not self._stop and self._entries[-1].no <= self.acked:
                     self._lock.wait(1.0)
                 if self._stop:
                     return
-            holder = self.choose()
-            if holder is None:
-                self._failed(ALONE)
-                continue
-            if holder != self.holder:
-                with self._lock:
-                    self.holder, self.acked = holder, 0   # everything since the cut-back
-                log.info("replicas: this node's unsaved changes are copied to %s (%s)",
-                         holder[1], holder[0])
-            batch = self._batch()
             try:
-                held, why = self.remote.replicate(holder[1], self.instance, batch[0].no,
-                                                  self._body(batch), self._length(batch))
-            except PeerError as e:
-                self._failed(str(e))
-                continue
+                self._send()
+            except Exception as e:   # never the end of copying: said, and tried again
+                log.exception("replicas: copying this node's changes failed")
+                self._failed(f"an error in this node: {e}")
+
+    def _send(self) -> None:
+        holder = self.choose()
+        if holder is None:
+            self._failed(ALONE)
+            return
+        if holder != self.holder:
+            old = self.holder
             with self._lock:
-                if held - 1 > self.acked:
-                    self.sent_bytes += sum(e.size for e in batch if e.no < held)
-                self.acked = max(self.acked, held - 1) if held else 0
-                if not held:
-                    self.holder = None
-            if why:
-                self._failed(f"{holder[1]}: {why}")
-                continue
-            self._streak = 0
-            if self.error:
-                log.info("replicas: copying to %s again", holder[1])
-                self.error = ""
+                self.holder, self.acked = holder, 0   # everything since the cut-back
+            log.info("replicas: this node's unsaved changes are copied to %s (%s)",
+                     holder[1], holder[0])
+            if old is not None:   # the old holder drops its copy: no stale one to take over
+                self._forget(old)
+        batch, length = self._batch()
+        try:
+            held, why = self.remote.replicate(holder[1], self.instance, batch[0].no,
+                                              self._body(batch), length)
+        except PeerError as e:
+            self._failed(str(e))
+            return
+        finally:
+            for e in batch:   # the batch's own references (_batch)
+                if e.content is not None:
+                    self.store.drop(e.content)
+        with self._lock:
+            if held - 1 > self.acked:
+                self.sent_bytes += sum(e.size for e in batch if e.no < held)
+            if held == 0:   # it took this node over: another holder, from the cut-back
+                self._shunned[holder[0]] = time.monotonic() + 60.0
+                self.holder, self.acked = None, 0
+            elif held - 1 < self.acked:   # it lost entries it had: again from the cut-back
+                self.acked = 0
+            else:
+                self.acked = held - 1
+        if why:
+            self._failed(f"{holder[1]}: {why}")
+            return
+        self._streak = 0
+        if self.error:
+            log.info("replicas: copying to %s again", holder[1])
+            self.error = ""
+
+    def _forget(self, old: tuple[str, str]) -> None:
+        reset = ENTRY.pack(RESET, 0.0, 0, 0, 0)
+        try:
+            self.remote.replicate(old[1], self.instance, 1, iter([reset]), len(reset))
+        except PeerError as e:
+            log.info("replicas: the former holder %s keeps a copy it will drop: %s", old[1], e)
 
     def _failed(self, why: str) -> None:
+        """Wait before the next try: 1 s where no node is live, else doubling from 1 s to
+        30 s while it fails again, or until content is freed (a holder short of room may
+        take what follows)."""
         if why != self.error:
             log.log(logging.INFO if why == ALONE else logging.WARNING,
                     "replicas: this node's unsaved changes cannot be copied to a peer: %s "
@@ -214,27 +258,32 @@ class Replicator:
         self.error = why
         self.failures += 1
         self._streak += 1
+        wait = RETRY if why == ALONE else min(RETRY * 2 ** (self._streak - 1), RETRY_MAX)
+        deadline = time.monotonic() + wait
         with self._lock:
-            self._lock.wait(min(RETRY * 2 ** (self._streak - 1), RETRY_MAX))
+            self._freed = False
+            while not self._stop and not self._freed and (left := deadline - time.monotonic()) > 0:
+                self._lock.wait(left)
 
-    def _batch(self) -> list[Out]:
-        """The entries after ``acked``, from the last cut-back on for a new holder, up to
-        BATCH bytes of content."""
+    def _batch(self) -> tuple[list[Out], int]:
+        """The entries after ``acked`` (from the cut-back on for a new holder: the list starts
+        with its RESET), up to BATCH bytes of content, each content with a reference of the
+        batch's own (the op log may drop the entry's meanwhile); and the body's length. A
+        record of an op already applied travels as such, with no content."""
         with self._lock:
-            # the list starts with a RESET: a new holder (acked 0) gets everything from it
-            todo = [e for e in self._entries if e.no > self.acked]
-            out, total = [], 0
-            for e in todo:
+            out, total, length = [], 0, 0
+            for e in self._entries:
+                if e.no <= self.acked:
+                    continue
                 if out and total + e.size > BATCH:
                     break
-                out.append(e)
+                content = self.store.share(e.content) if e.content is not None else None
+                kind = APPLIED_RECORD if e.kind == RECORD and 0 < e.seq <= self.applied_seq \
+                    else e.kind
+                out.append(dataclasses.replace(e, kind=kind, content=content))
                 total += e.size
-            return out
-
-    @staticmethod
-    def _length(batch: list[Out]) -> int:
-        return sum(ENTRY.size + len(e.payload) + (e.size if e.content is not None else 0)
-                   for e in batch)
+                length += ENTRY.size + len(e.payload) + (e.size if content is not None else 0)
+            return out, length
 
     def _body(self, batch: list[Out]) -> Iterator[bytes]:
         for e in batch:
@@ -255,4 +304,3 @@ def _pieces(fd: int, at: int, length: int, piece: int = 1 << 20) -> Iterator[byt
             raise OSError("a replica's content ended early")
         yield data
         at += len(data)
-

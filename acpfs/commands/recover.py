@@ -35,6 +35,7 @@ def cmd_recover(a: argparse.Namespace) -> int:
         setattr(a, name, None)
     # no plane, no replicas, whatever the environment says: a recovery serves nothing
     a.peers_listen, a.replicas, a.replica_wait, a.foreground = " ", "0", False, False
+    a.metrics = " "   # nor metrics (" ": none, whatever ACPFS_METRICS says)
     settings = config.settings(a)   # bad values refused before anything is looked at
     if locked(os.path.join(cache_dir, "lock")):
         raise Failure(f"cache directory {cache_dir} is in use by a live acpfs daemon: its journal "

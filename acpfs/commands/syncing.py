@@ -87,6 +87,8 @@ def wait_replicated(mountpoint: str, timeout: float | None, label: str) -> None:
             s = client.read_status(mountpoint)["replicas"]["sending"]
             if s["acked"] >= target:
                 return
+            if s["holder"] is None and (s.get("error") or "").startswith("no live peer"):
+                raise Failure(f"{label}: no other node with a peer plane is live to hold a copy")
             said = (f"{s['owed_records']} changes ({format_size(s['owed_bytes'])}) to copy to "
                     f"{s['holder'] or 'no node (none with a peer plane is live)'}"
                     + (f"; {safe(s['error'])}" if s.get("error") else ""))

@@ -13,7 +13,6 @@ under), then the replicas' own.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Any
 
@@ -80,7 +79,9 @@ class Replication:
         self.peers = peers
         self.oplog = oplog
         budget = opts.replica_budget or opts.cache_size // BUDGET_SHARE
-        self.held = Replicas(os.path.join(opts.cache_dir, "replicas"), budget, recover_args(opts))
+        # beside the cache directory, not in it: a drained unmount removes that, and a
+        # takeover may still run here (its recovery removes its own directory when done)
+        self.held = Replicas(opts.cache_dir.rstrip("/") + ".replicas", budget, recover_args(opts))
         plane.replicas = self.held
         own = peers.frontier
         peers.held = lambda: self.held.frontier(self._suspect)
@@ -98,9 +99,13 @@ class Replication:
 
     def _suspect(self, origin: str) -> bool:
         """(the op log's lock held) Whether ``origin`` may be dead: its record is older than
-        half its lease, or not known."""
+        half its lease, or not known; not any more after two leases without a takeover (its
+        plane answers, it hangs: what it holds back is bounded, as for any node)."""
         p = self.peers.peers.get(origin)
-        return p is None or self.peers.clock() - p.record.heartbeat > self.peers.lease / 2
+        if p is None:
+            return True
+        age = self.peers.clock() - p.record.heartbeat
+        return self.peers.lease / 2 < age <= 2 * self.peers.lease
 
     def _holders(self) -> list[tuple[str, str]]:
         with self.peers.lock:

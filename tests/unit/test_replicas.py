@@ -57,7 +57,7 @@ def test_a_replica_is_recovered_as_the_journal_would_be(tmp_path, make_core, see
     c = killed_daemon(tmp_path, make_core, before=attach)
     r = made[0]
     deadline = time.monotonic() + 20
-    while not r.replicated(r.position()):
+    while not r.copied(r.position()):
         assert time.monotonic() < deadline, r.status()
         time.sleep(0.01)
     assert r.status()["owed_records"] == 0

@@ -37,7 +37,10 @@ def run(bench, t, rep: int, make_mount: Callable[[str, str, list[str]], object],
             os.makedirs(v)
             subprocess.run(["mount", "--bind", shared, v], check=True)
             mounted.append(v)
-        b = make_mount(f"{base}-b", views[1], ["--peers-listen", "127.0.0.1:0"])
+        # room for the whole checkpoint: a close() under --replica-wait that finds no room
+        # waits until its file is persisted instead (docs/design.md)
+        b = make_mount(f"{base}-b", views[1], ["--peers-listen", "127.0.0.1:0",
+                                               "--replica-budget", str(2 * size)])
         b.start()
         block = os.urandom(1 << 20)
         for way, extra in WAYS.items():

@@ -88,7 +88,7 @@ def test_mount_options_come_from_the_command_line_then_the_environment_then_conf
                     block_size=config.DEFAULT_BLOCK_SIZE, foreground=False,
                     passthrough=config.DEFAULT_PASSTHROUGH, metrics=config.DEFAULT_METRICS,
                     backing_calls=config.DEFAULT_BACKING_CALLS, idle_poll=config.DEFAULT_IDLE_POLL,
-                    peers_listen="")
+                    peers_listen="", replicas=0, replica_budget=0, replica_wait=False)
     assert settings == defaults
     flags = {"allow_other": False, "noexec": False, "mlock": False}   # read with the places
     for field in dataclasses.fields(config.Options):
@@ -106,6 +106,18 @@ def test_mount_options_come_from_the_command_line_then_the_environment_then_conf
     assert (settings["peer_lease"], settings["block_size"], settings["passthrough"]) == (50, 1 << 20, "off")
     assert settings["metrics"] == ":9710" and settings["backing_calls"] == "threads"
     assert settings["idle_poll"] == "off"
+    monkeypatch.setenv("ACPFS_PEERS_LISTEN", "127.0.0.1:0")
+    monkeypatch.setenv("ACPFS_REPLICAS", "1")
+    monkeypatch.setenv("ACPFS_REPLICA_BUDGET", "2G")
+    monkeypatch.setenv("ACPFS_REPLICA_WAIT", "1")
+    settings = config.settings(parse(["mount", "/mnt", "--backing", "/b"]))
+    assert (settings["replicas"], settings["replica_budget"], settings["replica_wait"]) == \
+        (1, 2 << 30, True)
+    monkeypatch.delenv("ACPFS_REPLICAS")
+    with pytest.raises(config.UsageError, match="--replica-wait needs --replicas 1"):
+        config.settings(parse(["mount", "/mnt", "--backing", "/b"]))
+    for name in ("ACPFS_PEERS_LISTEN", "ACPFS_REPLICA_BUDGET", "ACPFS_REPLICA_WAIT"):
+        monkeypatch.delenv(name)
     monkeypatch.setenv("ACPFS_IDLE_POLL", "never")
     with pytest.raises(config.UsageError, match="invalid --idle-poll 'never': use auto or off"):
         config.settings(parse(["mount", "/mnt", "--backing", "/b"]))

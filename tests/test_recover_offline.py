@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 from conftest import ACPFS, acpfs, read_only, wait_for
 
@@ -119,16 +120,17 @@ def test_recover_stopped_keeps_the_rest_for_the_next_run(make_mount, faults, tmp
     wait_for(lambda: shim.counts().get("write", 0) > 0, timeout=60)
     p.send_signal(signal.SIGINT)
     log = m.root / "recover.log"
-    wait_for(lambda: "exiting with changes NOT persisted" in log.read_text(), timeout=60)
-    assert not (m.back / "latest").exists()
-    assert (m.cache_dir / "journal").exists()
-    # the upload that hangs in the backing holds the process until the backing answers,
-    # as a hard NFS mount would
+    wait_for(lambda: "got SIGINT during the drain" in log.read_text(), timeout=60)
+    time.sleep(1.0)   # the drain's loop looks every 0.2 s, then stops the flusher for good
+    # the upload that hangs in the backing holds the process until the backing answers, as
+    # a hard NFS mount would; answered now, it ends, and nothing more is applied
     shim.set("ok")
     _, err = p.communicate(timeout=60)
     assert p.returncode == 1, err
     assert "stopped before everything was persisted" in err and "Traceback" not in err, err
-    shim.set("ok")
+    assert "exiting with changes NOT persisted" in log.read_text()
+    assert not (m.back / "latest").exists()
+    assert (m.cache_dir / "journal").exists()
     recover(m)
     for name, data in files.items():
         assert (m.back / name).read_bytes() == data

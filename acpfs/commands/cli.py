@@ -150,15 +150,15 @@ def add_daemon_options(m: argparse.ArgumentParser) -> None:
                    "HOST:PORT, and read files from theirs before the backing (docs/operations.md, "
                    "\"Nodes serve each other\"; port 0: any free port; default: off)")
     m.add_argument("--replicas", metavar="N",
-                   help="1: copy each change not yet persisted to another node's RAM (over the "
-                   "peer plane; needs --peers-listen), which persists it if this node dies "
+                   help="1: copy each change not yet persisted to another node's RAM over the "
+                   "peer plane (which it needs), and that node persists it if this one is lost "
                    "(docs/semantics.md, \"What survives what\"); default 0")
     m.add_argument("--replica-wait", action="store_true", default=None,
-                   help="with --replicas 1: close() returns once another node holds a copy of "
+                   help="with replicas on: close() returns once another node holds a copy of "
                    "what it acknowledged (while a node that can hold it is live)")
     m.add_argument("--replica-budget", metavar="SIZE",
-                   help="RAM this node gives to other nodes' replicas, apart from --cache-size "
-                   "(default: a quarter of the cache size; with --peers-listen)")
+                   help="RAM this node gives to other nodes' replicas, apart from the cache "
+                   "(default: a quarter of the cache size; with the peer plane)")
     m.add_argument("--foreground", "-f", action="store_true",
                    help="do not daemonize; log to stderr too (for systemd and debugging)")
 

@@ -301,10 +301,6 @@ class Replicas:
                 self.take_over(origin, f"its record is {now - r.heartbeat:.0f} s old and its "
                                "peer plane does not answer", done)
 
-    def origins(self) -> list[str]:
-        with self._lock:
-            return [o for o in self.held if o not in self.takeovers]
-
     def drop(self, origin: str, why: str) -> None:
         """``origin`` left (unmounted, restarted) or its changes are all in the backing."""
         with self._lock:

@@ -88,7 +88,7 @@ class Replication:
 
         def frontier() -> tuple[float, bool]:
             front, pending = own()
-            h = self.held.frontier(self._suspect)
+            h = peers.held()
             return (h, True) if h is not None and h < front else (front, pending)
         peers.frontier = frontier
         peers.on_listed = self._look

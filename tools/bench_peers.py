@@ -37,21 +37,43 @@ def cpu_ticks() -> tuple[int, int]:
     return sum(v) - idle, sum(v)
 
 
-def readers_at_once(paths: list[str], cpu: list[float] | None = None) -> float:
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) the process ``pid`` used so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def readers_at_once(paths: list[str], cpu: list[float] | None = None,
+                    who: dict[str, list[int]] | None = None) -> tuple[float, dict[str, float]]:
     """Seconds until the last of one `dd` per path, started at once, ends (``cpu`` gets
-    the share of the machine's CPU time that was busy meanwhile)."""
+    the share of the machine's CPU time that was busy meanwhile), and the CPU seconds each
+    group of ``who`` (a name -> its processes) and the `dd`s used meanwhile: where the two
+    CPUs went."""
+    who = who or {}
+    before = {k: sum(cpu_seconds(p) for p in pids) for k, pids in who.items()}
     busy0, all0 = cpu_ticks()
     start = time.perf_counter()
     procs = [subprocess.Popen(["dd", f"if={p}", "of=/dev/null", "bs=8M"], stderr=subprocess.DEVNULL)
              for p in paths]
+    used = {"dd": 0.0}
     for p in procs:
-        if p.wait() != 0:
+        _, status, ru = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        used["dd"] += ru.ru_utime + ru.ru_stime
+        if p.returncode != 0:
             raise RuntimeError(f"dd of {p.args[1]} failed ({p.returncode})")
     took = time.perf_counter() - start
     busy1, all1 = cpu_ticks()
+    for k, pids in who.items():
+        used[k] = sum(cpu_seconds(p) for p in pids) - before[k]
     if cpu is not None:
         cpu.append(round((busy1 - busy0) / max(1, all1 - all0), 2))
-    return took
+    used["machine"] = (busy1 - busy0) / os.sysconf("SC_CLK_TCK")
+    return took, {k: round(v, 2) for k, v in used.items()}
 
 
 def run(bench, t, rep: int, make_mount: Callable[..., object], record: Callable[..., None],
@@ -79,7 +101,8 @@ def run(bench, t, rep: int, make_mount: Callable[..., object], record: Callable[
         # each node reading the backing itself
         cpu: list[float] = []
         before = served(shims)
-        s = readers_at_once([os.path.join(sh.mnt, "ckpt-direct.bin") for sh in shims], cpu)
+        s, used_direct = readers_at_once([os.path.join(sh.mnt, "ckpt-direct.bin") for sh in shims],
+                                         cpu, {"faultfs": [sh.proc.pid for sh in shims]})
         record("peers_load", "backing", rep, gb / s)
         record("peers_backing_x", "backing", rep, (served(shims) - before) / size)
         for i, shim in enumerate(shims):
@@ -93,11 +116,17 @@ def run(bench, t, rep: int, make_mount: Callable[..., object], record: Callable[
                 raise RuntimeError("the nodes did not see each other's planes within 30 s")
             time.sleep(0.2)
         before = served(shims)
-        s = readers_at_once([os.path.join(m.root, "ckpt.bin") for m in mounts], cpu)
+        who = {"faultfs": [sh.proc.pid for sh in shims]}
+        who.update({f"acpfs{i}": [m.pid] for i, m in enumerate(mounts)})
+        s, used = readers_at_once([os.path.join(m.root, "ckpt.bin") for m in mounts], cpu, who)
         record("peers_load", t.name, rep, gb / s)
         record("peers_backing_x", t.name, rep, (served(shims) - before) / size)
-        return {"planes": [m.status()["peer_plane"] for m in mounts],
-                "cpu_busy": {"backing": cpu[0], t.name: cpu[1]}}
+        planes = [m.status()["peer_plane"] for m in mounts]
+        print(f"bench: peers rep {rep} {t.name}: {s:.1f} s, CPU s {used}, leader "
+                  f"{[i for i, p in enumerate(planes) if p.get('pulled_files')]}; "
+                  f"direct {used_direct}", file=sys.stderr, flush=True)
+        return {"planes": planes, "cpu_busy": {"backing": cpu[0], t.name: cpu[1]},
+                "cpu_seconds": {"backing": used_direct, t.name: used}}
     finally:
         for m in mounts:
             with contextlib.suppress(Exception):

@@ -55,7 +55,6 @@ REPLICAS = "/v1/replicas/"   # POST: a batch of another node's journal (replicas
 MAX_CONNECTIONS = 64
 CLIENT_TIMEOUT = 30.0   # s a connection may stay silent
 READY_WAIT = 2.0        # s a GET waits for a copy under way to reach its range, then 503
-READY_POLL = 0.005
 CLOSE_WAIT = 10.0       # s the unmount waits for the requests being served
 Version = tuple[int, int, int]   # (inode, size, mtime_ns) in the backing
 
@@ -67,8 +66,8 @@ class Holder(Protocol):
     def hold(self, path: bytes, version: Version) -> tuple[Any, int, Callable[[int], bool | None]] | None:
         """(a reference to the bytes, the size, ``ready``) of the file at ``path`` in
         ``version``, clean, or being copied from the backing; None where this node does not
-        hold it so. ``ready(end)``: whether the bytes up to ``end`` are there (None: they
-        never will be: the copy failed)."""
+        hold it so. ``ready(end, wait)``: whether the bytes up to ``end`` are there, waiting
+        up to ``wait`` s for them (None: they never will be: the copy failed)."""
     def runs(self, ref: Any, size: int) -> ContextManager[tuple[int, Iterator[tuple[int, int, int]]]]:
         """A descriptor and its runs (file offset, offset in the descriptor, length)."""
     def let_go(self, ref: Any) -> None: ...
@@ -339,14 +338,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self._signed(416, nonce, vtext, "", {"Content-Range": f"bytes */{size}"})
                 return
             deadline = time.monotonic() + READY_WAIT
-            while not (got := ready(last + 1)):   # a copy under way: its prefix is served
+            # a copy under way: its prefix is served
+            while not (got := ready(last + 1, deadline - time.monotonic())):
                 if got is None:
                     self._signed(404, nonce, "", "")
                     return
-                if time.monotonic() > deadline:   # not yet: the client asks again
+                if time.monotonic() >= deadline:   # not yet: the client asks again
                     self._not_yet(nonce, vtext, holder, path, version)
                     return
-                time.sleep(READY_POLL)
             crange = f"bytes {first}-{last}/{size}"
             self._signed(206, nonce, vtext, crange, {"Content-Range": crange,
                                                      "Content-Length": str(last + 1 - first)})

@@ -21,13 +21,14 @@ import sys
 from .. import config
 from ..config import Options, default_cache_dir, default_log_file, env, key_of, safe
 from ..errors import Failure, UsageError
-from ..cluster.replicas import locked
-from ..oplog import journal
 from .mount import inside
 from .progress import Progress
 
 
 def cmd_recover(a: argparse.Namespace) -> int:
+    # here, not at the top: every other command starts without the peer plane's imports
+    from ..cluster.replicas import locked
+    from ..oplog import journal
     backing, cache_dir = places(a)
     a.passthrough = "off"        # nothing is passed through: there is no mount
     for name in ("metrics", "idle_poll", "backing_calls", "block_size", "cache_full_timeout",

@@ -48,6 +48,7 @@ from .fetch import KEEP_SHARE, Fetch
 log = logging.getLogger(__name__)
 
 HELD, PULLING, ABSENT = 200, 202, 404   # what ``state`` answers
+FAILED_SEEN = 0.1   # s: a range waited for sees a failed pull this late at most
 
 
 class Pull:
@@ -64,7 +65,7 @@ class Pull:
         self.prefix = 0
         self.failed = False
         self._ranges: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Condition(threading.Lock())   # notified as the prefix grows
 
     def started(self, content: Any) -> None:
         self.content = content
@@ -73,11 +74,19 @@ class Pull:
         with self._lock:
             self.copied_bytes += n
             self._ranges[off] = n
-            while self.prefix in self._ranges:
-                self.prefix += self._ranges.pop(self.prefix)
+            if self.prefix in self._ranges:
+                while self.prefix in self._ranges:
+                    self.prefix += self._ranges.pop(self.prefix)
+                self._lock.notify_all()
 
-    def ready(self, end: int) -> bool | None:
-        """(Any thread) whether bytes up to ``end`` are copied; None if they never will be."""
+    def ready(self, end: int, wait: float = 0.0) -> bool | None:
+        """(Any thread) whether bytes up to ``end`` are copied, waiting up to ``wait`` s for
+        them (woken as the prefix grows: a waiting range costs no CPU); None if they never
+        will be (a failure is seen within FAILED_SEEN s)."""
+        if self.prefix < end and not self.failed and wait > 0:
+            with self._lock:
+                self._lock.wait_for(lambda: self.prefix >= end or self.failed,
+                                    min(wait, FAILED_SEEN))
         if self.prefix >= end:
             return True
         return None if self.failed else False
@@ -248,7 +257,7 @@ class PeerServing:
                 "pulling": len(self.pulls)}
 
 
-def _always(end: int) -> bool:
+def _always(end: int, wait: float = 0.0) -> bool:
     return True
 
 

@@ -141,7 +141,9 @@ class MemHolder:
         self.held += 1
         return "ref", self.size, self.ready
 
-    def ready(self, end: int) -> bool | None:
+    def ready(self, end: int, wait: float = 0.0) -> bool | None:
+        if end > self.copied and not self.failed and wait > 0:
+            time.sleep(min(wait, 0.005))
         return True if end <= self.copied else None if self.failed else False
 
     @contextlib.contextmanager

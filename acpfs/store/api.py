@@ -22,6 +22,7 @@ Every call that takes or frees space, or changes a reference count, is made with
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -156,7 +157,15 @@ def in_ranges(size: int, copy: Callable[[int, int], None], unit: int = 1,
     returns free pages to its host, a 256 MiB preload over a slow backing fell from 2.5x to
     1.5x of one stream once the cache held 1.5 GiB; docs/benchmarks.md.) Mapped and dirty
     pages stay: the kernel drops only clean pages nobody maps; the end drops the large
-    folios that straddle two chunks."""
+    folios that straddle two chunks.
+
+    ``src`` is also read sequentially (POSIX_FADV_SEQUENTIAL: the kernel's readahead window
+    of that open doubles, so each request to a backing that answers after a round trip
+    brings twice the bytes: 8 ranges over a FUSE view answering each READ 2 ms late went
+    from 315 to 631 MB/s; docs/benchmarks.md)."""
+    if src >= 0:
+        with contextlib.suppress(OSError):   # a descriptor without a page cache
+            os.posix_fadvise(src, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     _in_ranges(size, _dropping(copy, src, drop), unit, streams, fast, progress)
     if drop is not None and drop():
         _drop(src, 0, 0)
